@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` and `make test`. Both create (or reuse) the
+# virtual environment in .venv and install what they need into it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+TORCH_VERSION ?= 2.13.0
+# Where a CPU-only torch build comes from when this machine has no GPU and no local wheel.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+RUN_DIR ?= runs/demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench-ingest clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	@# torch first: a CUDA build only where a GPU is present, else a CPU build (a local
+	@# wheel when pip's find-links has one, else the CPU index), never the multi-GB CUDA one.
+	if $(PY) -c "import torch" 2>/dev/null; then :; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install torch==$(TORCH_VERSION); \
+	else $(PIP) install --no-deps --no-index torch==$(TORCH_VERSION) 2>/dev/null \
+	  || $(PIP) install --no-deps --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+	  $(PIP) install torch==$(TORCH_VERSION); fi
+	$(PIP) install -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow demo --run-dir $(RUN_DIR)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check dlrmflow tests
+	$(VENV)/bin/ruff format --check dlrmflow tests
+
+bench-ingest: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow bench ingest --json bench-results/ingest.json
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

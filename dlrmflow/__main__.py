@@ -1,0 +1,3 @@
+from dlrmflow.cli import main
+
+main()

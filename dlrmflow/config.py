@@ -1,0 +1,195 @@
+"""The run configuration: one typed, validated model used by every command.
+
+A configuration comes from defaults, then an optional file (YAML, JSON or TOML), then
+``section.key=value`` overrides from the command line, in that order. Unknown keys and bad
+values fail with an error that names the key, so a typo never silently falls back to a
+default.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Where the Parquet dataset lives and how the synthetic generator makes it."""
+
+    url: str = Field("data/synthetic", description="dataset root: a local path or fsspec URL")
+    days: int = Field(6, ge=2, description="day partitions to generate; the last is the test day")
+    rows_per_day: int = Field(200_000, ge=1)
+    seed: int = 0
+    multi_hot: bool = False
+    cardinality_scale: float = Field(
+        0.002, gt=0, le=1, description="scales Criteo's per-feature cardinalities"
+    )
+    max_cardinality: int = Field(
+        50_000, ge=2, description="cap on any generated feature's cardinality"
+    )
+    positive_rate: float = Field(0.25, gt=0, lt=1)
+    row_group_size: int = Field(65_536, ge=1, description="rows per Parquet row group")
+
+
+class FeaturesConfig(_Section):
+    """How raw IDs become embedding rows."""
+
+    ids: Literal["hash", "vocab"] = "hash"
+    max_rows_per_table: int = Field(
+        100_000, ge=2, description="hash buckets (or vocabulary cap) per table"
+    )
+    min_count: int = Field(2, ge=1, description="vocab: IDs seen fewer times share the OOV row")
+
+
+class ModelConfig(_Section):
+    """DLRM sizes. ``arch=dcnv2`` replaces the dot interaction with a cross network."""
+
+    arch: Literal["dlrm", "dcnv2"] = "dlrm"
+    embedding_dim: int = Field(16, ge=1)
+    bottom_mlp: list[int] = Field(default_factory=lambda: [64, 16])
+    top_mlp: list[int] = Field(default_factory=lambda: [128, 64])
+    dcn_layers: int = Field(3, ge=1)
+    dcn_low_rank: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> ModelConfig:
+        if not self.bottom_mlp or any(n < 1 for n in self.bottom_mlp):
+            raise ValueError("bottom_mlp must be a non-empty list of positive sizes")
+        if any(n < 1 for n in self.top_mlp):
+            raise ValueError("top_mlp sizes must be positive")
+        if self.arch == "dlrm" and self.bottom_mlp[-1] != self.embedding_dim:
+            raise ValueError(
+                f"bottom_mlp must end in embedding_dim={self.embedding_dim} for the dot "
+                f"interaction (got {self.bottom_mlp[-1]})"
+            )
+        return self
+
+
+class TrainConfig(_Section):
+    """The training loop and its data loading."""
+
+    batch_size: int = Field(2048, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
+    optimizer: Literal["adagrad", "sgd"] = "adagrad"
+    lr: float = Field(0.05, gt=0)
+    embedding_lr: float | None = Field(None, gt=0, description="defaults to lr")
+    seed: int = 0
+    log_every: int = Field(50, ge=1, description="steps between metrics.jsonl records")
+    num_workers: int = Field(1, ge=0, description="reader processes (0 reads in-process)")
+    shuffle: bool = True
+    shuffle_window: int = Field(4, ge=1, description="row groups whose rows are shuffled together")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+
+
+class EvalConfig(_Section):
+    """Evaluation on the held-out test day."""
+
+    batch_size: int = Field(16_384, ge=1)
+    max_rows: int | None = Field(None, ge=1, description="evaluate on at most this many rows")
+
+
+class RunConfig(_Section):
+    """Everything one run needs; the single source of truth for every command."""
+
+    run_dir: str = "runs/demo"
+    data: DataConfig = Field(default_factory=DataConfig)
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+def _read_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        elif p.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"{p}: unknown config format (use .yaml, .yml, .json or .toml)")
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{p}: cannot parse: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections")
+    return data
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE, e.g. train.lr=0.1")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        elif isinstance(e.get("input"), dict):
+            lines.append(f"{key}: {e['msg']}")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a nested mapping into a ``RunConfig``, raising ``ConfigError`` naming keys."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults, then the file at ``path``, then ``section.key=value`` overrides."""
+    data = _read_file(path) if path is not None else {}
+    for override in overrides or []:
+        _apply_override(data, override)
+    return build_config(data)
+
+
+def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """A copy of ``config`` with ``{"section.key": value}`` applied and re-validated."""
+    data = config.model_dump()
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = value
+    return build_config(data)
