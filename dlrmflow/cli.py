@@ -1,0 +1,253 @@
+"""The ``dlrmflow`` command: one sub-command per stage, plus the demo and benchmarks.
+
+Every command that trains or reads data resolves the same ``RunConfig``: defaults, then
+``--config FILE``, then ``--set section.key=value`` overrides, then the command's own flags.
+Heavy imports (torch, pyarrow, prefect) happen inside the commands so ``--help`` is quick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from dlrmflow.config import ConfigError, RunConfig, apply_overrides, load_config
+
+app = typer.Typer(
+    help="Train DLRM recommendation models end to end: Parquet -> features -> DLRM -> eval.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Benchmarks that print JSON ratios against a named baseline.")
+app.add_typer(bench_app, name="bench")
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML, JSON or TOML run configuration.")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a config key, e.g. --set train.lr=0.1."),
+]
+
+
+def _config(path: Path | None, sets: list[str] | None, **flags: Any) -> RunConfig:
+    return apply_overrides(load_config(path, sets), flags)
+
+
+class _Progress:
+    """A tqdm bar that stays silent when stderr is not a terminal (CI, Prefect workers)."""
+
+    def __init__(self, total: int | None, desc: str, unit: str = "rows") -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=None)
+
+    def __call__(self, n: int) -> None:
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _echo_json(data: dict[str, Any]) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+@app.command()
+def config(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Print the resolved configuration (defaults + file + overrides) as YAML."""
+    import yaml
+
+    resolved = _config(config, set_)
+    typer.echo(yaml.safe_dump(resolved.model_dump(), sort_keys=False).rstrip())
+
+
+@app.command()
+def generate(
+    out: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
+    days: Annotated[int | None, typer.Option(help="Day partitions; the last is held out.")] = None,
+    rows_per_day: Annotated[int | None, typer.Option(help="Rows in each day.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Generator seed.")] = None,
+    multi_hot: Annotated[
+        bool | None, typer.Option("--multi-hot/--one-hot", help="Lists of IDs per feature.")
+    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Write synthetic Criteo-like data as day-partitioned Parquet plus manifest.json."""
+    from dlrmflow.ingest.synthetic import generate_dataset
+
+    cfg = _config(
+        config,
+        set_,
+        **{
+            "data.url": out,
+            "data.days": days,
+            "data.rows_per_day": rows_per_day,
+            "data.seed": seed,
+            "data.multi_hot": multi_hot,
+        },
+    )
+    bar = _Progress(cfg.data.days * cfg.data.rows_per_day, "generate")
+    manifest = generate_dataset(cfg.data, progress=bar)
+    bar.close()
+    _echo_json(
+        {
+            "url": cfg.data.url,
+            "rows": manifest.rows,
+            "days": manifest.days,
+            "test_day": manifest.test_day,
+            "positive_rate": manifest.positive_rate,
+            "bayes_auc": manifest.bayes_auc,
+            "bayes_logloss": manifest.bayes_logloss,
+        }
+    )
+
+
+@app.command()
+def convert(
+    input_: Annotated[
+        list[str], typer.Option("--input", "-i", help="Raw Criteo TSV day files (.gz ok).")
+    ],
+    out: Annotated[str, typer.Option(help="Output dataset URL.")],
+    max_bad_fraction: Annotated[
+        float, typer.Option(help="Fail when a file has more malformed lines than this.")
+    ] = 0.001,
+    row_group_size: Annotated[int, typer.Option(help="Rows per Parquet row group.")] = 65_536,
+) -> None:
+    """Convert raw Criteo TSV days to Parquet, quarantining malformed lines."""
+    from dlrmflow.ingest.criteo import convert_criteo
+
+    bar = _Progress(None, "convert", unit="lines")
+    result = convert_criteo(
+        input_,
+        out,
+        max_bad_fraction=max_bad_fraction,
+        row_group_size=row_group_size,
+        progress=bar,
+    )
+    bar.close()
+    _echo_json(
+        {
+            "url": out,
+            "rows": result.rows,
+            "days": result.manifest.days,
+            "bad_lines": result.bad_lines,
+            "quarantine": result.quarantine,
+        }
+    )
+
+
+@app.command("train")
+def train_cmd(
+    run_dir: Annotated[str | None, typer.Option(help="Where metrics and checkpoint go.")] = None,
+    data: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Train a DLRM on the dataset's training days."""
+    from dlrmflow.train.trainer import train
+
+    cfg = _config(config, set_, run_dir=run_dir, **{"data.url": data})
+    bar = _Progress(None, "train", unit="steps")
+    last = [0]
+
+    def show(record: dict) -> None:
+        bar(record["step"] - last[0])
+        last[0] = record["step"]
+        bar.bar.set_postfix(loss=f"{record['loss']:.4f}")
+
+    result = train(cfg, progress=show)
+    bar.close()
+    _echo_json(result.to_dict())
+
+
+@app.command("evaluate")
+def evaluate_cmd(
+    run_dir: Annotated[str, typer.Option(help="Run directory holding the checkpoint.")],
+    data: Annotated[str | None, typer.Option(help="Dataset URL (default: the run's).")] = None,
+    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file.")] = None,
+    max_rows: Annotated[int | None, typer.Option(help="Score at most this many rows.")] = None,
+) -> None:
+    """Evaluate a trained model on the held-out test day; writes RUN_DIR/eval.json."""
+    from dlrmflow.train.evaluate import evaluate
+
+    bar = _Progress(None, "evaluate")
+    metrics = evaluate(
+        run_dir, data_url=data, checkpoint=checkpoint, max_rows=max_rows, progress=bar
+    )
+    bar.close()
+    _echo_json(metrics)
+
+
+QUICK = {
+    "data.days": 3,
+    "data.rows_per_day": 20_000,
+    "data.row_group_size": 8_192,
+    "train.batch_size": 1024,
+    "train.log_every": 10,
+}
+
+
+@app.command()
+def demo(
+    run_dir: Annotated[str, typer.Option(help="Where data, metrics and summary go.")] = "runs/demo",
+    quick: Annotated[bool, typer.Option(help="Tiny data: ends in under a minute.")] = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run the end-to-end Prefect flow: generate -> train -> evaluate -> report."""
+    base = load_config(config, set_)
+    overrides: dict[str, Any] = dict(QUICK) if quick else {}
+    overrides["run_dir"] = run_dir
+    if "url" not in base.data.model_fields_set:
+        # A demo keeps its data beside its results unless the user chose a dataset URL.
+        overrides["data.url"] = str(Path(run_dir) / "data")
+    cfg = apply_overrides(base, overrides)
+    from dlrmflow.flows.end_to_end import end_to_end
+
+    summary = end_to_end(cfg)
+    width = max(len(k) for k in summary)
+    for key, value in summary.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        typer.echo(f"{key:<{width}}  {shown}")
+    typer.echo(f"summary: {Path(run_dir) / 'summary.json'}")
+
+
+@bench_app.command("ingest")
+def bench_ingest(
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the JSON result here.")
+    ] = None,
+    rows: Annotated[int, typer.Option(help="Rows in the benchmark dataset.")] = 1_000_000,
+    data: Annotated[str | None, typer.Option(help="Existing dataset URL to use.")] = None,
+) -> None:
+    """Reader + transform rows/s against plain pyarrow.parquet decode, at 1 and 2 workers."""
+    from dlrmflow.bench.ingest import run_ingest_benchmark
+
+    result = run_ingest_benchmark(rows=rows, data_url=data)
+    _echo_json(result)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main() -> None:
+    """Entry point: turns expected failures (bad config, bad data) into one-line errors."""
+    try:
+        app()
+    except (ValueError, FileNotFoundError) as e:
+        # Bad configuration or bad data: the message names the key, file, row group or
+        # column; a traceback would only bury it. DLRMFLOW_DEBUG=1 shows it anyway.
+        if os.environ.get("DLRMFLOW_DEBUG"):
+            raise
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)

@@ -1,0 +1,1 @@
+"""Train stage: the DLRM, its training loop, checkpoints and evaluation."""

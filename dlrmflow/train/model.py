@@ -1,0 +1,126 @@
+"""The DLRM (Naumov et al., 2019) and its DCNv2 variant, in one short file.
+
+Dense features go through a bottom MLP; each sparse feature is pooled by an embedding bag;
+the dense vector and the pooled embeddings meet in an interaction layer (pairwise dot
+products, or a low-rank cross network for DCNv2 as in MLPerf's DLRM-DCNv2); a top MLP
+turns the result into one click logit per sample.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dlrmflow.config import ModelConfig
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import FeatureSpec
+
+
+def mlp(sizes: list[int], *, last_relu: bool) -> nn.Sequential:
+    """Linear layers with ReLU in between (and after the last one when ``last_relu``)."""
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers.append(nn.Linear(n_in, n_out))
+        if i < len(sizes) - 2 or last_relu:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class EmbeddingBagCollection(nn.Module):
+    """One ``nn.EmbeddingBag`` per sparse feature, pooled as the spec says.
+
+    ``sparse=True`` makes each step's gradient touch only the rows it used, which is what
+    keeps a large table's update cheap.
+    """
+
+    def __init__(self, spec: FeatureSpec) -> None:
+        super().__init__()
+        self.names = spec.sparse_names
+        self.bags = nn.ModuleDict()
+        for feature in spec.sparse:
+            bag = nn.EmbeddingBag(
+                feature.num_embeddings, feature.embedding_dim, mode=feature.pooling, sparse=True
+            )
+            bound = math.sqrt(1.0 / feature.num_embeddings)
+            nn.init.uniform_(bag.weight, -bound, bound)
+            self.bags[feature.name] = bag
+
+    def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Pooled embeddings [B, n_features, dim] in spec order."""
+        per_key = sparse.split_by_key()
+        pooled = [self.bags[name](*per_key[name]) for name in self.names]
+        return torch.stack(pooled, dim=1)
+
+
+class DotInteraction(nn.Module):
+    """Pairwise dot products of all feature vectors (lower triangle, no diagonal), plus dense."""
+
+    def __init__(self, n_vectors: int) -> None:
+        super().__init__()
+        rows, cols = torch.tril_indices(n_vectors, n_vectors, offset=-1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    @staticmethod
+    def output_dim(n_vectors: int, dim: int) -> int:
+        return dim + n_vectors * (n_vectors - 1) // 2
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        vectors = torch.cat([dense.unsqueeze(1), pooled], dim=1)  # [B, F+1, d]
+        gram = torch.bmm(vectors, vectors.transpose(1, 2))
+        return torch.cat([dense, gram[:, self.rows, self.cols]], dim=1)
+
+
+class CrossNetwork(nn.Module):
+    """DCNv2's low-rank cross layers: x_{l+1} = x_0 * (U_l V_l x_l + b_l) + x_l."""
+
+    def __init__(self, dim: int, layers: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.ModuleList(nn.Linear(dim, rank, bias=False) for _ in range(layers))
+        self.up = nn.ModuleList(nn.Linear(rank, dim) for _ in range(layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for down, up in zip(self.down, self.up, strict=True):
+            x = x0 * up(down(x)) + x
+        return x
+
+
+class DLRM(nn.Module):
+    """Bottom MLP + embedding bags + interaction + top MLP, producing click logits."""
+
+    def __init__(self, spec: FeatureSpec, config: ModelConfig) -> None:
+        super().__init__()
+        n_sparse = len(spec.sparse)
+        dim = config.embedding_dim
+        if any(f.embedding_dim != dim for f in spec.sparse):
+            raise ValueError("every sparse feature must use model.embedding_dim")
+        self.arch = config.arch
+        self.bottom = mlp([len(spec.dense), *config.bottom_mlp], last_relu=True)
+        self.embeddings = EmbeddingBagCollection(spec)
+        if config.arch == "dlrm":
+            self.interaction: nn.Module = DotInteraction(n_sparse + 1)
+            top_in = DotInteraction.output_dim(n_sparse + 1, dim)
+        else:
+            top_in = config.bottom_mlp[-1] + n_sparse * dim
+            self.interaction = CrossNetwork(top_in, config.dcn_layers, config.dcn_low_rank)
+        self.top = mlp([top_in, *config.top_mlp, 1], last_relu=False)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        dense_out = self.bottom(dense)
+        pooled = self.embeddings(sparse)
+        if self.arch == "dlrm":
+            features = self.interaction(dense_out, pooled)
+        else:
+            features = self.interaction(torch.cat([dense_out, pooled.flatten(1)], dim=1))
+        return self.top(features).squeeze(1)
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """Embedding weights: their gradients are sparse and need a sparse-capable optimizer."""
+        return list(self.embeddings.parameters())
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        sparse_ids = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse_ids]

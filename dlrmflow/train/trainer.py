@@ -1,0 +1,162 @@
+"""The single-process training loop: reader -> DLRM -> BCE loss -> optimizers.
+
+Every knob comes from ``RunConfig``; the loop stays flat so it can be read top to bottom.
+Metrics go to ``RUN_DIR/metrics.jsonl`` every ``train.log_every`` steps and a checkpoint
+to ``RUN_DIR/checkpoint.pt`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dlrmflow.config import RunConfig
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.train.checkpoint import save_checkpoint
+from dlrmflow.train.data import batch_loader, fit_features
+from dlrmflow.train.model import DLRM
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class TrainResult:
+    """What a training run did, for the summary and the flow's report."""
+
+    steps: int
+    rows: int
+    seconds: float
+    samples_per_s: float
+    final_loss: float
+    checkpoint: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_optimizers(model: DLRM, config: RunConfig) -> list[torch.optim.Optimizer]:
+    """One optimizer for the dense layers and one for the (sparse-gradient) embeddings."""
+    train = config.train
+    emb_lr = train.embedding_lr or train.lr
+    if train.optimizer == "adagrad":
+        return [
+            torch.optim.Adagrad(model.dense_parameters(), lr=train.lr),
+            torch.optim.Adagrad(model.sparse_parameters(), lr=emb_lr),
+        ]
+    return [
+        torch.optim.SGD(model.dense_parameters(), lr=train.lr),
+        torch.optim.SGD(model.sparse_parameters(), lr=emb_lr),
+    ]
+
+
+def seed_everything(seed: int, threads: int | None) -> None:
+    """Same seed, data and thread count -> bitwise-identical weights."""
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def train(
+    config: RunConfig,
+    progress: Callable[[dict], None] | None = None,
+) -> TrainResult:
+    """Train a DLRM on every day but the test day and save the checkpoint.
+
+    ``progress`` receives each metrics record as it is written (the CLI and the Prefect
+    flow show it); it must not be slow.
+    """
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(config.train.seed, config.train.threads)
+    manifest = read_manifest(config.data.url)
+    spec, ids = fit_features(config, manifest, run_dir)
+    dataset, loader = batch_loader(
+        manifest.day_paths(config.data.url, manifest.train_days()),
+        spec,
+        ids,
+        batch_size=config.train.batch_size,
+        num_workers=config.train.num_workers,
+        shuffle=config.train.shuffle,
+        shuffle_window=config.train.shuffle_window,
+        seed=config.train.seed,
+    )
+    model = DLRM(spec, config.model)
+    optimizers = make_optimizers(model, config)
+    loss_fn = nn.BCEWithLogitsLoss()
+
+    metrics_path = run_dir / METRICS_FILE
+    metrics_path.unlink(missing_ok=True)
+    step = rows = 0
+    window_loss, window_steps, window_rows = 0.0, 0, 0
+    last_loss = float("nan")
+    start = window_start = time.perf_counter()
+    max_steps = config.train.max_steps
+    model.train()
+    with metrics_path.open("a") as metrics_file:
+        for epoch in range(config.train.epochs):
+            dataset.set_epoch(epoch)
+            for batch in loader:
+                logits = model(batch.dense, batch.sparse)
+                loss = loss_fn(logits, batch.labels)
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+                loss.backward()
+                for opt in optimizers:
+                    opt.step()
+                step += 1
+                rows += len(batch)
+                window_loss += float(loss)
+                window_steps += 1
+                window_rows += len(batch)
+                done = max_steps is not None and step >= max_steps
+                if step % config.train.log_every == 0 or done:
+                    now = time.perf_counter()
+                    last_loss = window_loss / window_steps
+                    record = {
+                        "step": step,
+                        "epoch": epoch,
+                        "rows": rows,
+                        "loss": last_loss,
+                        "samples_per_s": window_rows / max(now - window_start, 1e-9),
+                        "elapsed_s": now - start,
+                    }
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    if progress is not None:
+                        progress(record)
+                    window_loss, window_steps, window_rows = 0.0, 0, 0
+                    window_start = now
+                if done:
+                    break
+            if max_steps is not None and step >= max_steps:
+                break
+    seconds = time.perf_counter() - start
+    if step == 0:
+        raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
+    if window_steps:
+        last_loss = window_loss / window_steps
+    checkpoint = save_checkpoint(
+        run_dir,
+        model=model,
+        optimizers=optimizers,
+        config=config,
+        spec=spec,
+        step=step,
+        rows=rows,
+        loader_state=loader.state_dict(),
+    )
+    return TrainResult(
+        steps=step,
+        rows=rows,
+        seconds=seconds,
+        samples_per_s=rows / seconds,
+        final_loss=last_loss,
+        checkpoint=str(checkpoint),
+    )

@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny synthetic dataset and Prefect isolated from the user's home."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Prefect must never touch ~/.prefect or the network from the tests; set before any import.
+os.environ.setdefault(
+    "PREFECT_HOME", str(Path(__file__).resolve().parents[1] / ".venv" / "prefect")
+)
+
+from dlrmflow.config import DataConfig, RunConfig, build_config  # noqa: E402
+from dlrmflow.ingest.synthetic import generate_dataset  # noqa: E402
+
+TINY_DATA = {
+    "days": 3,
+    "rows_per_day": 6000,
+    "row_group_size": 2000,
+    "cardinality_scale": 0.0005,
+    "max_cardinality": 2000,
+    "seed": 7,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Three days of 6000 synthetic rows (the last day held out), generated once."""
+    url = str(tmp_path_factory.mktemp("tiny") / "data")
+    generate_dataset(DataConfig(url=url, **TINY_DATA))
+    return url
+
+
+def tiny_run_config(data_url: str, run_dir: Path, **train: object) -> RunConfig:
+    """A small model and short training on the tiny dataset."""
+    return build_config(
+        {
+            "run_dir": str(run_dir),
+            "data": {"url": data_url, **TINY_DATA},
+            "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [32]},
+            "train": {"batch_size": 512, "log_every": 5, "num_workers": 0, **train},
+            "eval": {"batch_size": 4096},
+        }
+    )

@@ -1,0 +1,80 @@
+"""The ``dlrmflow`` command as a user runs it (in-process through typer's runner)."""
+
+import json
+
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from dlrmflow.cli import app, main
+
+runner = CliRunner()
+
+
+def test_every_command_has_help():
+    for args in (
+        [],
+        ["generate"],
+        ["convert"],
+        ["train"],
+        ["evaluate"],
+        ["demo"],
+        ["config"],
+        ["bench"],
+        ["bench", "ingest"],
+    ):
+        result = runner.invoke(app, [*args, "--help"])
+        assert result.exit_code == 0, result.output
+        assert "Usage" in result.output
+
+
+def test_generate_train_evaluate(tmp_path):
+    data = str(tmp_path / "data")
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--out", data,
+            "--days", "2",
+            "--rows-per-day", "3000",
+            "--seed", "3",
+            "--set", "data.row_group_size=1000",
+            "--set", "data.cardinality_scale=0.0005",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["rows"] == 6000 and info["test_day"] == 1
+    assert pq.ParquetFile(f"{data}/day=0/part-00000.parquet").metadata.num_row_groups == 3
+
+    run_dir = str(tmp_path / "run")
+    sets = ["--set", "train.batch_size=500", "--set", "train.num_workers=0"]
+    result = runner.invoke(app, ["train", "--run-dir", run_dir, "--data", data, *sets])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["steps"] == 6
+
+    result = runner.invoke(app, ["evaluate", "--run-dir", run_dir])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["rows"] == 3000
+
+
+def test_config_errors_are_one_line_and_name_the_key(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["dlrmflow", "config", "--set", "train.batchsize=3"])
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code == 2
+    err = capsys.readouterr().err
+    assert "train.batchsize: unknown key" in err
+    assert "Traceback" not in err
+
+
+def test_missing_dataset_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(
+        "sys.argv",
+        ["dlrmflow", "train", "--data", str(tmp_path / "nope"), "--run-dir", str(tmp_path)],
+    )
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code == 1
+    assert "no manifest" in capsys.readouterr().err

@@ -1,0 +1,61 @@
+import torch
+
+from dlrmflow.config import ModelConfig
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.train.model import DLRM, DotInteraction
+
+
+def _spec(dim: int) -> FeatureSpec:
+    return FeatureSpec(
+        dense=("a", "b", "c"),
+        sparse=(SparseFeature("x", 10, dim), SparseFeature("y", 7, dim, pooling="mean")),
+    )
+
+
+def _kjt() -> KeyedJaggedTensor:
+    # batch of 3: x = [1], [2, 3], []; y = [0], [6], [5, 5]
+    return KeyedJaggedTensor(
+        keys=["x", "y"],
+        values=torch.tensor([1, 2, 3, 0, 6, 5, 5]),
+        lengths=torch.tensor([1, 2, 0, 1, 1, 2], dtype=torch.int32),
+    )
+
+
+def test_dot_interaction_is_lower_triangle_of_gram_plus_dense():
+    dense = torch.randn(2, 4)
+    pooled = torch.randn(2, 3, 4)
+    out = DotInteraction(4)(dense, pooled)
+    vectors = torch.cat([dense[:, None], pooled], 1)
+    expected = [dense]
+    pairs = [vectors[:, i] @ vectors[:, j].T for i in range(4) for j in range(i)]
+    expected.append(torch.stack([p.diagonal() for p in pairs], 1))
+    torch.testing.assert_close(out, torch.cat(expected, 1))
+    assert out.shape[1] == DotInteraction.output_dim(4, 4)
+
+
+def test_embedding_bags_pool_per_spec_and_give_sparse_gradients():
+    torch.manual_seed(0)
+    model = DLRM(_spec(4), ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[6]))
+    pooled = model.embeddings(_kjt())
+    wx = model.embeddings.bags["x"].weight
+    wy = model.embeddings.bags["y"].weight
+    torch.testing.assert_close(pooled[1, 0], wx[2] + wx[3])
+    torch.testing.assert_close(pooled[2, 0], torch.zeros(4))
+    torch.testing.assert_close(pooled[2, 1], wy[5])  # mean of [5, 5]
+    logits = model(torch.randn(3, 3), _kjt())
+    assert logits.shape == (3,)
+    logits.sum().backward()
+    assert wx.grad.is_sparse
+    assert all(p.grad is not None and not p.grad.is_sparse for p in model.dense_parameters())
+
+
+def test_dcnv2_variant_runs_and_differs_in_structure():
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="dcnv2", embedding_dim=4, bottom_mlp=[8, 5], top_mlp=[6], dcn_layers=2)
+    model = DLRM(_spec(4), cfg)
+    out = model(torch.randn(3, 3), _kjt())
+    assert out.shape == (3,)
+    assert len(model.interaction.down) == 2
+    # the cross network sees the bottom output (5) plus two 4-dim embeddings
+    assert model.interaction.up[0].out_features == 5 + 2 * 4

@@ -1,0 +1,55 @@
+import json
+
+import pytest
+import torch
+
+from dlrmflow.train.checkpoint import load_checkpoint
+from dlrmflow.train.evaluate import evaluate
+from dlrmflow.train.trainer import train
+from tests.conftest import tiny_run_config
+
+
+def _weights(run_dir):
+    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+
+
+def test_train_writes_metrics_and_checkpoint_then_evaluates(tiny_dataset, tmp_path):
+    cfg = tiny_run_config(tiny_dataset, tmp_path / "run", epochs=2)
+    result = train(cfg)
+    assert result.rows == 2 * 2 * 6000  # two training days, two epochs
+    assert result.steps == 2 * 24  # 12000 rows / 512 -> 24 batches per epoch (last partial)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(5, 48, 5)) + [48]
+    assert records[-1]["rows"] == result.rows
+    assert records[-1]["loss"] < records[0]["loss"]
+
+    metrics = evaluate(tmp_path / "run")
+    assert metrics["rows"] == 6000
+    assert 0.6 < metrics["auc"] <= 1.0
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["auc"] == metrics["auc"]
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.step == result.steps and ckpt.rows == result.rows
+
+
+def test_same_seed_gives_bitwise_identical_weights(tiny_dataset, tmp_path):
+    for name in ("a", "b", "c"):
+        seed = 1 if name == "c" else 0
+        train(tiny_run_config(tiny_dataset, tmp_path / name, max_steps=8, seed=seed))
+    a, b, c = (_weights(tmp_path / n) for n in ("a", "b", "c"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_vocabulary_ids_and_dcnv2_train(tiny_dataset, tmp_path):
+    cfg = tiny_run_config(tiny_dataset, tmp_path / "run", max_steps=6)
+    cfg.features.ids = "vocab"
+    cfg.model.arch = "dcnv2"
+    train(cfg)
+    assert (tmp_path / "run" / "vocab.npz").is_file()
+    metrics = evaluate(tmp_path / "run", max_rows=1000)
+    assert metrics["rows"] == 1000
+
+
+def test_evaluate_without_checkpoint_fails_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        evaluate(tmp_path)
