@@ -50,6 +50,9 @@ class FeaturesConfig(_Section):
     max_rows_per_table: int = Field(
         100_000, ge=2, description="hash buckets (or vocabulary cap) per table"
     )
+    hash_size_factor: float = Field(
+        4.0, ge=1, description="hash: buckets per distinct ID when the cardinality is known"
+    )
     min_count: int = Field(2, ge=1, description="vocab: IDs seen fewer times share the OOV row")
 
 

@@ -26,6 +26,17 @@ TINY_DATA = {
 
 
 @pytest.fixture(scope="session")
+def criteo_sample() -> Path:
+    """The 200 real Criteo lines in the project's shared folder (beside the repository)."""
+    shared = os.environ.get("DLRMFLOW_SHARED_DIR")
+    root = Path(shared) if shared else Path(__file__).resolve().parents[2] / "shared"
+    path = root / "data" / "criteo_sample_200.tsv"
+    if not path.is_file():
+        pytest.fail(f"shared Criteo sample not found at {path}; set DLRMFLOW_SHARED_DIR")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Three days of 6000 synthetic rows (the last day held out), generated once."""
     url = str(tmp_path_factory.mktemp("tiny") / "data")

@@ -78,3 +78,34 @@ def test_missing_dataset_is_a_clear_error(capsys, monkeypatch, tmp_path):
     except SystemExit as e:
         assert e.code == 1
     assert "no manifest" in capsys.readouterr().err
+
+
+def test_convert_the_real_sample_then_train_on_it(criteo_sample, tmp_path):
+    out = str(tmp_path / "criteo")
+    result = runner.invoke(
+        app, ["convert", "--input", str(criteo_sample), "--input", str(criteo_sample), "--out", out]
+    )
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info == {"url": out, "rows": 400, "days": 2, "bad_lines": 0, "quarantine": None}
+    run_dir = str(tmp_path / "run")
+    sets = ["--set", "train.batch_size=64", "--set", "features.max_rows_per_table=500"]
+    result = runner.invoke(app, ["train", "--run-dir", run_dir, "--data", out, *sets])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["rows"] == 200
+
+
+def test_convert_over_the_bad_line_threshold_fails_naming_the_file(
+    criteo_sample, tmp_path, capsys, monkeypatch
+):
+    bad = tmp_path / "day0.tsv"
+    bad.write_text(criteo_sample.read_text() + "1\tnot-a-number\n")
+    monkeypatch.setattr(
+        "sys.argv", ["dlrmflow", "convert", "--input", str(bad), "--out", str(tmp_path / "o")]
+    )
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code == 1
+    err = capsys.readouterr().err
+    assert "day0.tsv" in err and "quarantine" in err

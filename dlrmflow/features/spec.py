@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from dlrmflow.config import FeaturesConfig, ModelConfig
 from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE
+
+# Hash tables are never smaller than this: tiny features (2-3 values) would otherwise see
+# their few IDs collide, and a 1024-row table costs nothing.
+MIN_HASH_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -47,18 +52,22 @@ class FeatureSpec:
     ) -> FeatureSpec:
         """The spec for a Criteo-layout dataset.
 
-        A table has ``table_rows[name]`` rows when given (a vocabulary's size); otherwise
-        the feature's cardinality from the manifest, capped at ``max_rows_per_table`` hash
-        buckets (converted Criteo data has no known cardinality and takes the cap).
+        A table has ``table_rows[name]`` rows when given (a vocabulary's size). Otherwise
+        IDs are hashed: with a known cardinality (synthetic data) into ``hash_size_factor``
+        buckets per distinct ID, at least ``MIN_HASH_ROWS``, so that few IDs share a row;
+        with none (converted Criteo data) into ``max_rows_per_table`` buckets. Hash tables
+        never exceed ``max_rows_per_table``.
         """
         cards = manifest.cardinalities or {}
+        cap = features.max_rows_per_table
         sparse = []
         for name in SPARSE:
             if table_rows is not None:
                 rows = table_rows[name]
+            elif name in cards:
+                wanted = math.ceil(cards[name] * features.hash_size_factor)
+                rows = min(max(wanted, MIN_HASH_ROWS), cap)
             else:
-                rows = min(
-                    cards.get(name, features.max_rows_per_table), features.max_rows_per_table
-                )
+                rows = cap
             sparse.append(SparseFeature(name, max(int(rows), 1), model.embedding_dim))
         return cls(dense=DENSE, sparse=tuple(sparse))

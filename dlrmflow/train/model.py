@@ -29,29 +29,43 @@ def mlp(sizes: list[int], *, last_relu: bool) -> nn.Sequential:
 
 
 class EmbeddingBagCollection(nn.Module):
-    """One ``nn.EmbeddingBag`` per sparse feature, pooled as the spec says.
+    """Every sparse feature's table stacked into one ``nn.EmbeddingBag``.
 
-    ``sparse=True`` makes each step's gradient touch only the rows it used, which is what
-    keeps a large table's update cheap.
+    The jagged batch is key-major, so shifting each key's IDs by its table's first row
+    turns all features into bags of one big table: one lookup and one sparse gradient per
+    step instead of one per feature, which is where a 26-table model spends its time.
+    ``sparse=True`` makes each step's gradient touch only the rows it used.
     """
 
     def __init__(self, spec: FeatureSpec) -> None:
         super().__init__()
         self.names = spec.sparse_names
-        self.bags = nn.ModuleDict()
-        for feature in spec.sparse:
-            bag = nn.EmbeddingBag(
-                feature.num_embeddings, feature.embedding_dim, mode=feature.pooling, sparse=True
-            )
-            bound = math.sqrt(1.0 / feature.num_embeddings)
-            nn.init.uniform_(bag.weight, -bound, bound)
-            self.bags[feature.name] = bag
+        modes = {f.pooling for f in spec.sparse}
+        dims = {f.embedding_dim for f in spec.sparse}
+        if len(modes) != 1 or len(dims) != 1:
+            raise ValueError("all sparse features must share one pooling mode and dim")
+        sizes = [f.num_embeddings for f in spec.sparse]
+        self.bag = nn.EmbeddingBag(sum(sizes), dims.pop(), mode=modes.pop(), sparse=True)
+        starts = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
+        self.register_buffer("table_starts", starts, persistent=False)
+        with torch.no_grad():
+            for table, size in zip(self.bag.weight.split(sizes), sizes, strict=True):
+                bound = math.sqrt(1.0 / size)
+                nn.init.uniform_(table, -bound, bound)
+        self.sizes = sizes
+
+    def table(self, name: str) -> torch.Tensor:
+        """The rows of one feature's table (a view into the stacked weight)."""
+        return self.bag.weight.split(self.sizes)[self.names.index(name)]
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Pooled embeddings [B, n_features, dim] in spec order."""
-        per_key = sparse.split_by_key()
-        pooled = [self.bags[name](*per_key[name]) for name in self.names]
-        return torch.stack(pooled, dim=1)
+        if sparse.keys != self.names:
+            raise ValueError(f"batch keys {sparse.keys} differ from the model's {self.names}")
+        per_key = torch.tensor(sparse.length_per_key(), dtype=torch.int64)
+        rows = sparse.values + self.table_starts.repeat_interleave(per_key)
+        pooled = self.bag(rows, sparse.offsets()[:-1])
+        return pooled.view(len(self.names), sparse.stride, -1).transpose(0, 1)
 
 
 class DotInteraction(nn.Module):

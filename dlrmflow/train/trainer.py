@@ -93,14 +93,37 @@ def train(
 
     metrics_path = run_dir / METRICS_FILE
     metrics_path.unlink(missing_ok=True)
+    metrics_file = metrics_path.open("a")
     step = rows = 0
-    window_loss, window_steps, window_rows = 0.0, 0, 0
+    epoch = 0
+    window = {"loss": 0.0, "steps": 0, "rows": 0}
     last_loss = float("nan")
     start = window_start = time.perf_counter()
-    max_steps = config.train.max_steps
+
+    def log_window() -> None:
+        """Append one metrics record for the steps since the last one."""
+        nonlocal last_loss, window_start
+        now = time.perf_counter()
+        last_loss = window["loss"] / window["steps"]
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "rows": rows,
+            "loss": last_loss,
+            "samples_per_s": window["rows"] / max(now - window_start, 1e-9),
+            "elapsed_s": now - start,
+        }
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        if progress is not None:
+            progress(record)
+        window.update(loss=0.0, steps=0, rows=0)
+        window_start = now
+
+    max_steps = config.train.max_steps or float("inf")
     model.train()
-    with metrics_path.open("a") as metrics_file:
-        for epoch in range(config.train.epochs):
+    with metrics_file:
+        while epoch < config.train.epochs and step < max_steps:
             dataset.set_epoch(epoch)
             for batch in loader:
                 logits = model(batch.dense, batch.sparse)
@@ -112,36 +135,19 @@ def train(
                     opt.step()
                 step += 1
                 rows += len(batch)
-                window_loss += float(loss)
-                window_steps += 1
-                window_rows += len(batch)
-                done = max_steps is not None and step >= max_steps
-                if step % config.train.log_every == 0 or done:
-                    now = time.perf_counter()
-                    last_loss = window_loss / window_steps
-                    record = {
-                        "step": step,
-                        "epoch": epoch,
-                        "rows": rows,
-                        "loss": last_loss,
-                        "samples_per_s": window_rows / max(now - window_start, 1e-9),
-                        "elapsed_s": now - start,
-                    }
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                    if progress is not None:
-                        progress(record)
-                    window_loss, window_steps, window_rows = 0.0, 0, 0
-                    window_start = now
-                if done:
+                window["loss"] += loss.item()
+                window["steps"] += 1
+                window["rows"] += len(batch)
+                if step % config.train.log_every == 0:
+                    log_window()
+                if step >= max_steps:
                     break
-            if max_steps is not None and step >= max_steps:
-                break
+            epoch += 1
+        if window["steps"]:
+            log_window()
     seconds = time.perf_counter() - start
     if step == 0:
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
-    if window_steps:
-        last_loss = window_loss / window_steps
     checkpoint = save_checkpoint(
         run_dir,
         model=model,

@@ -1,0 +1,528 @@
+"""Raw Criteo TSV days -> Parquet day partitions with the shared Criteo schema.
+
+A raw Criteo day is one tab-separated line per impression: label, 13 integer counts and 26
+hexadecimal category IDs, no header, an empty field meaning "missing". Each input file
+becomes one day (``OUT/day=K/part-00000.parquet``, the generator's layout), so everything
+downstream runs unchanged on real data.
+
+Days are tens of GB, so a file is streamed in blocks by pyarrow's CSV reader (every field
+read as raw bytes) and each block is validated and converted on whole columns with numpy;
+no Python code runs per line except for the rare malformed ones. Malformed lines are never
+dropped silently: each is written with its physical line number and the reason to
+``OUT/_quarantine/<input basename>.jsonl``, and a file with more of them than
+``max_bad_fraction`` fails the run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import posixpath
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from dlrmflow.ingest.manifest import MANIFEST_NAME, DayFile, Manifest, join_url, write_manifest
+from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema, schema_to_json
+
+FIELDS = (LABEL, *DENSE, *SPARSE)
+DAY_FILE = "part-00000.parquet"
+QUARANTINE_DIR = "_quarantine"
+
+# Longer fields are rejected unparsed: no valid count or ID is this long, and the digit
+# matrices below are (rows x longest field) wide, so one garbage field must not size them.
+_MAX_FIELD_CHARS = 32
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+# Per-field error codes, turned into reasons only for the rows that have them.
+_OK, _BAD, _RANGE = 0, 1, 2
+
+# Byte -> digit value; 255 marks a byte that is not a digit of the base.
+_DEC_VALUE = np.full(256, 255, np.uint8)
+_DEC_VALUE[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_HEX_VALUE = np.full(256, 255, np.uint8)
+_HEX_VALUE[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
+_HEX_VALUE[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_POW10 = 10 ** np.arange(9, -1, -1, dtype=np.int64)  # place values of the last 10 digits
+_HIGH_BITS = np.uint64(0x8080808080808080)  # set in a byte only if it is 255 (not a digit)
+
+
+class MalformedDataError(ValueError):
+    """An input file has too many malformed lines, or a line the reader cannot return."""
+
+
+@dataclass
+class ConvertResult:
+    """What ``convert_criteo`` wrote.
+
+    ``quarantine`` is the URL of the quarantine folder when any line was malformed (None
+    otherwise); ``quarantine_files`` lists its files, one per input that had bad lines.
+    """
+
+    manifest: Manifest
+    rows: int
+    bad_lines: int
+    quarantine: str | None
+    quarantine_files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _DayStats:
+    lines: int
+    rows: int
+    positives: int
+    bad_lines: int
+    quarantine: str | None
+
+
+@dataclass
+class _BadLine:
+    line: int  # 1-based physical line number in the input file
+    reason: str
+    text: str
+
+
+def convert_criteo(
+    inputs: Sequence[str],
+    out: str,
+    *,
+    max_bad_fraction: float = 0.001,
+    row_group_size: int = 65_536,
+    block_size: int = 1 << 24,
+    progress: Callable[[int], None] | None = None,
+) -> ConvertResult:
+    """Convert raw Criteo TSV files (plain or compressed) to a Parquet dataset at ``out``.
+
+    Input K becomes day K; the last input is the test day. Valid lines are kept in input
+    order in row groups of ``row_group_size`` rows; malformed ones go to the quarantine.
+    ``block_size`` is the bytes read and converted at a time (memory is a small multiple of
+    it plus one row group). ``progress(n)`` is called with the lines of each block read.
+
+    Raises MalformedDataError when malformed lines exceed ``max_bad_fraction`` of a file's
+    lines. Each day file is written under a temporary name and renamed when complete, and
+    ``manifest.json`` is written last (an old one is removed first), so a failed run never
+    leaves a dataset that looks complete.
+    """
+    if not inputs:
+        raise ValueError("convert_criteo: no input files")
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise ValueError(f"max_bad_fraction must be in [0, 1] (got {max_bad_fraction})")
+    if row_group_size < 1:
+        raise ValueError(f"row_group_size must be >= 1 (got {row_group_size})")
+    if block_size < 1024:
+        raise ValueError(f"block_size must be >= 1024 bytes (got {block_size})")
+    names = [posixpath.basename(url.rstrip("/")) for url in inputs]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        # Quarantine files are named after the input, so same-named inputs would share one.
+        raise ValueError(f"inputs must have distinct file names; repeated: {clashes}")
+
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    if fs.exists(join_url(root, MANIFEST_NAME)):
+        fs.rm(join_url(root, MANIFEST_NAME))
+
+    stats = [
+        _convert_day(
+            url,
+            day,
+            fs,
+            root,
+            quarantine_url=join_url(out, QUARANTINE_DIR, f"{name}.jsonl"),
+            max_bad_fraction=max_bad_fraction,
+            row_group_size=row_group_size,
+            block_size=block_size,
+            progress=progress,
+        )
+        for day, (url, name) in enumerate(zip(inputs, names, strict=True))
+    ]
+
+    rows = sum(s.rows for s in stats)
+    manifest = Manifest(
+        source="criteo",
+        rows=rows,
+        days=len(inputs),
+        test_day=len(inputs) - 1,
+        positive_rate=sum(s.positives for s in stats) / max(rows, 1),
+        files=[
+            DayFile(
+                day=day,
+                path=f"day={day}/{DAY_FILE}",
+                rows=s.rows,
+                positive_rate=s.positives / max(s.rows, 1),
+            )
+            for day, s in enumerate(stats)
+        ],
+        schema=schema_to_json(criteo_schema()),
+        generator={
+            "inputs": list(inputs),
+            "lines": [s.lines for s in stats],
+            "bad_lines": [s.bad_lines for s in stats],
+        },
+    )
+    write_manifest(out, manifest)
+    quarantine_files = [s.quarantine for s in stats if s.quarantine is not None]
+    return ConvertResult(
+        manifest=manifest,
+        rows=rows,
+        bad_lines=sum(s.bad_lines for s in stats),
+        quarantine=join_url(out, QUARANTINE_DIR) if quarantine_files else None,
+        quarantine_files=quarantine_files,
+    )
+
+
+def _convert_day(
+    url: str,
+    day: int,
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    *,
+    quarantine_url: str,
+    max_bad_fraction: float,
+    row_group_size: int,
+    block_size: int,
+    progress: Callable[[int], None] | None,
+) -> _DayStats:
+    """Stream one input file into ``day=DAY/part-00000.parquet``; see ``convert_criteo``."""
+    day_dir = join_url(root, f"day={day}")
+    final, partial = join_url(day_dir, DAY_FILE), join_url(day_dir, f"_{DAY_FILE}.partial")
+    fs.makedirs(day_dir, exist_ok=True)
+    skipped = _SkippedLines()
+    quarantine = _Quarantine(url, quarantine_url)
+    lines = rows = positives = 0
+    try:
+        with (
+            fsspec.open(url, "rb", compression="infer") as src,
+            fs.open(partial, "wb") as dst,
+            pq.ParquetWriter(dst, criteo_schema()) as writer,
+            quarantine,
+        ):
+            groups = _RowGroups(writer, row_group_size)
+            parsed = 0  # rows the reader has returned, i.e. lines with 40 fields
+            try:
+                for batch in _open_reader(src, block_size, skipped):
+                    line_numbers, skipped_bad = skipped.place(parsed, batch.num_rows)
+                    table, value_bad = _convert_block(batch, line_numbers)
+                    quarantine.write(sorted(skipped_bad + value_bad, key=lambda b: b.line))
+                    groups.add(table)
+                    parsed += batch.num_rows
+                    rows += table.num_rows
+                    positives += int(pc.sum(table[LABEL]).as_py() or 0)
+                    lines += batch.num_rows + len(skipped_bad)
+                    if progress is not None:
+                        progress(batch.num_rows + len(skipped_bad))
+            except (pa.ArrowInvalid, EOFError, gzip.BadGzipFile, zlib.error) as e:
+                # A corrupt or truncated archive, or a line with the wrong field count that
+                # is not UTF-8 (which the reader cannot hand to the invalid-row handler).
+                raise MalformedDataError(f"{url}: unreadable input: {e}") from e
+            trailing = skipped.rest()
+            quarantine.write(trailing)
+            lines += len(trailing)
+            groups.flush()
+            if progress is not None and trailing:
+                progress(len(trailing))
+
+        bad = quarantine.count
+        if bad > max_bad_fraction * lines:
+            raise MalformedDataError(
+                f"{url}: {bad} malformed lines out of {lines} ({bad / lines:.4%}) exceed "
+                f"max_bad_fraction={max_bad_fraction:g}; they are listed in {quarantine_url}"
+            )
+        fs.mv(partial, final)
+    except BaseException:
+        if fs.exists(partial):
+            fs.rm(partial)
+        raise
+    return _DayStats(lines, rows, positives, bad, quarantine_url if bad else None)
+
+
+def _open_reader(
+    src: IO[bytes], block_size: int, on_invalid: Callable[[Any], str]
+) -> pacsv.CSVStreamingReader:
+    """A streaming reader that returns every field as raw bytes, empty fields as b"".
+
+    Bytes rather than strings so that a stray non-UTF-8 byte is one bad field instead of a
+    failed file; no quoting, because Criteo has none and a quote is just a bad value; one
+    thread, because only then does the reader know physical line numbers.
+    """
+    return pacsv.open_csv(
+        src,
+        read_options=pacsv.ReadOptions(
+            column_names=list(FIELDS), use_threads=False, block_size=block_size
+        ),
+        parse_options=pacsv.ParseOptions(
+            delimiter="\t",
+            quote_char=False,
+            ignore_empty_lines=False,
+            invalid_row_handler=on_invalid,
+        ),
+        convert_options=pacsv.ConvertOptions(
+            column_types=dict.fromkeys(FIELDS, pa.binary()), strings_can_be_null=False
+        ),
+    )
+
+
+class _SkippedLines:
+    """The reader's invalid-row handler, and the physical line number of every row it keeps.
+
+    Lines with the wrong field count never reach a batch, so the kept rows' line numbers
+    have gaps. The j-th skipped line (1-based) at physical line s_j has s_j - j kept rows
+    before it, hence kept row k (0-based) comes after it exactly when k >= s_j - j. The
+    reader may parse ahead of the batch it returns; skipped lines past the batch stay
+    pending until a later batch passes them.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[_BadLine] = []
+        self._keys: list[int] = []  # s_j - j of each pending line, nondecreasing
+        self._total = 0  # skipped lines seen so far, j of the latest
+        self._placed = 0  # skipped lines already before a returned batch
+
+    def __call__(self, row: Any) -> str:
+        self._total += 1
+        self._pending.append(
+            _BadLine(
+                row.number, f"expected {len(FIELDS)} fields, got {row.actual_columns}", row.text
+            )
+        )
+        self._keys.append(row.number - self._total)
+        return "skip"
+
+    def place(self, first: int, count: int) -> tuple[np.ndarray, list[_BadLine]]:
+        """Line numbers of kept rows first .. first+count-1, and the skipped lines among them."""
+        kept = np.arange(first, first + count, dtype=np.int64)
+        keys = np.asarray(self._keys, dtype=np.int64)
+        line_numbers = kept + 1 + self._placed + np.searchsorted(keys, kept, side="right")
+        done = int(np.searchsorted(keys, first + count - 1, side="right"))
+        passed, self._pending = self._pending[:done], self._pending[done:]
+        self._keys = self._keys[done:]
+        self._placed += done
+        return line_numbers, passed
+
+    def rest(self) -> list[_BadLine]:
+        """Skipped lines after the last kept row."""
+        rest, self._pending, self._keys = self._pending, [], []
+        self._placed += len(rest)
+        return rest
+
+
+class _Quarantine:
+    """The JSONL file of one input's malformed lines, created at the first one.
+
+    A quarantine file left by an earlier run of the same input is removed, so the file on
+    disk always describes the latest conversion.
+    """
+
+    def __init__(self, source: str, url: str) -> None:
+        self.source, self.url, self.count = source, url, 0
+        self._fs, self._path = fsspec.core.url_to_fs(url)
+        self._file: IO[str] | None = None
+
+    def __enter__(self) -> _Quarantine:
+        if self._fs.exists(self._path):
+            self._fs.rm(self._path)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def write(self, bad: list[_BadLine]) -> None:
+        if not bad:
+            return
+        if self._file is None:
+            self._fs.makedirs(posixpath.dirname(self._path), exist_ok=True)
+            self._file = self._fs.open(self._path, "w", encoding="utf-8")
+        for b in bad:
+            record = {"file": self.source, "line": b.line, "reason": b.reason, "text": b.text}
+            self._file.write(json.dumps(record) + "\n")
+        self.count += len(bad)
+
+
+class _RowGroups:
+    """Buffers converted blocks and writes them in row groups of exactly ``size`` rows."""
+
+    def __init__(self, writer: pq.ParquetWriter, size: int) -> None:
+        self.writer, self.size = writer, size
+        self._buffer: list[pa.Table] = []
+        self._rows = 0
+
+    def add(self, table: pa.Table) -> None:
+        self._buffer.append(table)
+        self._rows += table.num_rows
+        if self._rows >= self.size:
+            full = self._rows - self._rows % self.size
+            table = pa.concat_tables(self._buffer)
+            self.writer.write_table(table.slice(0, full), row_group_size=self.size)
+            self._buffer, self._rows = [table.slice(full)], self._rows - full
+
+    def flush(self) -> None:
+        if self._rows:
+            self.writer.write_table(pa.concat_tables(self._buffer), row_group_size=self.size)
+        self._buffer, self._rows = [], 0
+
+
+def _convert_block(
+    batch: pa.RecordBatch, line_numbers: np.ndarray
+) -> tuple[pa.Table, list[_BadLine]]:
+    """Parse one block of raw fields; returns the valid rows and the malformed ones."""
+    columns = [batch.column(i) for i in range(len(FIELDS))]
+    labels, label_error = _parse_label(columns[0])
+    dense = [_parse_int32(c) for c in columns[1 : 1 + len(DENSE)]]
+    sparse = [_parse_hex64(c) for c in columns[1 + len(DENSE) :]]
+    errors = np.stack([label_error] + [p[2] for p in dense] + [p[2] for p in sparse], axis=1)
+    ok = ~errors.any(axis=1)
+
+    arrays = [pa.array(labels[ok], pa.int8())]
+    for values, present, _ in dense:
+        arrays.append(pa.array(values[ok].astype(np.int32), pa.int32(), mask=~present[ok]))
+    for values, present, _ in sparse:
+        arrays.append(pa.array(values[ok], pa.int64(), mask=~present[ok]))
+    table = pa.Table.from_arrays(arrays, schema=criteo_schema())
+    if ok.all():
+        return table, []
+    bad_rows = np.flatnonzero(~ok)
+    return table, _describe(
+        batch.take(pa.array(bad_rows)), errors[bad_rows], line_numbers[bad_rows]
+    )
+
+
+def _describe(raw: pa.RecordBatch, errors: np.ndarray, line_numbers: np.ndarray) -> list[_BadLine]:
+    """Reasons and reconstructed text of malformed rows (few, so plain Python is fine)."""
+    fields = [
+        [v.decode("utf-8", "backslashreplace") for v in raw.column(i).to_pylist()]
+        for i in range(len(FIELDS))
+    ]
+    bad = []
+    for r, line in enumerate(line_numbers.tolist()):
+        values = [column[r] for column in fields]
+        if not any(values):
+            # The reader turns an empty line into a row of 40 empty fields; a line of 39
+            # tabs would look the same, but is far less likely.
+            bad.append(_BadLine(line, "empty line", ""))
+            continue
+        reasons = [
+            _reason(name, code, value)
+            for name, code, value in zip(FIELDS, errors[r].tolist(), values, strict=True)
+            if code != _OK
+        ]
+        bad.append(_BadLine(line, "; ".join(reasons), "\t".join(values)))
+    return bad
+
+
+def _reason(name: str, code: int, value: str) -> str:
+    shown = f"'{value}'" if len(value) <= 40 else f"'{value[:40]}...'"
+    if name == LABEL:
+        return f"label: must be 0 or 1, got {shown}"
+    if name in DENSE:
+        return f"{name}: bad integer {shown}" if code == _BAD else f"{name}: {shown} not in int32"
+    return f"{name}: bad hex {shown}" if code == _BAD else f"{name}: hex {shown} not in int64"
+
+
+def _parse_label(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Labels as int8 and an error code per row: exactly "0" or "1" is valid."""
+    offsets, data = _raw(column)
+    one_byte = np.diff(offsets) == 1
+    digit = np.full(len(one_byte), 255, np.uint8)
+    digit[one_byte] = _DEC_VALUE[data[offsets[:-1][one_byte]]]
+    valid = digit <= 1
+    return np.where(valid, digit, 0).astype(np.int8), np.where(valid, _OK, _BAD).astype(np.uint8)
+
+
+def _parse_int32(column: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Optionally negative decimal integers: values (int64), present mask, error codes."""
+    offsets, data = _raw(column)
+    lengths = np.diff(offsets)
+    digits = _digits(offsets, data, _DEC_VALUE)
+    rows, width = digits.shape
+    # A leading '-' is a sign: note it, then read it as a leading zero.
+    present = lengths > 0
+    negative = np.zeros(rows, bool)
+    negative[present] = data[offsets[:-1][present]] == ord("-")
+    sign_rows = np.flatnonzero(negative & (lengths <= width))
+    digits[sign_rows, width - lengths[sign_rows]] = 0
+    bad = _has_invalid(digits) | (lengths > _MAX_FIELD_CHARS) | (negative & (lengths == 1))
+
+    magnitude = digits[:, -10:].astype(np.int64) @ _POW10[-min(width, 10) :]
+    values = np.where(negative, -magnitude, magnitude)
+    out_of_range = (values < _INT32_MIN) | (values > _INT32_MAX)
+    if width > 10:  # digits beyond the last 10 must be leading zeros
+        out_of_range |= (digits[:, :-10] != 0).any(axis=1)
+    return np.where(bad, 0, values), present, _codes(bad, out_of_range)
+
+
+def _parse_hex64(column: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Hexadecimal IDs as int64: values, present mask, error codes.
+
+    Right-aligned nibbles are packed two per byte and read as one big-endian integer per
+    row, so the whole column converts in a few array operations.
+    """
+    offsets, data = _raw(column)
+    lengths = np.diff(offsets)
+    nibbles = _digits(offsets, data, _HEX_VALUE)
+    width = nibbles.shape[1]
+    bad = _has_invalid(nibbles) | (lengths > _MAX_FIELD_CHARS)
+
+    low = nibbles[:, -16:] & 0x0F  # masking keeps bad rows' 255s inside a byte
+    packed = np.ascontiguousarray((low[:, 0::2] << 4) | low[:, 1::2])
+    unsigned = packed.view(f">u{packed.shape[1]}")[:, 0].astype(np.uint64)
+    out_of_range = unsigned > np.uint64(np.iinfo(np.int64).max)
+    if width > 16:  # nibbles beyond the last 16 must be leading zeros
+        out_of_range |= (nibbles[:, :-16] != 0).any(axis=1)
+    values = np.where(bad | out_of_range, np.uint64(0), unsigned).view(np.int64)
+    return values, lengths > 0, _codes(bad, out_of_range)
+
+
+def _codes(bad: np.ndarray, out_of_range: np.ndarray) -> np.ndarray:
+    return np.where(bad, _BAD, np.where(out_of_range, _RANGE, _OK)).astype(np.uint8)
+
+
+def _raw(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The offsets (as int64) and bytes of a binary column; the bytes are not copied."""
+    _, offsets_buf, data_buf = column.buffers()
+    offsets = np.frombuffer(offsets_buf, np.int32)[column.offset : column.offset + len(column) + 1]
+    data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.empty(0, np.uint8)
+    return offsets.astype(np.int64), data
+
+
+def _digits(offsets: np.ndarray, data: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """A (rows, width) matrix of each value's digit values, right-aligned, left-padded with 0.
+
+    ``table`` maps each byte to its digit value (255: not a digit). Zero padding leaves a
+    number's value unchanged, so every row is read positionally. The width is 8, 16 or 32,
+    whichever first fits the longest value (a multiple of 8 for ``_has_invalid``). Values
+    longer than ``_MAX_FIELD_CHARS`` are left as 0; callers reject them by length.
+    """
+    lengths = np.diff(offsets)
+    longest = int(lengths.max(initial=0))
+    width = next(w for w in (8, 16, _MAX_FIELD_CHARS) if w >= min(longest, _MAX_FIELD_CHARS))
+    rows = len(lengths)
+    values = table.take(data[offsets[0] : offsets[-1]])
+    cells = np.zeros((rows, width), np.uint8)
+    if 0 < longest <= _MAX_FIELD_CHARS and ((lengths == 0) | (lengths == longest)).all():
+        # Fixed-width values (Criteo's 8-digit IDs) are already a matrix in the buffer.
+        cells[lengths > 0, width - longest :] = values.reshape(-1, longest)
+        return cells
+    # Byte i of row r lands at cell r * width + width - (end_r - i) = i + shift_r; one
+    # write per byte is several times faster than one read per cell.
+    shift = np.arange(1, rows + 1) * width - offsets[1:]
+    target = np.arange(offsets[0], offsets[-1]) + np.repeat(shift, lengths)
+    if longest > _MAX_FIELD_CHARS:
+        fits = np.repeat(lengths <= _MAX_FIELD_CHARS, lengths)
+        target, values = target[fits], values[fits]
+    cells.reshape(-1)[target] = values
+    return cells
+
+
+def _has_invalid(values: np.ndarray) -> np.ndarray:
+    """Rows of a looked-up digit matrix holding a 255 (not a digit), 8 bytes at a time."""
+    words = np.bitwise_or.reduce(values.view(np.uint64), axis=1)
+    return (words & _HIGH_BITS) != 0

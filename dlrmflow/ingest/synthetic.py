@@ -1,0 +1,415 @@
+"""Synthetic Criteo-like click data whose labels come from a known click model.
+
+Real Criteo days are large and cannot be shipped with tests, and a model trained on them has
+no known ceiling. This generator writes data with Criteo's layout and marginal shape
+(heavy-tailed counts with Criteo's missing rates, Zipf-distributed hashed IDs with Criteo's
+cardinalities scaled down) and draws every label from a hidden click model that a DLRM can
+represent: per-ID effects, a factorization-machine interaction of per-ID latent vectors and
+dense terms. The true click probabilities give the Bayes-optimal AUC and log loss of the
+test day, which go into the manifest as the target a trained model is measured against.
+
+Everything is a function of the ``DataConfig`` alone (for one NumPy release, whose random
+streams may change between releases): the ground-truth tables come from the seed, and every
+row group is drawn from its own RNG keyed by (seed, day, row group), so no row depends on
+what was generated before it. Memory is bounded by one row group plus the ground-truth tables
+(about 56 bytes per ID of every feature), whatever the number of rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+from dlrmflow.config import DataConfig
+from dlrmflow.ingest.manifest import DayFile, Manifest, join_url, write_manifest
+from dlrmflow.ingest.schema import (
+    CRITEO_CARDINALITIES,
+    DENSE,
+    SPARSE,
+    criteo_schema,
+    schema_to_json,
+)
+
+# Signal strength of the hidden click model. Together they give a Bayes AUC of 0.77-0.81 on
+# the default config, depending on the seed (real Criteo models reach ~0.80). The signal sits
+# mostly in frequent IDs (an ID's effect and latent std shrink as rank**-RANK_DECAY) so that a
+# DLRM trained on ~1M rows can come close to the Bayes AUC without every rare ID's effect.
+ZIPF_EXPONENT = 1.1  # ID popularity ~ rank**-ZIPF_EXPONENT, as in click logs
+EFFECT_STD = 0.35  # std of the most popular ID's scalar effect on the logit
+LATENT_DIM = 4  # dimension of the per-ID latent vectors of the pairwise interaction term
+LATENT_STD = 0.12  # std of each latent coordinate of the most popular ID
+RANK_DECAY = 0.35  # an ID's effect and latent std scale as rank**-RANK_DECAY
+DENSE_WEIGHT_SCALE = 0.2  # logit change per std of log1p(count), per dense feature
+# Mean pooling of L IDs divides a feature's signal variance by up to L (less, as popular IDs
+# repeat); multi-hot tables are scaled by mean_length**MULTI_HOT_BOOST to keep the Bayes AUC
+# close to the one-hot data's.
+MULTI_HOT_BOOST = 0.4
+
+# Rows drawn (from their own RNG stream) to calibrate the bias to the target positive rate.
+CALIBRATION_ROWS = 1 << 16
+# Multi-hot list lengths are 1 + Poisson(mean - 1) with a per-feature mean log-uniform here.
+MULTI_HOT_MEAN_LENGTH = (1.0, 20.0)
+# IDs are scattered over [0, 2**_ID_BITS) like Criteo's 32-bit hashed hex IDs.
+_ID_BITS = 32
+_PROB_EPS = 1e-7
+
+# Per dense feature: (missing rate, median count, std of log1p(count), rate of negatives).
+# Missing rates and medians follow the Criteo Kaggle data; I2 alone has small negative
+# values (-1, -2, -3) there, which downstream transforms must clip.
+_DENSE_SHAPE = (
+    (0.45, 1, 1.0, 0.0),
+    (0.00, 3, 2.0, 0.05),
+    (0.21, 7, 1.5, 0.0),
+    (0.22, 4, 0.9, 0.0),
+    (0.03, 2800, 1.8, 0.0),
+    (0.22, 33, 1.7, 0.0),
+    (0.04, 3, 1.5, 0.0),
+    (0.001, 7, 1.0, 0.0),
+    (0.04, 38, 1.4, 0.0),
+    (0.45, 1, 0.5, 0.0),
+    (0.04, 1, 1.0, 0.0),
+    (0.77, 0, 1.0, 0.0),
+    (0.22, 4, 1.0, 0.0),
+)
+_NEGATIVE_VALUES = np.array([-1, -2, -3])
+_NEGATIVE_PROBS = np.array([0.9, 0.07, 0.03])
+
+# Per categorical feature: missing (null) rate, following the Criteo Kaggle data.
+_SPARSE_MISSING = {
+    "C3": 0.03, "C4": 0.03, "C12": 0.03, "C16": 0.03, "C19": 0.44, "C20": 0.44,
+    "C21": 0.03, "C22": 0.76, "C24": 0.03, "C25": 0.44, "C26": 0.44,
+}  # fmt: skip
+
+# First word of every SeedSequence key, so the streams can never collide.
+_STREAM_ROWS, _STREAM_TABLES, _STREAM_DENSE, _STREAM_CALIBRATION = range(4)
+
+
+@dataclass(frozen=True)
+class _SparseTruth:
+    """One categorical feature of the hidden model, indexed by popularity rank - 1."""
+
+    name: str
+    cdf: np.ndarray  # float64 [n]: bounded-Zipf CDF over ranks
+    effect: np.ndarray  # float64 [n]: scalar logit effect per ID
+    latent: np.ndarray  # float64 [LATENT_DIM, n]: latent vectors, one column per ID
+    id_key: np.uint32  # keys the rank -> hashed-ID bijection of this feature
+    missing_rate: float
+    mean_length: float  # mean list length when multi-hot
+
+    @property
+    def cardinality(self) -> int:
+        return self.cdf.size
+
+
+@dataclass(frozen=True)
+class _GroundTruth:
+    sparse: tuple[_SparseTruth, ...]
+    dense_weights: np.ndarray  # float64 [13]: weight per log1p(count) of each dense feature
+    bias: float
+
+
+@dataclass
+class _Rows:
+    """One chunk of generated features and the (bias-free) true logits behind its labels."""
+
+    dense: list[pa.Array]
+    sparse: list[pa.Array]
+    logit: np.ndarray  # float64 [rows]
+
+
+def generate_dataset(
+    config: DataConfig,
+    url: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Write ``config.days`` day partitions of synthetic data and their manifest.
+
+    The layout is ``URL/day=K/part-00000.parquet`` for K = 0 .. days-1, each with row
+    groups of ``config.row_group_size`` rows, then ``URL/manifest.json`` (written last, so
+    a dataset with a manifest is complete). The last day is the test day; its Bayes AUC and
+    log loss are computed from the true click probabilities. ``url`` overrides
+    ``config.url``; ``progress(n)`` is called with the rows of each row group written.
+    Files left at ``url`` by an earlier, larger run are not deleted but are not in the
+    manifest either.
+    """
+    root = url if url is not None else config.url
+    if not root:
+        raise ValueError("data.url: empty dataset URL")
+    if config.seed < 0:
+        raise ValueError(f"data.seed must be >= 0 (got {config.seed})")
+
+    truth = _ground_truth(config)
+    fs, root_path = fsspec.core.url_to_fs(root)
+    test_day = config.days - 1
+    files: list[DayFile] = []
+    positives_total = 0
+    for day in range(config.days):
+        rel = f"day={day}/part-00000.parquet"
+        try:
+            fs.makedirs(join_url(root_path, f"day={day}"), exist_ok=True)
+            with fs.open(join_url(root_path, rel), "wb") as f:
+                positives, probs, labels = _write_day(f, truth, config, day, progress)
+        except OSError as e:
+            raise OSError(f"{join_url(root, rel)}: cannot write day {day}: {e}") from e
+        files.append(
+            DayFile(
+                day=day,
+                path=rel,
+                rows=config.rows_per_day,
+                positive_rate=positives / config.rows_per_day,
+            )
+        )
+        positives_total += positives
+        if day == test_day:
+            # The one per-day buffer: the exact Bayes AUC needs the whole test day at once.
+            test_probs, test_labels = probs, labels
+
+    bayes_auc, bayes_logloss = _bayes_metrics(test_probs, test_labels)
+    total_rows = config.rows_per_day * config.days
+    manifest = Manifest(
+        source="synthetic",
+        rows=total_rows,
+        days=config.days,
+        test_day=test_day,
+        positive_rate=positives_total / total_rows,
+        multi_hot=config.multi_hot,
+        files=files,
+        schema=schema_to_json(criteo_schema(config.multi_hot)),
+        cardinalities={s.name: s.cardinality for s in truth.sparse},
+        bayes_auc=bayes_auc,
+        bayes_logloss=bayes_logloss,
+        generator=_generator_record(config, truth),
+    )
+    write_manifest(root, manifest)
+    return manifest
+
+
+def _write_day(
+    f: BinaryIO,
+    truth: _GroundTruth,
+    config: DataConfig,
+    day: int,
+    progress: Callable[[int], None] | None,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """Write one day file, a row group at a time: its positives, true probabilities, labels.
+
+    Probabilities and labels are only kept for the test day; other days return empty arrays
+    so that memory stays one row group.
+    """
+    keep = day == config.days - 1
+    probs_kept: list[np.ndarray] = []
+    labels_kept: list[np.ndarray] = []
+    positives = 0
+    schema = criteo_schema(config.multi_hot)
+    with pq.ParquetWriter(f, schema) as writer:
+        for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
+            n = min(config.row_group_size, config.rows_per_day - start)
+            rng = _rng(_STREAM_ROWS, config.seed, day, chunk)
+            rows = _sample_rows(truth, rng, n, config.multi_hot)
+            probs = _sigmoid(rows.logit + truth.bias)
+            labels = (rng.random(n) < probs).astype(np.int8)
+            columns = [pa.array(labels), *rows.dense, *rows.sparse]
+            writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
+            positives += int(labels.sum())
+            if keep:
+                probs_kept.append(probs)
+                labels_kept.append(labels)
+            if progress is not None:
+                progress(n)
+    if not keep:
+        return positives, np.empty(0), np.empty(0, dtype=np.int8)
+    return positives, np.concatenate(probs_kept), np.concatenate(labels_kept)
+
+
+def _rng(*key: int) -> np.random.Generator:
+    """An independent generator per key: streams never depend on how others were used."""
+    return np.random.default_rng(np.random.SeedSequence(list(key)))
+
+
+def _cardinality(criteo: int, config: DataConfig) -> int:
+    return int(min(max(round(criteo * config.cardinality_scale), 2), config.max_cardinality))
+
+
+def _ground_truth(config: DataConfig) -> _GroundTruth:
+    """The hidden click model: per-feature ID tables, dense weights and calibrated bias."""
+    sparse = []
+    for index, (name, criteo) in enumerate(zip(SPARSE, CRITEO_CARDINALITIES, strict=True)):
+        n = _cardinality(criteo, config)
+        rng = _rng(_STREAM_TABLES, config.seed, index)
+        ranks = np.arange(1, n + 1, dtype=np.float64)
+        cdf = np.cumsum(ranks**-ZIPF_EXPONENT)
+        cdf /= cdf[-1]
+        cdf[-1] = 1.0  # searchsorted of u < 1 must never run past the last rank
+        low, high = np.log(MULTI_HOT_MEAN_LENGTH)
+        mean_length = float(np.exp(rng.uniform(low, high)))
+        scale = ranks**-RANK_DECAY
+        if config.multi_hot:
+            scale *= mean_length**MULTI_HOT_BOOST
+        sparse.append(
+            _SparseTruth(
+                name=name,
+                cdf=cdf,
+                effect=rng.normal(0.0, EFFECT_STD, n) * scale,
+                latent=rng.normal(0.0, LATENT_STD, (LATENT_DIM, n)) * scale,
+                id_key=np.uint32(rng.integers(0, 1 << _ID_BITS)),
+                missing_rate=_SPARSE_MISSING.get(name, 0.0),
+                mean_length=mean_length,
+            )
+        )
+    dense_rng = _rng(_STREAM_DENSE, config.seed)
+    sigmas = np.array([shape[2] for shape in _DENSE_SHAPE])
+    dense_weights = dense_rng.normal(0.0, DENSE_WEIGHT_SCALE, len(DENSE)) / sigmas
+    truth = _GroundTruth(tuple(sparse), dense_weights, bias=0.0)
+
+    calibration = _sample_rows(
+        truth,
+        _rng(_STREAM_CALIBRATION, config.seed),
+        CALIBRATION_ROWS,
+        config.multi_hot,
+    )
+    bias = _calibrate_bias(calibration.logit, config.positive_rate)
+    return _GroundTruth(truth.sparse, truth.dense_weights, bias)
+
+
+def _calibrate_bias(logit: np.ndarray, target: float) -> float:
+    """The bias whose mean click probability over ``logit`` is ``target`` (bisection)."""
+    low, high = -40.0, 40.0
+    for _ in range(60):  # halves an 80-wide bracket to ~1e-16: machine precision
+        mid = 0.5 * (low + high)
+        if _sigmoid(logit + mid).mean() < target:
+            low = mid
+        else:
+            high = mid
+    return 0.5 * (low + high)
+
+
+def _sample_rows(truth: _GroundTruth, rng: np.random.Generator, n: int, multi_hot: bool) -> _Rows:
+    """Draw ``n`` rows of features and their true logit (without the bias)."""
+    logit = np.zeros(n)
+    dense = []
+    for (missing_rate, median, sigma, negative_rate), weight in zip(
+        _DENSE_SHAPE, truth.dense_weights, strict=True
+    ):
+        log_count = np.maximum(math.log1p(median) + sigma * rng.standard_normal(n), 0.0)
+        values = np.minimum(np.floor(np.expm1(log_count)), np.iinfo(np.int32).max)
+        values = values.astype(np.int32)
+        if negative_rate > 0:
+            negative = rng.random(n) < negative_rate
+            values[negative] = rng.choice(_NEGATIVE_VALUES, negative.sum(), p=_NEGATIVE_PROBS)
+        missing = rng.random(n) < missing_rate
+        # The model sees log1p(max(count, 0)) with nulls as 0, so the truth uses the same.
+        logit += weight * np.log1p(np.where(missing, 0, np.maximum(values, 0)))
+        dense.append(pa.array(values, mask=missing))
+
+    # Factorization-machine term: sum over feature pairs of <v_i, v_j> is
+    # (|sum v|^2 - sum |v|^2) / 2, which is linear in the number of features.
+    latent_sum = np.zeros((LATENT_DIM, n))
+    latent_sq = np.zeros((LATENT_DIM, n))
+    sparse = []
+    for feature in truth.sparse:
+        if multi_hot:
+            column, effect, latent = _multi_hot_feature(feature, rng, n)
+        else:
+            column, effect, latent = _one_hot_feature(feature, rng, n)
+        sparse.append(column)
+        logit += effect
+        latent_sum += latent
+        latent_sq += latent * latent
+    logit += 0.5 * (latent_sum * latent_sum - latent_sq).sum(axis=0)
+    return _Rows(dense, sparse, logit)
+
+
+def _one_hot_feature(
+    feature: _SparseTruth, rng: np.random.Generator, n: int
+) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+    """A nullable ID column, its per-row effect and latent vectors (zero where null)."""
+    ranks = np.searchsorted(feature.cdf, rng.random(n), side="right")
+    present = rng.random(n) >= feature.missing_rate
+    effect = feature.effect[ranks] * present
+    latent = feature.latent[:, ranks] * present
+    column = pa.array(_hashed_ids(ranks, feature.id_key), mask=~present)
+    return column, effect, latent
+
+
+def _multi_hot_feature(
+    feature: _SparseTruth, rng: np.random.Generator, n: int
+) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+    """A list-of-IDs column (empty where missing) and its mean-pooled effect and latents."""
+    present = rng.random(n) >= feature.missing_rate
+    lengths = (1 + rng.poisson(feature.mean_length - 1.0, n)) * present
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    ranks = np.searchsorted(feature.cdf, rng.random(int(offsets[-1])), side="right")
+    row = np.repeat(np.arange(n), lengths)
+    inv_length = 1.0 / np.maximum(lengths, 1)
+    effect = np.bincount(row, feature.effect[ranks], minlength=n) * inv_length
+    latent = np.stack([np.bincount(row, coord[ranks], minlength=n) for coord in feature.latent])
+    latent *= inv_length
+    values = pa.array(_hashed_ids(ranks, feature.id_key))
+    column = pa.ListArray.from_arrays(pa.array(offsets), values)
+    return column, effect, latent
+
+
+def _hashed_ids(ranks: np.ndarray, key: np.uint32) -> np.ndarray:
+    """Scatter 0-based popularity ranks over [0, 2**32) like Criteo's hashed hex IDs.
+
+    Every step (xor with a key, xor-shift, multiply by an odd constant mod 2**32) is a
+    bijection of 32-bit integers, so distinct ranks stay distinct IDs and the cardinality
+    is exact, while the IDs keep no trace of popularity order. The constants are the
+    ``lowbias32`` integer hash; the per-feature key makes each feature's mapping different.
+    """
+    x = ranks.astype(np.uint32) ^ key
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x.astype(np.int64)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # tanh form: no overflow for large |x|
+
+
+def _bayes_metrics(probs: np.ndarray, labels: np.ndarray) -> tuple[float | None, float]:
+    """AUC and log loss of the true probabilities; AUC is None if one class is absent."""
+    p = np.clip(probs, _PROB_EPS, 1 - _PROB_EPS)
+    logloss = float(-np.mean(np.where(labels == 1, np.log(p), np.log1p(-p))))
+    if labels.min() == labels.max():
+        return None, logloss
+    auc = binary_auroc(torch.from_numpy(probs), torch.from_numpy(labels.astype(np.int64)))
+    return float(auc), logloss
+
+
+def _generator_record(config: DataConfig, truth: _GroundTruth) -> dict[str, object]:
+    """Everything needed to tell two synthetic datasets apart, for the manifest."""
+    record: dict[str, object] = {
+        "seed": config.seed,
+        "numpy": np.__version__,
+        "rows_per_day": config.rows_per_day,
+        "row_group_size": config.row_group_size,
+        "cardinality_scale": config.cardinality_scale,
+        "max_cardinality": config.max_cardinality,
+        "target_positive_rate": config.positive_rate,
+        "zipf_exponent": ZIPF_EXPONENT,
+        "effect_std": EFFECT_STD,
+        "latent_dim": LATENT_DIM,
+        "latent_std": LATENT_STD,
+        "rank_decay": RANK_DECAY,
+        "dense_weight_scale": DENSE_WEIGHT_SCALE,
+        "calibration_rows": CALIBRATION_ROWS,
+        "bias": truth.bias,
+    }
+    if config.multi_hot:
+        record["multi_hot_boost"] = MULTI_HOT_BOOST
+        record["mean_lengths"] = {s.name: round(s.mean_length, 3) for s in truth.sparse}
+    return record

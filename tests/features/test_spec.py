@@ -1,0 +1,35 @@
+from dlrmflow.config import FeaturesConfig, ModelConfig
+from dlrmflow.features.spec import MIN_HASH_ROWS, FeatureSpec
+from dlrmflow.ingest.manifest import Manifest
+from dlrmflow.ingest.schema import DENSE, SPARSE
+
+
+def _manifest(cardinalities):
+    return Manifest(
+        source="test", rows=1, days=2, test_day=1, positive_rate=0.5, files=[], schema=[],
+        cardinalities=cardinalities,
+    )  # fmt: skip
+
+
+def test_hash_tables_scale_with_cardinality_within_floor_and_cap():
+    cards = {name: 10 for name in SPARSE} | {"C1": 3000, "C2": 1_000_000}
+    spec = FeatureSpec.for_dataset(
+        _manifest(cards),
+        FeaturesConfig(max_rows_per_table=50_000, hash_size_factor=4),
+        ModelConfig(embedding_dim=8, bottom_mlp=[8]),
+    )
+    rows = {f.name: f.num_embeddings for f in spec.sparse}
+    assert rows["C1"] == 12_000
+    assert rows["C2"] == 50_000
+    assert rows["C3"] == MIN_HASH_ROWS
+    assert spec.columns == ["label", *DENSE, *SPARSE]
+    assert {f.embedding_dim for f in spec.sparse} == {8}
+
+
+def test_unknown_cardinality_takes_the_cap_and_vocab_sizes_win():
+    features = FeaturesConfig(max_rows_per_table=777)
+    spec = FeatureSpec.for_dataset(_manifest(None), features, ModelConfig())
+    assert {f.num_embeddings for f in spec.sparse} == {777}
+    sizes = {name: i + 1 for i, name in enumerate(SPARSE)}
+    spec = FeatureSpec.for_dataset(_manifest(None), features, ModelConfig(), sizes)
+    assert [f.num_embeddings for f in spec.sparse] == list(range(1, 27))

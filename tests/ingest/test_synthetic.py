@@ -1,0 +1,190 @@
+"""The synthetic generator: layout, schema, determinism, realism and ground-truth metrics."""
+
+from __future__ import annotations
+
+import math
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from dlrmflow.config import DataConfig
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.ingest.schema import CRITEO_CARDINALITIES, DENSE, LABEL, SPARSE, criteo_schema
+from dlrmflow.ingest.synthetic import generate_dataset
+
+
+def _config(root, **overrides) -> DataConfig:
+    values = dict(
+        url=str(root),
+        days=3,
+        rows_per_day=2500,
+        row_group_size=1000,
+        cardinality_scale=0.001,
+        max_cardinality=40,
+        seed=7,
+    )
+    values.update(overrides)
+    return DataConfig(**values)
+
+
+def _read_all(root: str, days: int) -> pa.Table:
+    return pa.concat_tables(
+        pq.read_table(f"{root}/day={d}/part-00000.parquet") for d in range(days)
+    )
+
+
+@pytest.fixture(scope="module")
+def one_hot(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one_hot") / "data"
+    config = _config(root)
+    manifest = generate_dataset(config)
+    return config, manifest, _read_all(str(root), config.days)
+
+
+def test_layout_row_groups_and_manifest(one_hot):
+    config, manifest, _ = one_hot
+    assert read_manifest(config.url) == manifest
+    assert manifest.source == "synthetic"
+    assert (manifest.days, manifest.test_day, manifest.rows) == (3, 2, 7500)
+    assert [f.day for f in manifest.files] == [0, 1, 2]
+    assert manifest.train_days() == [0, 1]
+    assert manifest.schema_ == [
+        {"name": f.name, "type": str(f.type)} for f in criteo_schema(multi_hot=False)
+    ]
+    for day_file in manifest.files:
+        assert day_file.path == f"day={day_file.day}/part-00000.parquet"
+        parquet = pq.ParquetFile(f"{config.url}/{day_file.path}")
+        assert parquet.schema_arrow == criteo_schema(multi_hot=False)
+        groups = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
+        assert groups == [1000, 1000, 500]
+        labels = parquet.read(columns=[LABEL])[LABEL].to_numpy()
+        assert day_file.rows == labels.size == 2500
+        assert day_file.positive_rate == pytest.approx(labels.mean())
+    assert manifest.generator["seed"] == 7
+
+
+def test_cardinalities_follow_criteo_scaled_and_capped(one_hot):
+    config, manifest, table = one_hot
+    expected = {
+        name: min(max(round(n * config.cardinality_scale), 2), config.max_cardinality)
+        for name, n in zip(SPARSE, CRITEO_CARDINALITIES, strict=True)
+    }
+    assert manifest.cardinalities == expected
+    assert max(expected.values()) == 40 and min(expected.values()) == 2
+    for name in SPARSE:
+        ids = table[name].drop_null().to_numpy()
+        distinct = np.unique(ids)
+        assert distinct.size <= expected[name], name
+        assert ids.min() >= 0 and ids.max() < 2**32, name
+    # IDs are scattered hashes, not ranks; and popularity is skewed (Zipf), not uniform.
+    c3 = table["C3"].drop_null().to_numpy()
+    assert np.unique(c3).size == 40
+    assert c3.max() > 2**24
+    _, counts = np.unique(c3, return_counts=True)
+    assert counts.max() > 5 * counts.min()
+
+
+def test_dense_features_have_criteo_like_missing_and_negative_values(one_hot):
+    _, _, table = one_hot
+    missing = {name: table[name].null_count / table.num_rows for name in DENSE}
+    assert missing["I1"] == pytest.approx(0.45, abs=0.04)
+    assert missing["I10"] == pytest.approx(0.45, abs=0.04)
+    assert missing["I12"] == pytest.approx(0.77, abs=0.04)
+    assert missing["I2"] == 0.0
+    assert all(rate < 0.3 for name, rate in missing.items() if name not in ("I1", "I10", "I12"))
+    i2 = table["I2"].to_numpy()
+    assert set(np.unique(i2[i2 < 0])) <= {-1, -2, -3} and (i2 < 0).any()
+    for name in DENSE:
+        values = table[name].drop_null().to_numpy()
+        if name != "I2":
+            assert values.min() >= 0, name
+    # Heavy tails: I5's counts span orders of magnitude.
+    i5 = table["I5"].drop_null().to_numpy()
+    assert np.percentile(i5, 99) > 20 * max(np.percentile(i5, 50), 1)
+
+
+def test_categorical_missing_values(one_hot):
+    _, _, table = one_hot
+    assert table["C1"].null_count == 0
+    assert table["C22"].null_count / table.num_rows == pytest.approx(0.76, abs=0.04)
+    assert table["C19"].null_count / table.num_rows == pytest.approx(0.44, abs=0.04)
+
+
+def test_same_seed_same_data_other_seed_other_data(one_hot, tmp_path):
+    config, manifest, table = one_hot
+    again = generate_dataset(config, url=str(tmp_path / "again"))
+    assert _read_all(str(tmp_path / "again"), config.days).equals(table)
+    assert again == manifest
+    other = generate_dataset(config.model_copy(update={"seed": 8}), url=str(tmp_path / "other"))
+    other_table = _read_all(str(tmp_path / "other"), config.days)
+    assert not other_table.equals(table)
+    assert not np.array_equal(other_table["C3"].to_numpy(), table["C3"].to_numpy())
+    assert other.bayes_auc != manifest.bayes_auc
+
+
+@pytest.mark.parametrize("target", [0.25, 0.1])
+def test_positive_rate_and_bayes_metrics(tmp_path, target):
+    config = _config(tmp_path, days=2, rows_per_day=20_000, row_group_size=8192)
+    config.positive_rate = target
+    manifest = generate_dataset(config)
+    labels = _read_all(config.url, 2)[LABEL].to_numpy()
+    assert manifest.positive_rate == pytest.approx(labels.mean())
+    assert manifest.positive_rate == pytest.approx(target, abs=0.01)
+    assert 0.65 < manifest.bayes_auc < 0.95
+    # The true probabilities beat predicting the base rate by a wide margin.
+    entropy = -(target * math.log(target) + (1 - target) * math.log(1 - target))
+    assert manifest.bayes_logloss < 0.95 * entropy
+
+
+def test_multi_hot_lists(tmp_path):
+    config = _config(tmp_path, days=2, rows_per_day=1500, multi_hot=True)
+    manifest = generate_dataset(config)
+    assert manifest.multi_hot
+    assert manifest.schema_[-1] == {"name": "C26", "type": "list<item: int64>"}
+    table = _read_all(config.url, 2)
+    assert table.schema == criteo_schema(multi_hot=True)
+    for name in SPARSE:
+        column = table[name]
+        assert column.null_count == 0, name
+        lengths = pc.list_value_length(column).to_numpy()
+        ids = pc.list_flatten(column).to_numpy()
+        assert np.unique(ids).size <= manifest.cardinalities[name], name
+        if name == "C22":  # usually missing: missing rows are empty lists
+            assert (lengths == 0).mean() == pytest.approx(0.76, abs=0.05)
+        if name == "C1":  # never missing
+            assert lengths.min() >= 1
+    all_lengths = np.concatenate([pc.list_value_length(table[n]).to_numpy() for n in SPARSE])
+    assert np.unique(all_lengths).size > 10
+    assert 0.6 < manifest.bayes_auc < 0.95
+    assert set(manifest.generator["mean_lengths"]) == set(SPARSE)
+
+
+def test_memory_url_overrides_config_url_and_reports_progress(tmp_path):
+    config = _config(tmp_path / "unused", days=2, rows_per_day=1200, row_group_size=500)
+    url = "memory://dlrmflow-test-synthetic/data"
+    calls: list[int] = []
+    try:
+        manifest = generate_dataset(config, url=url, progress=calls.append)
+        assert read_manifest(url) == manifest
+        with fsspec.open(f"{url}/day=1/part-00000.parquet", "rb") as f:
+            assert pq.ParquetFile(f).metadata.num_rows == 1200
+    finally:
+        fsspec.filesystem("memory").rm("/dlrmflow-test-synthetic", recursive=True)
+    assert calls == [500, 500, 200] * 2
+    assert not (tmp_path / "unused").exists()
+
+
+def test_negative_seed_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="data.seed"):
+        generate_dataset(_config(tmp_path, seed=-1))
+
+
+def test_unwritable_location_names_the_file(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with pytest.raises(OSError, match=r"not-a-directory/day=0/part-00000.parquet"):
+        generate_dataset(_config(blocker, rows_per_day=10))
