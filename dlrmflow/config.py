@@ -94,7 +94,9 @@ class TrainConfig(_Section):
     num_workers: int = Field(1, ge=0, description="reader processes (0 reads in-process)")
     shuffle: bool = True
     shuffle_window: int = Field(4, ge=1, description="row groups whose rows are shuffled together")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (default: cores left by the readers)"
+    )
 
 
 class EvalConfig(_Section):

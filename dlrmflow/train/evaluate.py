@@ -13,6 +13,7 @@ from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.train.checkpoint import load_checkpoint
 from dlrmflow.train.data import batch_loader, load_ids
 from dlrmflow.train.metrics import click_metrics
+from dlrmflow.train.trainer import compute_threads
 
 EVAL_FILE = "eval.json"
 
@@ -34,6 +35,7 @@ def evaluate(
     run_dir = Path(run_dir)
     ckpt = load_checkpoint(checkpoint if checkpoint is not None else run_dir)
     config = ckpt.config
+    torch.set_num_threads(compute_threads(config))
     url = data_url or config.data.url
     manifest = read_manifest(url)
     ids = load_ids(config.features.ids, ckpt.spec, run_dir)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dlrmflow.config import ModelConfig
@@ -9,7 +10,7 @@ from dlrmflow.train.model import DLRM, DotInteraction
 def _spec(dim: int) -> FeatureSpec:
     return FeatureSpec(
         dense=("a", "b", "c"),
-        sparse=(SparseFeature("x", 10, dim), SparseFeature("y", 7, dim, pooling="mean")),
+        sparse=(SparseFeature("x", 10, dim), SparseFeature("y", 7, dim)),
     )
 
 
@@ -36,17 +37,23 @@ def test_dot_interaction_is_lower_triangle_of_gram_plus_dense():
 
 def test_embedding_bags_pool_per_spec_and_give_sparse_gradients():
     torch.manual_seed(0)
-    model = DLRM(_spec(4), ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[6]))
+    spec = FeatureSpec(
+        dense=("a", "b", "c"), sparse=(SparseFeature("x", 10, 4), SparseFeature("y", 7, 4))
+    )
+    model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[6]))
     pooled = model.embeddings(_kjt())
-    wx = model.embeddings.bags["x"].weight
-    wy = model.embeddings.bags["y"].weight
+    wx = model.embeddings.table("x")
+    wy = model.embeddings.table("y")
     torch.testing.assert_close(pooled[1, 0], wx[2] + wx[3])
     torch.testing.assert_close(pooled[2, 0], torch.zeros(4))
-    torch.testing.assert_close(pooled[2, 1], wy[5])  # mean of [5, 5]
+    torch.testing.assert_close(pooled[2, 1], 2 * wy[5])  # sum of [5, 5]
     logits = model(torch.randn(3, 3), _kjt())
     assert logits.shape == (3,)
     logits.sum().backward()
-    assert wx.grad.is_sparse
+    grad = model.embeddings.bag.weight.grad
+    assert grad.is_sparse
+    # only the rows the batch used: x rows 1, 2, 3 and y rows 0, 5, 6 (offset by x's 10)
+    assert sorted(grad.coalesce().indices()[0].tolist()) == [1, 2, 3, 10, 15, 16]
     assert all(p.grad is not None and not p.grad.is_sparse for p in model.dense_parameters())
 
 
@@ -59,3 +66,18 @@ def test_dcnv2_variant_runs_and_differs_in_structure():
     assert len(model.interaction.down) == 2
     # the cross network sees the bottom output (5) plus two 4-dim embeddings
     assert model.interaction.up[0].out_features == 5 + 2 * 4
+
+
+def test_mean_pooling_and_mismatched_keys():
+    spec = FeatureSpec(
+        dense=("a",),
+        sparse=(SparseFeature("x", 10, 4, "mean"), SparseFeature("y", 7, 4, "mean")),
+    )
+    model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[]))
+    pooled = model.embeddings(_kjt())
+    wx = model.embeddings.table("x")
+    torch.testing.assert_close(pooled[1, 0], (wx[2] + wx[3]) / 2)
+    bad = _kjt()
+    bad.keys = ["y", "x"]
+    with pytest.raises(ValueError, match="differ from the model"):
+        model.embeddings(bad)
