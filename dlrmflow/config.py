@@ -91,7 +91,9 @@ class TrainConfig(_Section):
     embedding_lr: float | None = Field(None, gt=0, description="defaults to lr")
     seed: int = 0
     log_every: int = Field(50, ge=1, description="steps between metrics.jsonl records")
-    num_workers: int = Field(1, ge=0, description="reader processes (0 reads in-process)")
+    num_workers: int = Field(
+        1, ge=0, description="reader threads decoding ahead (0: read in the training loop)"
+    )
     shuffle: bool = True
     shuffle_window: int = Field(4, ge=1, description="row groups whose rows are shuffled together")
     threads: int | None = Field(

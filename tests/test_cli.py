@@ -82,8 +82,11 @@ def test_missing_dataset_is_a_clear_error(capsys, monkeypatch, tmp_path):
 
 def test_convert_the_real_sample_then_train_on_it(criteo_sample, tmp_path):
     out = str(tmp_path / "criteo")
+    days = [tmp_path / "day0.tsv", tmp_path / "day1.tsv"]
+    for day in days:
+        day.write_bytes(criteo_sample.read_bytes())
     result = runner.invoke(
-        app, ["convert", "--input", str(criteo_sample), "--input", str(criteo_sample), "--out", out]
+        app, ["convert", "--input", str(days[0]), "--input", str(days[1]), "--out", out]
     )
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)

@@ -2,43 +2,142 @@
 
 The layout follows TorchRec's ``KeyedJaggedTensor`` (key-major values with one length per
 key and sample) so that the sharded trainer can split it by key without copying.
+
+The reader builds training batches by transforming whole row groups, concatenating the
+row groups of a shuffle window (``concat``) and gathering permuted samples out of it
+(``take``). Both are vectorized over all keys: a few tensor operations per call, never a
+Python loop per sample.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
-@dataclass
+def _indices(indices: np.ndarray | torch.Tensor, size: int) -> torch.Tensor:
+    """``indices`` as a 1-D int64 tensor, checked to lie in ``[0, size)``.
+
+    Checked because a stray index would not fail in the key-major gather: it would read
+    another key's or another sample's IDs.
+    """
+    idx = torch.as_tensor(indices, dtype=torch.int64)
+    if idx.dim() != 1:
+        raise ValueError(f"take: indices must be 1-D, got shape {tuple(idx.shape)}")
+    if idx.numel():
+        low, high = (int(v) for v in torch.aminmax(idx))
+        if low < 0 or high >= size:
+            raise IndexError(f"take: indices must be in [0, {size}), got [{low}, {high}]")
+    return idx
+
+
+def _jagged_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, lengths) of one-hot ``rows`` [B, n_keys], where -1 means no ID.
+
+    numpy, not torch: its compress is ~3x faster than ``masked_select`` here.
+    """
+    key_major = np.ascontiguousarray(rows.numpy().T).reshape(-1)
+    present = key_major >= 0
+    values = np.compress(present, key_major).astype(np.int64, copy=False)
+    return torch.from_numpy(values), torch.from_numpy(present.astype(np.int32))
+
+
 class KeyedJaggedTensor:
     """Variable-length ID lists for several keys over one batch.
 
     ``values`` holds, key after key, the embedding rows of every sample; ``lengths`` has
     ``len(keys) * batch_size`` entries, key-major, so that ``lengths[k * B + i]`` is the
-    number of IDs of sample ``i`` for key ``k``.
+    number of IDs of sample ``i`` for key ``k``. ``weights``, when present, has one float
+    per value.
+
+    One-hot data (every bag holds one ID or none) can instead be stored sample-major with
+    ``from_one_hot``: one row of IDs per sample. That is the form the transform gives row
+    groups: a ``take`` from it reads one contiguous row per sample instead of a length, an
+    offset and a value per key scattered over the key-major arrays (about 6x less time in
+    cache misses). ``values`` and ``lengths`` are then built on first access; ``take``
+    always returns the jagged form, ready for training.
+
+    Treat it as immutable: the offsets and the built forms are kept once computed, so that
+    the many ``take`` calls on one concatenated window pay for them once. ``take`` and the
+    one-hot form work on CPU tensors (the loader's side); ``to`` moves the jagged form.
     """
 
-    keys: list[str]
-    values: torch.Tensor  # int64 [sum(lengths)]
-    lengths: torch.Tensor  # int32 [len(keys) * B]
-    weights: torch.Tensor | None = None  # float32 [sum(lengths)], optional per-ID weights
+    def __init__(
+        self,
+        keys: list[str],
+        values: torch.Tensor,  # int64 [sum(lengths)]
+        lengths: torch.Tensor,  # int32 [len(keys) * B]
+        weights: torch.Tensor | None = None,  # float32 [sum(lengths)], optional per-ID weights
+    ) -> None:
+        self.keys = keys
+        self.weights = weights
+        self._values: torch.Tensor | None = values
+        self._lengths: torch.Tensor | None = lengths
+        self._rows: torch.Tensor | None = None
+        self._offsets: torch.Tensor | None = None
+        self._bags_of_one: bool | None = None  # every length is 0 or 1
+
+    @classmethod
+    def from_one_hot(cls, keys: list[str], rows: torch.Tensor) -> KeyedJaggedTensor:
+        """One-hot IDs stored sample-major: ``rows[i, k]`` is sample ``i``'s ID for key ``k``.
+
+        ``rows`` is an int32 or int64 CPU tensor [B, len(keys)]; -1 marks an empty bag.
+        No weights.
+        """
+        if rows.dim() != 2 or rows.shape[1] != len(keys):
+            raise ValueError(
+                f"from_one_hot: rows must be [B, {len(keys)}], got {tuple(rows.shape)}"
+            )
+        if rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"from_one_hot: rows must be int32 or int64, got {rows.dtype}")
+        kjt = cls(keys, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
+        kjt._values = kjt._lengths = None
+        kjt._rows = rows
+        kjt._bags_of_one = True
+        return kjt
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            self._build_jagged()
+        assert self._values is not None
+        return self._values
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        if self._lengths is None:
+            self._build_jagged()
+        assert self._lengths is not None
+        return self._lengths
+
+    def _build_jagged(self) -> None:
+        assert self._rows is not None
+        self._values, self._lengths = _jagged_from_rows(self._rows)
 
     @property
     def stride(self) -> int:
         """The batch size."""
+        if self._rows is not None:
+            return self._rows.shape[0]
         return self.lengths.numel() // max(len(self.keys), 1)
 
     def offsets(self) -> torch.Tensor:
-        """Exclusive prefix sum of ``lengths`` (int64, one more entry than ``lengths``)."""
-        out = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)
-        torch.cumsum(self.lengths, 0, out=out[1:])
-        return out
+        """Exclusive prefix sum of ``lengths`` (int64, one more entry than ``lengths``).
+
+        Computed on first use and kept; do not modify the returned tensor.
+        """
+        if self._offsets is None:
+            out = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)
+            torch.cumsum(self.lengths, 0, out=out[1:])
+            self._offsets = out
+        return self._offsets
 
     def length_per_key(self) -> list[int]:
         """How many values each key has in this batch."""
-        return self.lengths.view(len(self.keys), -1).sum(1).tolist()
+        return self.lengths.view(len(self.keys), self.stride).sum(1).tolist()
 
     def split_by_key(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{key: (values, offsets)}`` as ``torch.nn.EmbeddingBag`` takes them."""
@@ -50,6 +149,83 @@ class KeyedJaggedTensor:
             offs = torch.zeros(lens.numel(), dtype=torch.int64)
             torch.cumsum(lens[:-1], 0, out=offs[1:])
             out[key] = (vals, offs)
+        return out
+
+    def take(self, indices: np.ndarray | torch.Tensor) -> KeyedJaggedTensor:
+        """The samples ``indices`` (1-D, in ``[0, stride)``) in that order, for every key.
+
+        Repeated indices repeat their samples. The result is in the jagged form.
+        """
+        if self._rows is not None:
+            idx = _indices(indices, self.stride)
+            values, lengths = _jagged_from_rows(self._rows.index_select(0, idx))
+            return KeyedJaggedTensor(self.keys, values, lengths)
+        if not self.keys:  # no key, no samples: nothing to gather and no stride to check
+            weights = None if self.weights is None else self.weights[:0]
+            return KeyedJaggedTensor([], self.values[:0], self.lengths[:0], weights)
+        idx = _indices(indices, self.stride).numpy()
+        # Slots of (key k, sample idx[j]) in ``lengths``, key-major like the output. numpy,
+        # not torch: its gathers and repeat measured about 2x faster here.
+        slots = (np.arange(len(self.keys)) * self.stride)[:, None] + idx
+        lengths = self.lengths.numpy().take(slots.reshape(-1))
+        starts = self.offsets().numpy().take(slots.reshape(-1))
+        if self._all_bags_of_one():
+            positions = np.compress(lengths.astype(np.bool_), starts)  # the non-empty bags
+        else:
+            # Each ID's position: its bag's start plus its rank inside the bag, i.e. the
+            # running count over the output minus the count before its bag.
+            ends = np.cumsum(lengths, dtype=np.int64)
+            total = int(ends[-1]) if len(ends) else 0
+            positions = np.arange(total) + np.repeat(starts - (ends - lengths), lengths)
+        weights = None if self.weights is None else self.weights[torch.from_numpy(positions)]
+        out = KeyedJaggedTensor(
+            self.keys,
+            torch.from_numpy(self.values.numpy().take(positions)),
+            torch.from_numpy(lengths),
+            weights,
+        )
+        out._bags_of_one = self._bags_of_one  # a subset of bags of one is bags of one
+        return out
+
+    def _all_bags_of_one(self) -> bool:
+        if self._bags_of_one is None:
+            lengths = self.lengths
+            self._bags_of_one = lengths.numel() == 0 or int(lengths.max()) <= 1
+        return self._bags_of_one
+
+    @classmethod
+    def concat(cls, parts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """One KJT holding the samples of ``parts`` one part after another.
+
+        All parts must have the same keys, and either all or none carry weights. Parts all
+        in the one-hot form give the one-hot form.
+        """
+        if not parts:
+            raise ValueError("concat: no KeyedJaggedTensor to concatenate")
+        keys = parts[0].keys
+        for part in parts:
+            if part.keys != keys:
+                raise ValueError(f"concat: keys differ: {keys} and {part.keys}")
+        if all(p._rows is not None for p in parts):
+            return cls.from_one_hot(keys, torch.cat([p._rows for p in parts]))
+        weighted = {p.weights is not None for p in parts}
+        if len(weighted) > 1:
+            raise ValueError("concat: some parts have weights and some do not")
+        n_keys = len(keys)
+        lengths = torch.cat([p.lengths.view(n_keys, p.stride) for p in parts], dim=1).view(-1)
+        sizes = [p.length_per_key() for p in parts]
+
+        def key_major(tensors: list[torch.Tensor]) -> torch.Tensor:
+            # Key k of every part, then key k + 1: one copy of each piece into place.
+            pieces = [t.split(s) for t, s in zip(tensors, sizes, strict=True)]
+            ordered = [piece[k] for k in range(n_keys) for piece in pieces]
+            return torch.cat(ordered) if ordered else tensors[0][:0].clone()
+
+        values = key_major([p.values for p in parts])
+        weights = key_major([p.weights for p in parts]) if weighted == {True} else None
+        out = cls(keys, values, lengths, weights)
+        if all(p._bags_of_one is not None for p in parts):
+            out._bags_of_one = all(p._bags_of_one for p in parts)
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
@@ -70,6 +246,10 @@ class KeyedJaggedTensor:
             weights=None if self.weights is None else self.weights.pin_memory(),
         )
 
+    def __repr__(self) -> str:
+        form = "one-hot" if self._rows is not None and self._values is None else "jagged"
+        return f"KeyedJaggedTensor(keys={self.keys}, stride={self.stride}, {form})"
+
 
 @dataclass
 class Batch:
@@ -81,6 +261,38 @@ class Batch:
 
     def __len__(self) -> int:
         return self.labels.shape[0]
+
+    def take(self, indices: np.ndarray | torch.Tensor) -> Batch:
+        """The rows ``indices`` (1-D, in ``[0, len(self))``) in that order."""
+        idx = _indices(indices, len(self))
+        return Batch(
+            dense=self.dense.index_select(0, idx),
+            sparse=self.sparse.take(idx),
+            labels=self.labels.index_select(0, idx),
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence[Batch]) -> Batch:
+        """One batch holding the rows of ``batches`` one batch after another.
+
+        Its ``dense`` and ``labels`` are views of one [B, n_dense + 1] buffer, each label
+        beside its row's features: a ``take`` then finds a row's label in the cache line
+        its features brought in, instead of missing the cache once more per row.
+        """
+        if not batches:
+            raise ValueError("concat: no Batch to concatenate")
+        n_dense = batches[0].dense.shape[1]
+        rows = torch.empty(sum(len(b) for b in batches), n_dense + 1, dtype=torch.float32)
+        start = 0
+        for b in batches:
+            rows[start : start + len(b), :n_dense] = b.dense
+            rows[start : start + len(b), n_dense] = b.labels
+            start += len(b)
+        return cls(
+            dense=rows[:, :n_dense],
+            sparse=KeyedJaggedTensor.concat([b.sparse for b in batches]),
+            labels=rows[:, n_dense],
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(

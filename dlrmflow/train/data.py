@@ -1,7 +1,7 @@
 """Composes ingest and features into the loaders the trainer and the evaluator consume.
 
-This is the only place that joins the two stages: the reader yields Arrow batches and runs
-the feature transform in its worker processes, so preprocessing overlaps training.
+This is the only place that joins the two stages: the reader runs the feature transform on
+each decoded row group in its own threads, so preprocessing overlaps training.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.nodes import Loader
 
 from dlrmflow.config import RunConfig
 from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
@@ -75,11 +75,11 @@ def batch_loader(
     batch_size: int,
     num_workers: int,
     shuffle: bool,
-    shuffle_window: int = 1,
+    shuffle_window: int = 4,
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
-) -> tuple[ParquetBatchDataset, StatefulDataLoader]:
+) -> tuple[ParquetBatchDataset, Loader]:
     """A resumable loader of ``Batch`` objects over the given day files."""
     transform = BatchTransform(spec, ids)
     dataset = ParquetBatchDataset(

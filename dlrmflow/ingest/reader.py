@@ -1,0 +1,640 @@
+"""Parquet -> batches, split across ranks and reader threads, resumable mid-epoch.
+
+The unit of work is a *split*: one row group of one file. Every epoch the global split list
+is shuffled by ``(seed, epoch)`` and dealt round-robin to the ``world_size * num_workers``
+readers, so each row is read exactly once per epoch. A reader works through its splits
+``shuffle_window`` at a time. Each split is decoded, validated and transformed whole, because
+vectorized work on a row group costs far less per row than the same work on a batch; the
+window's blocks are concatenated, permuted together (a bounded shuffle: cheap, yet it mixes
+rows across files) and cut into batches. Rows left over carry into the next window, so every
+batch except a reader's last is full.
+
+Readers are threads, not processes: pyarrow, numpy and torch release the GIL, so readers
+run in parallel with training and a batch reaches the consumer without an inter-process
+copy. Each reader is a ``torchdata.nodes`` node (``SplitReader``) behind a ``Prefetcher``;
+``RoundRobin`` interleaves them in a fixed order, and ``make_loader`` wraps the graph in a
+``Loader``. Inside a reader, one thread decodes a window while another transforms and cuts
+the previous one, ahead of the window whose batches are being handed out: a reader holds
+up to about four windows. ``validate`` and ``transform`` are called from several threads at
+once, so they must be thread-safe.
+
+``transform(table)`` turns a row group into a *block*, anything that implements ``Block``
+(``take``, ``concat``, ``len``) row-wise, so the batches hold the same rows in the same
+order as without a transform. Without one, blocks are Arrow tables and batches Arrow record
+batches.
+
+Resumption is a few integers per reader: ``(epoch, window, offset)``, the position of the
+next row not yet emitted. Because a window's content and permutation depend only on the
+configuration, restoring re-reads the current window, never the epoch so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, Self
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from torchdata.nodes import BaseNode, Loader, Prefetcher
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file, row group and column."""
+
+
+class Block(Protocol):
+    """What ``transform`` returns for one row group: rows that can be reordered and joined.
+
+    Row ``i`` of the block must come from row ``i`` of the table (a row-wise transform), so
+    that permuting the block permutes the table's rows.
+    """
+
+    def __len__(self) -> int:
+        """The number of rows."""
+        ...
+
+    def take(self, indices: np.ndarray) -> Self:
+        """The rows at ``indices`` (1-D int64), in that order."""
+        ...
+
+    @classmethod
+    def concat(cls, blocks: Sequence[Self]) -> Self:
+        """The rows of ``blocks``, one block after the other."""
+        ...
+
+
+@dataclass(frozen=True)
+class Split:
+    """One row group of one Parquet file: the unit of work handed to a reader."""
+
+    path: str
+    row_group: int
+    num_rows: int
+
+
+def list_splits(paths: Sequence[str]) -> list[Split]:
+    """Every non-empty row group of ``paths``, in file then row-group order.
+
+    Only the footers are read. Empty row groups are left out since they hold no work.
+    """
+    splits = []
+    for path in paths:
+        try:
+            with fsspec.open(path, "rb") as f:
+                metadata = pq.ParquetFile(f).metadata
+        except Exception as e:
+            raise DataError(f"{path}: cannot read Parquet footer: {e}") from e
+        for i in range(metadata.num_row_groups):
+            rows = metadata.row_group(i).num_rows
+            if rows > 0:
+                splits.append(Split(path, i, rows))
+    return splits
+
+
+def assign_splits(
+    splits: Sequence[Split],
+    *,
+    rank: int,
+    world_size: int,
+    worker: int,
+    num_workers: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+) -> list[Split]:
+    """The splits that reader ``rank * num_workers + worker`` reads in ``epoch``, in order.
+
+    The global list is permuted by ``(seed, epoch)`` alone, so every reader computes the same
+    permutation without communicating; taking every ``world_size * num_workers``-th split
+    then partitions it, which is what makes the epoch exactly-once.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker {worker} is outside num_workers {num_workers}")
+    order = list(splits)
+    if shuffle:
+        permutation = np.random.default_rng((seed, epoch)).permutation(len(order))
+        order = [order[i] for i in permutation]
+    return order[rank * num_workers + worker :: world_size * num_workers]
+
+
+class ParquetBatchDataset:
+    """The configuration of one rank's batches: ``batch_size`` rows of ``columns`` of ``splits``.
+
+    It reads nothing itself: ``make_loader`` builds the reader threads that iterate it.
+    ``validate`` checks each decoded row group (an error it raises becomes a ``DataError``
+    naming the row group) and ``transform`` turns it into a ``Block``. ``dictionary_columns`` are
+    decoded as Arrow dictionaries (indices plus the row group's distinct values), which
+    Parquet can only do for string and binary columns.
+    """
+
+    def __init__(
+        self,
+        splits: Sequence[Split],
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_window: int = 4,
+        drop_last: bool = False,
+        validate: Callable[[pa.Table], None] | None = None,
+        transform: Callable[[pa.Table], Block] | None = None,
+        dictionary_columns: Sequence[str] = (),
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if shuffle_window < 1:
+            raise ValueError(f"shuffle_window must be positive, got {shuffle_window}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be non-negative, got {seed}")
+        if not columns or len(set(columns)) != len(columns):
+            raise ValueError(f"columns must be non-empty and distinct, got {list(columns)}")
+        unknown = [c for c in dictionary_columns if c not in columns]
+        if unknown:
+            raise ValueError(f"dictionary_columns {unknown} are not among the columns read")
+        self.splits = list(splits)
+        self.columns = list(columns)
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.shuffle_window = shuffle_window
+        self.drop_last = drop_last
+        self.validate = validate
+        self.transform = transform
+        self.dictionary_columns = list(dictionary_columns)
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next fresh pass reads (a loaded state keeps its own)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be non-negative, got {epoch}")
+        self._epoch = epoch
+
+
+class SplitReader(BaseNode[Any]):
+    """The batches of reader ``worker`` of ``num_workers`` on the dataset's rank.
+
+    ``reset()`` starts a pass over the epoch set on the dataset; ``reset(state)`` resumes
+    the pass ``state`` was taken in, after checking that it was taken under this reader's
+    layout.
+    """
+
+    def __init__(self, dataset: ParquetBatchDataset, worker: int = 0, num_workers: int = 1):
+        super().__init__()
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"worker {worker} is outside num_workers {num_workers}")
+        self.dataset = dataset
+        self.worker = worker
+        self.num_workers = num_workers
+        self._pass: _Pass | None = None
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            cursor = (self.dataset.epoch, 0, 0)
+        else:
+            if "layout" not in initial_state:
+                raise ValueError(
+                    "not a reader state (was it saved by a loader with num_workers > 0?)"
+                )
+            layout = self._layout()
+            if initial_state["layout"] != layout:
+                raise ValueError(
+                    f"reader state was saved with layout {initial_state['layout']}, "
+                    f"which does not match this reader's {layout}"
+                )
+            cursor = (
+                int(initial_state["epoch"]),
+                int(initial_state["window"]),
+                int(initial_state["offset"]),
+            )
+        # A new pass object rather than a rewound one: a prefetch thread of the previous
+        # pass may still be finishing a batch (the Prefetcher waits for it 0.5 s at most),
+        # and must not move this pass's cursor.
+        self._pass = _Pass(self.dataset, self.worker, self.num_workers, cursor)
+
+    def next(self) -> Any:
+        assert self._pass is not None  # BaseNode resets before the first next()
+        return self._pass.next()
+
+    def get_state(self) -> dict[str, Any]:
+        assert self._pass is not None
+        epoch, window, offset = self._pass.cursor
+        return {"epoch": epoch, "window": window, "offset": offset, "layout": self._layout()}
+
+    def _layout(self) -> dict[str, Any]:
+        # Everything that decides which rows a window holds and in what order; a state
+        # taken under another layout would silently repeat or skip rows.
+        d = self.dataset
+        return {
+            "splits": len(d.splits),
+            "reader": d.rank * self.num_workers + self.worker,
+            "num_readers": d.world_size * self.num_workers,
+            "seed": d.seed,
+            "shuffle": d.shuffle,
+            "shuffle_window": d.shuffle_window,
+        }
+
+
+_Cursor = tuple[int, int, int]  # (epoch, window, offset) of the next row to emit
+
+
+def _position(epoch: int, window: int, offset: int, window_rows: int) -> _Cursor:
+    """The cursor after ``offset`` rows of ``window``.
+
+    A finished window points at the next one so that resuming does not re-read it for nothing.
+    """
+    return (epoch, window + 1, 0) if offset == window_rows else (epoch, window, offset)
+
+
+def _bounds(rows: int, first: int, size: int) -> list[int]:
+    """Cut points of ``rows`` into pieces of ``first``, then ``size`` each (the last shorter)."""
+    return [0, *range(first, rows, size), rows]
+
+
+class _Pass:
+    """One reader's pass through its splits from ``cursor`` on.
+
+    It owns the pass's only mutable state, ``cursor``: the position of the next row not yet
+    emitted, moved before each batch is returned so that a state taken right after it (the
+    ``Prefetcher`` snapshots its source per item) points past it. Nothing refers back to
+    the pass, so an abandoned one is freed, its threads told to stop, as soon as it is
+    dropped rather than at the next garbage collection.
+    """
+
+    def __init__(
+        self,
+        dataset: ParquetBatchDataset,
+        worker: int,
+        num_workers: int,
+        cursor: _Cursor,
+    ) -> None:
+        epoch, window, offset = cursor
+        plan = _Plan(dataset, worker, num_workers, epoch)
+        # Past the last window, only offset 0 (the end of the pass) exists.
+        rows = [*plan.window_rows, 1]
+        if not (0 <= window < len(rows) and 0 <= offset < rows[window]):
+            raise ValueError(f"reader state {cursor} is outside this reader's windows")
+        self.cursor = cursor
+        self._end = (epoch, len(plan.windows), 0)
+        self._batches = plan.batches(window, offset)
+
+    def next(self) -> Any:
+        try:
+            batch, self.cursor = next(self._batches)
+        except StopIteration:
+            self.cursor = self._end  # also when drop_last dropped the rows left over
+            raise
+        return batch
+
+
+class _Plan:
+    """What one reader reads in one epoch, and how: its windows of splits, cut into batches."""
+
+    def __init__(
+        self, dataset: ParquetBatchDataset, worker: int, num_workers: int, epoch: int
+    ) -> None:
+        self._dataset = dataset
+        self._worker = worker
+        self._epoch = epoch
+        splits = assign_splits(
+            dataset.splits,
+            rank=dataset.rank,
+            world_size=dataset.world_size,
+            worker=worker,
+            num_workers=num_workers,
+            seed=dataset.seed,
+            epoch=epoch,
+            shuffle=dataset.shuffle,
+        )
+        size = dataset.shuffle_window
+        self.windows = [splits[i : i + size] for i in range(0, len(splits), size)]
+        self.window_rows = [sum(s.num_rows for s in window) for window in self.windows]
+        transform = dataset.transform
+        self._blocks = _ArrowBlocks() if transform is None else _TransformedBlocks(transform)
+        self._decoder = _SplitDecoder(dataset)
+
+    def batches(self, start_window: int, start_offset: int) -> Iterator[tuple[Any, _Cursor]]:
+        """The batches from row ``start_offset`` of ``start_window`` on, with their cursors.
+
+        A batch's cursor is the position after it, where a pass resumed from it begins.
+        """
+        epoch, size = self._epoch, self._dataset.batch_size
+        carry = None  # fewer than batch_size rows from earlier windows
+        # While one window's batches are handed out, the next is cut in one thread and the
+        # one after it decoded in another: a steady stream of batches rather than a burst of
+        # work per window (which would hold up the round robin over readers), and two
+        # threads per reader where the cores are free.
+        decoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlrmflow-decode")
+        cutting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlrmflow-cut")
+
+        def decode(w: int) -> Future[list[pa.Table]] | None:
+            if w >= len(self.windows):
+                return None
+            return decoding.submit(lambda: [self._decoder.read(s) for s in self.windows[w]])
+
+        def cut(
+            w: int, start: int, held: int, tables: Future[list[pa.Table]] | None
+        ) -> Future[list[Any]] | None:
+            if tables is None:
+                return None
+            return cutting.submit(lambda: self._cut(w, start, held, tables.result()))
+
+        try:
+            held, start = 0, start_offset
+            cutting_next = cut(start_window, start, held, decode(start_window))
+            decoding_next = decode(start_window + 1)
+            for w in range(start_window, len(self.windows)):
+                assert cutting_next is not None
+                rows = self.window_rows[w]
+                pos, pieces = start, cutting_next.result()
+                # The next window's cut only needs the number of rows carried into it, which
+                # the split row counts give in advance.
+                held, start = (held + rows - pos) % size, 0
+                cutting_next = cut(w + 1, start, held, decoding_next)
+                decoding_next = decode(w + 2)
+                for piece in pieces:
+                    pos += len(piece)
+                    if carry is not None:
+                        piece, carry = self._blocks.join_batches([carry, piece]), None
+                    if len(piece) < size:
+                        carry = piece
+                        continue
+                    yield piece, _position(epoch, w, pos, rows)
+        finally:
+            # Whether finished or abandoned: windows still being prepared are not waited for.
+            decoding.shutdown(wait=False, cancel_futures=True)
+            cutting.shutdown(wait=False, cancel_futures=True)
+        if carry is not None and not self._dataset.drop_last:
+            yield carry, (epoch, len(self.windows), 0)
+
+    def _cut(self, w: int, start: int, held: int, tables: list[pa.Table]) -> list[Any]:
+        """Window ``w``'s batches from row ``start`` on, in emission order.
+
+        They are cut so that the first one completes the ``held`` rows carried over from
+        earlier windows; every one after it has ``batch_size`` rows but the last.
+        """
+        window, blocks = self.windows[w], self._blocks
+        block = blocks.join_splits([blocks.make(s, t) for s, t in zip(window, tables, strict=True)])
+        rows = len(block) - start
+        bounds = _bounds(rows, min(self._dataset.batch_size - held, rows), self._dataset.batch_size)
+        order = self._order(w, len(block))[start:]
+        return blocks.cut(block, [order[a:b] for a, b in itertools.pairwise(bounds)])
+
+    def _order(self, window: int, rows: int) -> np.ndarray:
+        """The emission order of the window's rows."""
+        d = self._dataset
+        if not d.shuffle:
+            return np.arange(rows, dtype=np.int64)
+        rng = np.random.default_rng((d.seed, self._epoch, d.rank, self._worker, window))
+        return rng.permutation(rows)
+
+
+class _TransformedBlocks:
+    """How splits become batches when ``transform`` makes blocks: the ``Block`` protocol."""
+
+    def __init__(self, transform: Callable[[pa.Table], Block]) -> None:
+        self.transform = transform
+
+    def make(self, split: Split, table: pa.Table) -> Block:
+        try:
+            block = self.transform(table)
+        except Exception as e:
+            raise DataError(f"{_where(split)}: transform failed: {type(e).__name__}: {e}") from e
+        if len(block) != table.num_rows:
+            raise ValueError(
+                f"{_where(split)}: transform returned {len(block)} rows for {table.num_rows}; "
+                "it must map each row to one row"
+            )
+        return block
+
+    @staticmethod
+    def join_splits(blocks: list[Block]) -> Block:
+        return blocks[0] if len(blocks) == 1 else type(blocks[0]).concat(blocks)
+
+    join_batches = join_splits
+
+    @staticmethod
+    def cut(block: Block, pieces: list[np.ndarray]) -> list[Block]:
+        return [block.take(indices) for indices in pieces]
+
+
+class _ArrowBlocks:
+    """How splits become batches without a transform: Arrow tables in, record batches out."""
+
+    @staticmethod
+    def make(split: Split, table: pa.Table) -> pa.Table:
+        return table
+
+    @staticmethod
+    def join_splits(tables: list[pa.Table]) -> pa.Table:
+        return pa.concat_tables(tables)  # zero-copy: one chunk per split
+
+    @staticmethod
+    def join_batches(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+        # A batch that owns exactly its rows, so that it keeps no window alive.
+        table = pa.Table.from_batches(batches)
+        arrays = [pa.concat_arrays(column.chunks) for column in table.columns]
+        return pa.RecordBatch.from_arrays(arrays, schema=table.schema)
+
+    @staticmethod
+    def cut(table: pa.Table, pieces: list[np.ndarray]) -> list[pa.RecordBatch]:
+        # One gather for the window; chunked indices give one output chunk per batch. A take
+        # per batch costs about twice as much: Arrow's per-call cost on every column adds up.
+        return table.take(pa.chunked_array(pieces, type=pa.int64())).to_batches()
+
+
+def _where(split: Split) -> str:
+    return f"{split.path}, row group {split.row_group}"
+
+
+class _SplitDecoder:
+    """Decodes splits into tables under one schema, validated.
+
+    One per pass, used by one thread at a time (the pass's decode thread).
+    """
+
+    def __init__(self, dataset: ParquetBatchDataset) -> None:
+        self.columns = dataset.columns
+        self.dictionary_columns = dataset.dictionary_columns
+        self.validate = dataset.validate
+        self._footers: dict[str, pq.FileMetaData] = {}
+        self._schema: pa.Schema | None = None  # of the first row group read, all nullable
+        self._schema_source = ""
+
+    def read(self, split: Split) -> pa.Table:
+        table = self._conform(self._decode(split), split)
+        if self.validate is not None:
+            try:
+                self.validate(table)
+            except Exception as e:
+                raise DataError(f"{_where(split)}: {e}") from e
+        return table
+
+    def _decode(self, split: Split) -> pa.Table:
+        where = _where(split)
+        try:
+            with fsspec.open(split.path, "rb") as f:
+                # pre_buffer coalesces the column-chunk reads: one request per row group on
+                # object stores instead of one per column.
+                parquet = pq.ParquetFile(
+                    f,
+                    metadata=self._footers.get(split.path),
+                    pre_buffer=True,
+                    read_dictionary=self.dictionary_columns or None,
+                )
+                self._footers[split.path] = parquet.metadata
+                names = parquet.schema_arrow.names
+                missing = [c for c in self.columns if c not in names]
+                if missing:
+                    raise DataError(f"{where}: missing column {', '.join(missing)} (schema drift)")
+                # Without Arrow's thread pool: every reader would spread over all cores, and
+                # the loader's CPU use would no longer follow from num_workers.
+                table = parquet.read_row_group(
+                    split.row_group, columns=self.columns, use_threads=False
+                )
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"{where}: cannot decode: {e}") from e
+        if table.num_rows != split.num_rows:
+            raise DataError(
+                f"{where}: has {table.num_rows} rows, the split listing said {split.num_rows} "
+                "(file changed since list_splits)"
+            )
+        for name in self.dictionary_columns:
+            column_type = table.schema.field(name).type
+            if not pa.types.is_dictionary(column_type):
+                # pyarrow silently decodes other types plainly; say so rather than let the
+                # option do nothing.
+                raise DataError(
+                    f"{where}: column {name} is {column_type}, which Parquet cannot decode as "
+                    "a dictionary (only string and binary columns); drop it from "
+                    "dictionary_columns"
+                )
+        return table
+
+    def _conform(self, table: pa.Table, split: Split) -> pa.Table:
+        """``table`` under the reader's one schema, or a DataError if a column's type drifted.
+
+        Row groups of one window are concatenated, which needs identical schemas; files that
+        differ only in nullability or metadata are fine, so the reference is all-nullable.
+        A dictionary type does not include its values, so dictionary columns whose row
+        groups hold different dictionaries conform.
+        """
+        if self._schema is None:
+            self._schema = pa.schema([f.with_nullable(True) for f in table.schema])
+            self._schema_source = _where(split)
+        for field, expected in zip(table.schema, self._schema, strict=True):
+            if field.type != expected.type:
+                raise DataError(
+                    f"{_where(split)}: column {field.name} is {field.type}, but "
+                    f"{self._schema_source} has {expected.type} (schema drift)"
+                )
+        if table.schema.equals(self._schema):
+            return table
+        return pa.Table.from_arrays(table.columns, schema=self._schema)
+
+
+class RoundRobin(BaseNode[Any]):
+    """One item from each source in turn; a source that runs out leaves the rotation.
+
+    The order depends only on the sources, never on which one is ready first, so a run's
+    batch order is reproducible. The state holds whose turn it is, the sources still in the
+    rotation and every source's state.
+    """
+
+    def __init__(self, sources: Sequence[BaseNode[Any]]) -> None:
+        super().__init__()
+        if not sources:
+            raise ValueError("RoundRobin needs at least one source")
+        self.sources = list(sources)
+        self._active: list[int] = []  # indices into sources, in rotation order
+        self._turn = 0  # index into _active
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            for source in self.sources:
+                source.reset()
+            self._active, self._turn = list(range(len(self.sources))), 0
+            return
+        if "sources" not in initial_state:
+            raise ValueError(
+                "not a round-robin state (was it saved by a loader with num_workers=0?)"
+            )
+        states = initial_state["sources"]
+        if len(states) != len(self.sources):
+            raise ValueError(
+                f"state holds {len(states)} sources, this round robin has {len(self.sources)} "
+                "(was it saved with another num_workers?)"
+            )
+        for source, state in zip(self.sources, states, strict=True):
+            source.reset(state)
+        self._active = [int(i) for i in initial_state["active"]]
+        self._turn = int(initial_state["turn"])
+
+    def next(self) -> Any:
+        while self._active:
+            source = self.sources[self._active[self._turn]]
+            try:
+                item = next(source)
+            except StopIteration:
+                del self._active[self._turn]
+                if self._turn == len(self._active):
+                    self._turn = 0
+                continue
+            self._turn = (self._turn + 1) % len(self._active)
+            return item
+        raise StopIteration
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "turn": self._turn,
+            "active": list(self._active),
+            "sources": [source.state_dict() for source in self.sources],
+        }
+
+
+def make_loader(
+    dataset: ParquetBatchDataset, num_workers: int = 1, prefetch_factor: int = 4
+) -> Loader[Any]:
+    """A resumable loader whose ``num_workers`` reader threads run ahead of the consumer.
+
+    Each reader keeps up to ``prefetch_factor`` batches ready; with ``num_workers=0`` the
+    one reader hands its batches out in the consumer's thread (its decode and cut threads
+    still work ahead). ``for batch in loader`` starts a fresh pass over the epoch set
+    with ``dataset.set_epoch``, unless a state was loaded with ``load_state_dict``: then the
+    pass resumes in that state's epoch, right after its last batch. A state taken after an
+    epoch's last batch restores to a fresh pass, so call ``set_epoch`` with the next epoch
+    first. Memory is not pinned: a record batch cannot be, and the trainer decides about
+    its tensors.
+    """
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be non-negative, got {num_workers}")
+    if prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor must be positive, got {prefetch_factor}")
+    if num_workers == 0:
+        return Loader(SplitReader(dataset))
+    readers = [
+        Prefetcher(SplitReader(dataset, worker, num_workers), prefetch_factor)
+        for worker in range(num_workers)
+    ]
+    return Loader(RoundRobin(readers))
