@@ -214,6 +214,11 @@ def demo(
     cfg = apply_overrides(base, overrides)
     from dlrmflow.flows.end_to_end import end_to_end
 
+    typer.echo(
+        f"end_to_end flow: generate {cfg.data.days} x {cfg.data.rows_per_day} rows -> train -> "
+        f"evaluate -> report, in {run_dir} (task logs go to the Prefect API)",
+        err=True,
+    )
     summary = end_to_end(cfg)
     width = max(len(k) for k in summary)
     for key, value in summary.items():

@@ -54,6 +54,9 @@ class FeaturesConfig(_Section):
         4.0, ge=1, description="hash: buckets per distinct ID when the cardinality is known"
     )
     min_count: int = Field(2, ge=1, description="vocab: IDs seen fewer times share the OOV row")
+    pooling: Literal["sum", "mean"] = Field(
+        "sum", description="how a bag of IDs is pooled (mean suits long multi-hot lists)"
+    )
 
 
 class ModelConfig(_Section):

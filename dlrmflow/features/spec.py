@@ -69,5 +69,7 @@ class FeatureSpec:
                 rows = min(max(wanted, MIN_HASH_ROWS), cap)
             else:
                 rows = cap
-            sparse.append(SparseFeature(name, max(int(rows), 1), model.embedding_dim))
+            sparse.append(
+                SparseFeature(name, max(int(rows), 1), model.embedding_dim, features.pooling)
+            )
         return cls(dense=DENSE, sparse=tuple(sparse))

@@ -33,3 +33,8 @@ def test_unknown_cardinality_takes_the_cap_and_vocab_sizes_win():
     sizes = {name: i + 1 for i, name in enumerate(SPARSE)}
     spec = FeatureSpec.for_dataset(_manifest(None), features, ModelConfig(), sizes)
     assert [f.num_embeddings for f in spec.sparse] == list(range(1, 27))
+
+
+def test_pooling_comes_from_the_features_config():
+    spec = FeatureSpec.for_dataset(_manifest(None), FeaturesConfig(pooling="mean"), ModelConfig())
+    assert {f.pooling for f in spec.sparse} == {"mean"}

@@ -53,3 +53,18 @@ def test_vocabulary_ids_and_dcnv2_train(tiny_dataset, tmp_path):
 def test_evaluate_without_checkpoint_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         evaluate(tmp_path)
+
+
+def test_multi_hot_data_trains_with_mean_pooling(tmp_path):
+    from dlrmflow.config import DataConfig
+    from dlrmflow.ingest.synthetic import generate_dataset
+    from tests.conftest import TINY_DATA
+
+    data = str(tmp_path / "mh")
+    generate_dataset(DataConfig(url=data, **{**TINY_DATA, "multi_hot": True}))
+    cfg = tiny_run_config(data, tmp_path / "run", epochs=2)
+    cfg.features.pooling = "mean"
+    cfg.data.multi_hot = True
+    result = train(cfg)
+    assert result.rows == 2 * 2 * 6000
+    assert evaluate(tmp_path / "run")["auc"] > 0.6
