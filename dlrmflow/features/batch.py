@@ -58,7 +58,7 @@ class KeyedJaggedTensor:
     groups: a ``take`` from it reads one contiguous row per sample instead of a length, an
     offset and a value per key scattered over the key-major arrays (about 6x less time in
     cache misses). ``values`` and ``lengths`` are then built on first access; ``take``
-    always returns the jagged form, ready for training.
+    keeps the form, and the model reads ``one_hot_rows`` without building them.
 
     Treat it as immutable: the offsets and the built forms are kept once computed, so that
     the many ``take`` calls on one concatenated window pay for them once. ``take`` and the
@@ -98,6 +98,11 @@ class KeyedJaggedTensor:
         kjt._rows = rows
         kjt._bags_of_one = True
         return kjt
+
+    @property
+    def one_hot_rows(self) -> torch.Tensor | None:
+        """The sample-major [B, n_keys] rows (-1: empty bag) of the one-hot form, else None."""
+        return self._rows
 
     @property
     def values(self) -> torch.Tensor:
@@ -154,12 +159,12 @@ class KeyedJaggedTensor:
     def take(self, indices: np.ndarray | torch.Tensor) -> KeyedJaggedTensor:
         """The samples ``indices`` (1-D, in ``[0, stride)``) in that order, for every key.
 
-        Repeated indices repeat their samples. The result is in the jagged form.
+        Repeated indices repeat their samples. The one-hot form stays one-hot (the model
+        reads it directly; ``values``/``lengths`` are built only if asked for).
         """
         if self._rows is not None:
             idx = _indices(indices, self.stride)
-            values, lengths = _jagged_from_rows(self._rows.index_select(0, idx))
-            return KeyedJaggedTensor(self.keys, values, lengths)
+            return KeyedJaggedTensor.from_one_hot(self.keys, self._rows.index_select(0, idx))
         if not self.keys:  # no key, no samples: nothing to gather and no stride to check
             weights = None if self.weights is None else self.weights[:0]
             return KeyedJaggedTensor([], self.values[:0], self.lengths[:0], weights)

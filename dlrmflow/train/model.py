@@ -45,23 +45,37 @@ class EmbeddingBagCollection(nn.Module):
         if len(modes) != 1 or len(dims) != 1:
             raise ValueError("all sparse features must share one pooling mode and dim")
         sizes = [f.num_embeddings for f in spec.sparse]
-        self.bag = nn.EmbeddingBag(sum(sizes), dims.pop(), mode=modes.pop(), sparse=True)
+        # One extra all-zero row that pools to nothing: empty bags of one-hot batches point
+        # at it, so they need no compaction into the jagged layout.
+        self.padding_row = sum(sizes)
+        self.bag = nn.EmbeddingBag(
+            self.padding_row + 1,
+            dims.pop(),
+            mode=modes.pop(),
+            sparse=True,
+            padding_idx=self.padding_row,
+        )
         starts = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
         self.register_buffer("table_starts", starts, persistent=False)
         with torch.no_grad():
-            for table, size in zip(self.bag.weight.split(sizes), sizes, strict=True):
+            for table, size in zip(self.bag.weight[:-1].split(sizes), sizes, strict=True):
                 bound = math.sqrt(1.0 / size)
                 nn.init.uniform_(table, -bound, bound)
         self.sizes = sizes
 
     def table(self, name: str) -> torch.Tensor:
         """The rows of one feature's table (a view into the stacked weight)."""
-        return self.bag.weight.split(self.sizes)[self.names.index(name)]
+        return self.bag.weight[:-1].split(self.sizes)[self.names.index(name)]
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Pooled embeddings [B, n_features, dim] in spec order."""
         if sparse.keys != self.names:
             raise ValueError(f"batch keys {sparse.keys} differ from the model's {self.names}")
+        rows = sparse.one_hot_rows
+        if rows is not None:
+            # Sample-major bags of one: a [B * K, 1] input pools straight into [B, K, dim].
+            stacked = torch.where(rows >= 0, rows + self.table_starts, self.padding_row)
+            return self.bag(stacked.view(-1, 1)).view(rows.shape[0], len(self.names), -1)
         per_key = torch.tensor(sparse.length_per_key(), dtype=torch.int64)
         rows = sparse.values + self.table_starts.repeat_interleave(per_key)
         pooled = self.bag(rows, sparse.offsets()[:-1])

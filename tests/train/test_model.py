@@ -81,3 +81,21 @@ def test_mean_pooling_and_mismatched_keys():
     bad.keys = ["y", "x"]
     with pytest.raises(ValueError, match="differ from the model"):
         model.embeddings(bad)
+
+
+def test_one_hot_form_pools_like_the_jagged_form():
+    torch.manual_seed(0)
+    spec = FeatureSpec(dense=("a",), sparse=(SparseFeature("x", 10, 4), SparseFeature("y", 7, 4)))
+    model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[]))
+    rows = torch.tensor([[1, 0], [3, -1], [-1, 6]], dtype=torch.int32)
+    one_hot = KeyedJaggedTensor.from_one_hot(["x", "y"], rows)
+    jagged = KeyedJaggedTensor(
+        ["x", "y"], torch.tensor([1, 3, 0, 6]), torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.int32)
+    )
+    pooled = model.embeddings(one_hot)
+    torch.testing.assert_close(pooled, model.embeddings(jagged), rtol=0, atol=0)
+    torch.testing.assert_close(pooled[1, 1], torch.zeros(4))  # empty bag pools to zero
+    pooled.sum().backward()
+    grad = model.embeddings.bag.weight.grad.coalesce()
+    # the padding row never receives a gradient, so it stays zero for ever
+    assert model.embeddings.padding_row not in grad.indices()[0][grad.values().abs().sum(1) > 0]
