@@ -129,9 +129,7 @@ class ParquetBatchDataset:
 
     It reads nothing itself: ``make_loader`` builds the reader threads that iterate it.
     ``validate`` checks each decoded row group (an error it raises becomes a ``DataError``
-    naming the row group) and ``transform`` turns it into a ``Block``. ``dictionary_columns`` are
-    decoded as Arrow dictionaries (indices plus the row group's distinct values), which
-    Parquet can only do for string and binary columns.
+    naming the row group) and ``transform`` turns it into a ``Block``.
     """
 
     def __init__(
@@ -148,7 +146,6 @@ class ParquetBatchDataset:
         drop_last: bool = False,
         validate: Callable[[pa.Table], None] | None = None,
         transform: Callable[[pa.Table], Block] | None = None,
-        dictionary_columns: Sequence[str] = (),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -160,9 +157,6 @@ class ParquetBatchDataset:
             raise ValueError(f"seed must be non-negative, got {seed}")
         if not columns or len(set(columns)) != len(columns):
             raise ValueError(f"columns must be non-empty and distinct, got {list(columns)}")
-        unknown = [c for c in dictionary_columns if c not in columns]
-        if unknown:
-            raise ValueError(f"dictionary_columns {unknown} are not among the columns read")
         self.splits = list(splits)
         self.columns = list(columns)
         self.batch_size = batch_size
@@ -174,7 +168,6 @@ class ParquetBatchDataset:
         self.drop_last = drop_last
         self.validate = validate
         self.transform = transform
-        self.dictionary_columns = list(dictionary_columns)
         self._epoch = 0
 
     @property
@@ -473,7 +466,6 @@ class _SplitDecoder:
 
     def __init__(self, dataset: ParquetBatchDataset) -> None:
         self.columns = dataset.columns
-        self.dictionary_columns = dataset.dictionary_columns
         self.validate = dataset.validate
         self._footers: dict[str, pq.FileMetaData] = {}
         self._schema: pa.Schema | None = None  # of the first row group read, all nullable
@@ -494,12 +486,7 @@ class _SplitDecoder:
             with fsspec.open(split.path, "rb") as f:
                 # pre_buffer coalesces the column-chunk reads: one request per row group on
                 # object stores instead of one per column.
-                parquet = pq.ParquetFile(
-                    f,
-                    metadata=self._footers.get(split.path),
-                    pre_buffer=True,
-                    read_dictionary=self.dictionary_columns or None,
-                )
+                parquet = pq.ParquetFile(f, metadata=self._footers.get(split.path), pre_buffer=True)
                 self._footers[split.path] = parquet.metadata
                 names = parquet.schema_arrow.names
                 missing = [c for c in self.columns if c not in names]
@@ -519,16 +506,6 @@ class _SplitDecoder:
                 f"{where}: has {table.num_rows} rows, the split listing said {split.num_rows} "
                 "(file changed since list_splits)"
             )
-        for name in self.dictionary_columns:
-            column_type = table.schema.field(name).type
-            if not pa.types.is_dictionary(column_type):
-                # pyarrow silently decodes other types plainly; say so rather than let the
-                # option do nothing.
-                raise DataError(
-                    f"{where}: column {name} is {column_type}, which Parquet cannot decode as "
-                    "a dictionary (only string and binary columns); drop it from "
-                    "dictionary_columns"
-                )
         return table
 
     def _conform(self, table: pa.Table, split: Split) -> pa.Table:
@@ -536,8 +513,6 @@ class _SplitDecoder:
 
         Row groups of one window are concatenated, which needs identical schemas; files that
         differ only in nullability or metadata are fine, so the reference is all-nullable.
-        A dictionary type does not include its values, so dictionary columns whose row
-        groups hold different dictionaries conform.
         """
         if self._schema is None:
             self._schema = pa.schema([f.with_nullable(True) for f in table.schema])

@@ -338,38 +338,6 @@ def test_only_requested_columns_are_read(splits):
     assert batch.column("x").null_count > 0  # nulls survive the shuffle
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_dictionary_columns_arrive_as_dictionaries(splits, num_workers):
-    kwargs = dict(seed=3, batch_size=90, shuffle_window=3)
-    tables: list[pa.Table] = []
-    plain = list(make_loader(_dataset(splits, **kwargs), num_workers))
-    dataset = ParquetBatchDataset(
-        splits,
-        ["row_id", "tag"],
-        dictionary_columns=["tag"],
-        validate=tables.append,
-        **kwargs,
-    )
-    batches = list(make_loader(dataset, num_workers))
-    # Each row group arrives with its own few distinct values, not one value per row.
-    assert all(pa.types.is_dictionary(t.schema.field("tag").type) for t in tables)
-    assert max(len(t.column("tag").chunk(0).dictionary) for t in tables) <= 6
-    # Batches mix rows of row groups with different dictionaries.
-    assert all(pa.types.is_dictionary(b.schema.field("tag").type) for b in batches)
-    assert [len(b) for b in batches] == [len(b) for b in plain]
-    assert np.array_equal(_row_ids(batches), _row_ids(plain))
-    for batch in batches:
-        expected = [f"t{i // 50}" for i in _ids(batch)]
-        assert batch.column("tag").to_pylist() == expected
-
-
-def test_dictionary_columns_must_be_decodable_as_dictionaries(splits):
-    with pytest.raises(DataError, match=r"row group \d: column row_id is int64, which Parquet"):
-        _read(splits, dictionary_columns=["row_id"])
-    with pytest.raises(ValueError, match="not among the columns"):
-        _dataset(splits, dictionary_columns=["tag"])
-
-
 def test_missing_column_names_file_row_group_and_column(tmp_path):
     path = str(tmp_path / "drift.parquet")
     pq.write_table(_row_group(0, 10).drop_columns(["x"]), path)
