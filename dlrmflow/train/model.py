@@ -16,6 +16,7 @@ from torch import nn
 from dlrmflow.config import ModelConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.kernels.interaction import dot_interaction
 
 
 def mlp(sizes: list[int], *, last_relu: bool) -> nn.Sequential:
@@ -83,22 +84,18 @@ class EmbeddingBagCollection(nn.Module):
 
 
 class DotInteraction(nn.Module):
-    """Pairwise dot products of all feature vectors (lower triangle, no diagonal), plus dense."""
+    """Pairwise dot products of all feature vectors (lower triangle, no diagonal), plus dense.
 
-    def __init__(self, n_vectors: int) -> None:
-        super().__init__()
-        rows, cols = torch.tril_indices(n_vectors, n_vectors, offset=-1)
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("cols", cols, persistent=False)
+    Runs the fused op of ``dlrmflow.kernels`` (one bmm forward, a hand-written backward
+    without the scatter-add an indexed gram would need).
+    """
 
     @staticmethod
     def output_dim(n_vectors: int, dim: int) -> int:
         return dim + n_vectors * (n_vectors - 1) // 2
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        vectors = torch.cat([dense.unsqueeze(1), pooled], dim=1)  # [B, F+1, d]
-        gram = torch.bmm(vectors, vectors.transpose(1, 2))
-        return torch.cat([dense, gram[:, self.rows, self.cols]], dim=1)
+        return dot_interaction(dense, pooled)
 
 
 class CrossNetwork(nn.Module):
@@ -129,7 +126,7 @@ class DLRM(nn.Module):
         self.bottom = mlp([len(spec.dense), *config.bottom_mlp], last_relu=True)
         self.embeddings = EmbeddingBagCollection(spec)
         if config.arch == "dlrm":
-            self.interaction: nn.Module = DotInteraction(n_sparse + 1)
+            self.interaction: nn.Module = DotInteraction()
             top_in = DotInteraction.output_dim(n_sparse + 1, dim)
         else:
             top_in = config.bottom_mlp[-1] + n_sparse * dim

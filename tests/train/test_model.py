@@ -26,7 +26,7 @@ def _kjt() -> KeyedJaggedTensor:
 def test_dot_interaction_is_lower_triangle_of_gram_plus_dense():
     dense = torch.randn(2, 4)
     pooled = torch.randn(2, 3, 4)
-    out = DotInteraction(4)(dense, pooled)
+    out = DotInteraction()(dense, pooled)
     vectors = torch.cat([dense[:, None], pooled], 1)
     expected = [dense]
     pairs = [vectors[:, i] @ vectors[:, j].T for i in range(4) for j in range(i)]

@@ -1,0 +1,1 @@
+"""Fused CPU kernels and Triton GPU kernels: embedding bags, optimizers, interaction, codecs."""
