@@ -1,0 +1,437 @@
+"""Table-batched embedding bag with the optimizer fused into backward (CPU, plain torch ops).
+
+All tables live back to back in one flat float32 weight, whatever their dims; a lookup over
+every feature is one gather per run of consecutive tables that share a dim (one gather in
+total for the usual model, where they all do). Backward never builds a gradient for a
+whole table, nor a sparse gradient for an optimizer to coalesce: it computes one gradient
+per looked-up ID, sorts the IDs (stable), sums the gradients of duplicate IDs segment by
+segment in that sorted order, and updates the touched rows of the weight and of the
+optimizer state in place, as FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` does.
+
+Why this order: each row's gradient is then the sum of its IDs' gradients in the order
+of (table, sample, position in the bag), whatever the thread count and whichever
+input form (jagged or one-hot) the batch came in, so the weights after any number of
+steps are bitwise-identical across runs. No step accumulates with atomics or in an
+order that a thread schedule decides.
+
+Optimizer semantics (all "lazy": rows not looked up in a step are not touched at all, so
+weight decay and Adam's moments decay only on touched rows, as in FBGEMM):
+
+- ``SGD``: ``w -= lr * (g + weight_decay * w)``.
+- ``RowWiseAdagrad`` (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``): one state value per row,
+  ``s += mean(g'^2)`` over the row's elements with ``g' = g + weight_decay * w``, then
+  ``w -= lr * g' / (sqrt(s) + eps)``. With dim 1 it is torch's sparse Adagrad.
+- ``Adam``: per-element moments and torch's ``AdamW`` update (decoupled weight decay, as
+  FBGEMM's Adam), with bias correction by one global step count that every backward
+  advances, as FBGEMM and ``torch.optim.SparseAdam`` do (a row first touched at step 100
+  is corrected with ``1 - beta ** 100``, not as if it were its first step).
+
+The fused update runs once per backward pass; the optimizer state is held in buffers so
+that ``state_dict`` checkpoints it with the weight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from dlrmflow.features.batch import KeyedJaggedTensor
+
+__all__ = ["SGD", "Adam", "RowWiseAdagrad", "TableBatchedEmbeddingBag", "TableConfig"]
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table, looked up by the batch key of the same name."""
+
+    name: str
+    num_embeddings: int
+    dim: int
+    pooling: Literal["sum", "mean"] = "sum"
+
+
+@dataclass(frozen=True)
+class SGD:
+    lr: float
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad:
+    lr: float
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Adam:
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+Optimizer = SGD | RowWiseAdagrad | Adam
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A run of consecutive tables sharing one dim: one 2-D view of the flat weight."""
+
+    first_key: int
+    end_key: int
+    dim: int
+    first_row: int  # global row of the group's first row (row-wise state is indexed by it)
+    num_rows: int
+    first_element: int  # position of the group's first element in the flat weight
+    first_column: int  # where its tables start in the pooled output
+    has_mean: bool
+
+
+@dataclass
+class _Lookup:
+    """What backward needs of one group's lookup.
+
+    ``ids`` are group-local rows, one per looked-up ID; ``positions`` are the bags they
+    pooled into, sample-major (``sample * n_keys + key``, the rows of the output slice
+    viewed as ``[B * n_keys, dim]``), or None when ID ``i`` pooled into bag ``i``.
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor | None
+    divisor: torch.Tensor | None  # per ID: its bag's length for mean pooling, else 1
+    weights: torch.Tensor | None  # per-sample weights
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Forward returns the pooled lookups; backward applies the optimizer and returns None."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        trigger: torch.Tensor,
+        module: TableBatchedEmbeddingBag,
+        pooled: torch.Tensor,
+        lookups: list[_Lookup],
+    ) -> torch.Tensor:
+        ctx.module = module
+        ctx.lookups = lookups
+        return pooled
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_out: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.module._apply_gradient(grad_out, ctx.lookups)
+        return None, None, None, None
+
+
+class TableBatchedEmbeddingBag(nn.Module):
+    """Several embedding tables in one flat weight, pooled per feature, trained in backward.
+
+    ``forward(kjt)`` returns ``[B, sum of dims]``, table after table in config order; in
+    training mode with autograd enabled, the backward of that output updates the looked-up
+    rows in place (see the module docstring for the optimizers). ``weight`` never requires
+    a gradient: do not hand it to a ``torch.optim`` optimizer.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], optimizer: Optimizer, seed: int = 0) -> None:
+        super().__init__()
+        _check_config(tables, optimizer)
+        self.tables = list(tables)
+        self.optimizer = optimizer
+        self.lr = optimizer.lr
+        sizes = [t.num_embeddings for t in tables]
+        dims = [t.dim for t in tables]
+        self.groups = _groups(self.tables)
+        # Row of each table inside its group's 2-D view, indexed by key.
+        local_start = [0] * len(tables)
+        for group in self.groups:
+            for k in range(group.first_key + 1, group.end_key):
+                local_start[k] = local_start[k - 1] + sizes[k - 1]
+        self.register_buffer("_local_start", torch.tensor(local_start), persistent=False)
+        self.register_buffer("_sizes", torch.tensor(sizes), persistent=False)
+        self.register_buffer(
+            "_is_mean", torch.tensor([t.pooling == "mean" for t in tables]), persistent=False
+        )
+        numel = sum(n * d for n, d in zip(sizes, dims, strict=True))
+        self.register_buffer("weight", torch.empty(numel))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name in (t.name for t in tables):
+                table = self.table(name)
+                # The model's init: uniform in +-sqrt(1 / rows), as in the DLRM reference.
+                bound = math.sqrt(1.0 / table.shape[0])
+                table.uniform_(-bound, bound, generator=gen)
+        if isinstance(optimizer, RowWiseAdagrad):
+            self.register_buffer("sum_squares", torch.zeros(sum(sizes)))
+        elif isinstance(optimizer, Adam):
+            self.register_buffer("momentum1", torch.zeros(numel))
+            self.register_buffer("momentum2", torch.zeros(numel))
+            self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tables]
+
+    @property
+    def output_dim(self) -> int:
+        return sum(t.dim for t in self.tables)
+
+    def table(self, name: str) -> torch.Tensor:
+        """The ``[num_embeddings, dim]`` rows of one table: a view into ``weight``."""
+        return self._rows_of(self.weight, name)
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        """The optimizer state of one table (views): per row, or per element like the rows."""
+        if isinstance(self.optimizer, RowWiseAdagrad):
+            k = self.names.index(name)
+            start = sum(t.num_embeddings for t in self.tables[:k])
+            return {"sum_squares": self.sum_squares[start : start + self.tables[k].num_embeddings]}
+        if isinstance(self.optimizer, Adam):
+            return {
+                "momentum1": self._rows_of(self.momentum1, name),
+                "momentum2": self._rows_of(self.momentum2, name),
+            }
+        return {}
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next updates (a scheduler calls this each step)."""
+        if not lr >= 0:
+            raise ValueError(f"TableBatchedEmbeddingBag: learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """Pooled embeddings ``[B, sum of dims]``, each table's columns in config order."""
+        if kjt.keys != self.names:
+            raise ValueError(f"batch keys {kjt.keys} differ from the tables {self.names}")
+        rows = kjt.one_hot_rows
+        if rows is not None:
+            self._check_one_hot(rows)
+            parts = [self._lookup_one_hot(g, rows) for g in self.groups]
+        else:
+            if kjt.weights is not None and bool(self._is_mean.any()):
+                raise ValueError("per-sample weights need sum pooling for every table")
+            self._check_jagged(kjt)
+            parts = [self._lookup_jagged(g, kjt) for g in self.groups]
+        pooled = parts[0][0] if len(parts) == 1 else torch.cat([p for p, _ in parts], dim=1)
+        if not (self.training and torch.is_grad_enabled()):
+            return pooled
+        # The weight never requires grad; an empty leaf that does puts the op in the graph.
+        trigger = torch.empty(0, requires_grad=True)
+        return _FusedLookup.apply(trigger, self, pooled, [lookup for _, lookup in parts])
+
+    def _rows_of(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        k = self.names.index(name)
+        start = sum(t.num_embeddings * t.dim for t in self.tables[:k])
+        table = self.tables[k]
+        return flat[start : start + table.num_embeddings * table.dim].view(-1, table.dim)
+
+    def _view(self, flat: torch.Tensor, group: _Group) -> torch.Tensor:
+        end = group.first_element + group.num_rows * group.dim
+        return flat[group.first_element : end].view(-1, group.dim)
+
+    def _check_one_hot(self, rows: torch.Tensor) -> None:
+        bad = (rows < -1) | (rows >= self._sizes)
+        if bool(bad.any()):
+            sample, key = (int(i) for i in bad.nonzero()[0])
+            raise IndexError(
+                f"feature {self.names[key]!r}: ID {int(rows[sample, key])} of sample {sample} "
+                f"is outside its table's [0, {self.tables[key].num_embeddings}) rows"
+            )
+
+    def _check_jagged(self, kjt: KeyedJaggedTensor) -> None:
+        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
+        limit = self._sizes.repeat_interleave(per_key, output_size=kjt.values.numel())
+        bad = (kjt.values < 0) | (kjt.values >= limit)
+        if bool(bad.any()):
+            position = int(bad.nonzero()[0, 0])
+            key = int(torch.searchsorted(per_key.cumsum(0), position, right=True))
+            raise IndexError(
+                f"feature {self.names[key]!r}: ID {int(kjt.values[position])} is outside its "
+                f"table's [0, {self.tables[key].num_embeddings}) rows"
+            )
+
+    def _lookup_one_hot(self, group: _Group, rows: torch.Tensor) -> tuple[torch.Tensor, _Lookup]:
+        n_keys = group.end_key - group.first_key
+        keys = slice(group.first_key, group.end_key)
+        flat = rows[:, keys].reshape(-1)
+        present = flat >= 0
+        ids = (flat + self._local_start[keys].repeat(rows.shape[0])).masked_fill_(~present, 0)
+        gathered = self._view(self.weight, group).index_select(0, ids)
+        positions = None
+        if not bool(present.all()):
+            gathered.masked_fill_(~present[:, None], 0.0)
+            positions = present.nonzero().squeeze(1)
+            ids = ids.index_select(0, positions)
+        # A bag of one is its own mean, so mean pooling needs no divisor here.
+        pooled = gathered.view(rows.shape[0], n_keys * group.dim)
+        return pooled, _Lookup(ids, positions, divisor=None, weights=None)
+
+    def _lookup_jagged(self, group: _Group, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, _Lookup]:
+        batch = kjt.stride
+        n_keys = group.end_key - group.first_key
+        offsets = kjt.offsets()[group.first_key * batch : group.end_key * batch + 1]
+        first, last = int(offsets[0]), int(offsets[-1])
+        lengths = kjt.lengths[group.first_key * batch : group.end_key * batch].long()
+        per_key = lengths.view(n_keys, batch).sum(1)
+        keys = slice(group.first_key, group.end_key)
+        n_ids = last - first
+        ids = kjt.values[first:last] + self._local_start[keys].repeat_interleave(
+            per_key, output_size=n_ids
+        )
+        weights = None if kjt.weights is None else kjt.weights[first:last]
+        pooled = F.embedding_bag(
+            ids,
+            self._view(self.weight, group),
+            offsets - first,
+            mode="sum",
+            per_sample_weights=weights,
+            include_last_offset=True,
+        )
+        divisor = None
+        if group.has_mean:
+            bag_divisor = torch.where(
+                self._is_mean[keys].repeat_interleave(batch), lengths.clamp(min=1), 1
+            ).to(pooled.dtype)
+            pooled /= bag_divisor[:, None]
+            divisor = bag_divisor.repeat_interleave(lengths, output_size=n_ids)
+        # Key-major bags -> sample-major: each sample's tables side by side in the output.
+        pooled = pooled.view(n_keys, batch, group.dim).transpose(0, 1).reshape(batch, -1)
+        bag = torch.arange(n_keys * batch).repeat_interleave(lengths, output_size=n_ids)
+        positions = (bag % batch) * n_keys + bag // batch
+        return pooled, _Lookup(ids, positions, divisor, weights)
+
+    @torch.no_grad()
+    def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[_Lookup]) -> None:
+        if isinstance(self.optimizer, Adam):
+            self.step += 1
+        for group, lookup in zip(self.groups, lookups, strict=True):
+            if lookup.ids.numel() == 0:
+                continue
+            columns = slice(group.first_column, group.first_column + self._group_width(group))
+            bag_grads = grad_out[:, columns].reshape(-1, group.dim)
+            grads = bag_grads if lookup.positions is None else bag_grads[lookup.positions]
+            if lookup.divisor is not None:
+                grads = grads / lookup.divisor[:, None]
+            if lookup.weights is not None:
+                grads = grads * lookup.weights[:, None]
+            rows, row_grads = _reduce_duplicates(lookup.ids, grads)
+            self._update(group, rows, row_grads)
+
+    def _group_width(self, group: _Group) -> int:
+        return (group.end_key - group.first_key) * group.dim
+
+    def _update(self, group: _Group, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step on the (unique, sorted) group-local ``rows``."""
+        opt, lr = self.optimizer, self.lr
+        weight = self._view(self.weight, group)
+        w = weight.index_select(0, rows)
+        if isinstance(opt, SGD):
+            if opt.weight_decay:
+                grads = grads.add(w, alpha=opt.weight_decay)
+            w.add_(grads, alpha=-lr)
+        elif isinstance(opt, RowWiseAdagrad):
+            if opt.weight_decay:
+                grads = grads.add(w, alpha=opt.weight_decay)
+            state = self.sum_squares[group.first_row : group.first_row + group.num_rows]
+            s = state.index_select(0, rows).add_(grads.square().mean(1))
+            state.index_copy_(0, rows, s)
+            w.add_(grads / s.sqrt().add_(opt.eps)[:, None], alpha=-lr)
+        else:
+            # torch's single-tensor AdamW, restricted to the touched rows.
+            m1, m2 = self._view(self.momentum1, group), self._view(self.momentum2, group)
+            m = m1.index_select(0, rows).lerp_(grads, 1 - opt.betas[0])
+            v = m2.index_select(0, rows).mul_(opt.betas[1])
+            v.addcmul_(grads, grads, value=1 - opt.betas[1])
+            m1.index_copy_(0, rows, m)
+            m2.index_copy_(0, rows, v)
+            step = int(self.step)
+            correction2_sqrt = math.sqrt(1 - opt.betas[1] ** step)
+            w.mul_(1 - lr * opt.weight_decay)
+            w.addcdiv_(
+                m,
+                v.sqrt().div_(correction2_sqrt).add_(opt.eps),
+                value=-lr / (1 - opt.betas[0] ** step),
+            )
+        weight.index_copy_(0, rows, w)
+
+
+def _reduce_duplicates(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique sorted ``ids`` and the sum of each one's gradients, in input order.
+
+    A stable sort keeps each ID's gradients in input order; ``segment_reduce`` sums each
+    segment serially in that order. Only segments of two or more IDs go through it: most
+    IDs of a batch are unique, and copying them costs less than reducing segments of one.
+    """
+    sorted_ids, order = torch.sort(ids, stable=True)
+    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    grads = grads.index_select(0, order)
+    if rows.numel() == ids.numel():
+        return rows, grads
+    repeated = counts > 1
+    ends = counts.cumsum(0)
+    out = grads.index_select(0, (ends - 1)[~repeated])
+    summed = torch.segment_reduce(
+        grads[repeated.repeat_interleave(counts, output_size=ids.numel())],
+        "sum",
+        lengths=counts[repeated],
+    )
+    row_grads = torch.empty(rows.numel(), grads.shape[1], dtype=grads.dtype)
+    row_grads[~repeated] = out
+    row_grads[repeated] = summed
+    return rows, row_grads
+
+
+def _groups(tables: list[TableConfig]) -> list[_Group]:
+    groups: list[_Group] = []
+    row = element = column = 0
+    start = 0
+    for k in range(1, len(tables) + 1):
+        if k < len(tables) and tables[k].dim == tables[start].dim:
+            continue
+        members = tables[start:k]
+        dim = members[0].dim
+        num_rows = sum(t.num_embeddings for t in members)
+        groups.append(
+            _Group(
+                first_key=start,
+                end_key=k,
+                dim=dim,
+                first_row=row,
+                num_rows=num_rows,
+                first_element=element,
+                first_column=column,
+                has_mean=any(t.pooling == "mean" for t in members),
+            )
+        )
+        row += num_rows
+        element += num_rows * dim
+        column += len(members) * dim
+        start = k
+    return groups
+
+
+def _check_config(tables: Sequence[TableConfig], optimizer: Optimizer) -> None:
+    if not tables:
+        raise ValueError("TableBatchedEmbeddingBag needs at least one table")
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"table names must be unique, got {names}")
+    for t in tables:
+        if t.num_embeddings <= 0 or t.dim <= 0:
+            raise ValueError(f"table {t.name!r}: num_embeddings and dim must be positive")
+        if t.pooling not in ("sum", "mean"):
+            raise ValueError(
+                f"table {t.name!r}: pooling must be 'sum' or 'mean', not {t.pooling!r}"
+            )
+    if not isinstance(optimizer, SGD | RowWiseAdagrad | Adam):
+        raise TypeError(f"optimizer must be SGD, RowWiseAdagrad or Adam, got {optimizer!r}")
+    if not optimizer.lr >= 0 or optimizer.weight_decay < 0:
+        raise ValueError(f"{optimizer!r}: lr and weight_decay must be >= 0")

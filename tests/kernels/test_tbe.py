@@ -1,0 +1,295 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.kernels.tbe import (
+    SGD,
+    Adam,
+    RowWiseAdagrad,
+    TableBatchedEmbeddingBag,
+    TableConfig,
+)
+
+# Different dims (two runs of dim 4 around a dim-2 table, so three weight groups), both
+# poolings, and tables small enough that a batch repeats IDs.
+TABLES = [
+    TableConfig("a", 11, 4),
+    TableConfig("b", 7, 4, "mean"),
+    TableConfig("c", 5, 2),
+    TableConfig("d", 9, 4),
+]
+BATCH = 6
+
+
+def _jagged(seed: int, tables=TABLES, batch=BATCH, max_len=3, weighted=False):
+    """A key-major batch with empty bags and duplicate IDs."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (len(tables) * batch,), generator=gen)
+    lengths[0] = 0  # at least one empty bag
+    per_key = lengths.view(len(tables), batch).sum(1).tolist()
+    values = torch.cat(
+        [
+            torch.randint(0, t.num_embeddings, (n,), generator=gen)
+            for t, n in zip(tables, per_key, strict=True)
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
+    names = [t.name for t in tables]
+    return KeyedJaggedTensor(names, values, lengths.to(torch.int32), weights)
+
+
+def _one_hot(seed: int, tables=TABLES, batch=BATCH):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.stack(
+        [torch.randint(0, t.num_embeddings, (batch,), generator=gen) for t in tables], 1
+    )
+    rows[torch.rand(rows.shape, generator=gen) < 0.2] = -1
+    return KeyedJaggedTensor.from_one_hot([t.name for t in tables], rows)
+
+
+def _reference_bags(tbe: TableBatchedEmbeddingBag, sparse: bool) -> nn.ModuleList:
+    """One ``nn.EmbeddingBag`` per table holding a copy of the fused module's rows."""
+    bags = nn.ModuleList()
+    for t in tbe.tables:
+        bag = nn.EmbeddingBag(t.num_embeddings, t.dim, mode=t.pooling, sparse=sparse)
+        with torch.no_grad():
+            bag.weight.copy_(tbe.table(t.name))
+        bags.append(bag)
+    return bags
+
+
+def _reference_forward(bags: nn.ModuleList, kjt: KeyedJaggedTensor) -> torch.Tensor:
+    split = kjt.split_by_key()
+    counts = kjt.length_per_key()
+    weights = kjt.weights.split(counts) if kjt.weights is not None else [None] * len(counts)
+    outs = [
+        bag(*split[key], per_sample_weights=w)
+        for bag, key, w in zip(bags, kjt.keys, weights, strict=True)
+    ]
+    return torch.cat(outs, dim=1)
+
+
+def _touched(kjt: KeyedJaggedTensor, tables=TABLES) -> list[torch.Tensor]:
+    """Per table, a mask of the rows the batch looks up."""
+    split = kjt.split_by_key()
+    masks = []
+    for t in tables:
+        mask = torch.zeros(t.num_embeddings, dtype=torch.bool)
+        mask[split[t.name][0]] = True
+        masks.append(mask)
+    return masks
+
+
+def _grad_out(seed: int, tbe: TableBatchedEmbeddingBag, batch=BATCH) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(batch, tbe.output_dim, generator=gen)
+
+
+def _train_fused(tbe, batches, lrs):
+    for step, (kjt, lr) in enumerate(zip(batches, lrs, strict=True)):
+        tbe.set_learning_rate(lr)
+        tbe(kjt).backward(_grad_out(step, tbe, kjt.stride))
+
+
+def _train_reference(tbe, bags, optimizer, batches, lrs, lazy=True, step_fn=None):
+    """``optimizer`` over ``bags``; when ``lazy``, rows a batch misses are rolled back.
+
+    Rolling back the weight and the state of untouched rows turns torch's dense-state
+    optimizers into the touched-rows-only semantics of the fused module.
+    """
+    for step, (kjt, lr) in enumerate(zip(batches, lrs, strict=True)):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        before = [
+            (b.weight.detach().clone(), copy.deepcopy(optimizer.state[b.weight])) for b in bags
+        ]
+        optimizer.zero_grad()
+        _reference_forward(bags, kjt).backward(_grad_out(step, tbe, kjt.stride))
+        optimizer.step()
+        if not lazy:
+            continue
+        for bag, (weight, state), mask in zip(bags, before, _touched(kjt), strict=True):
+            with torch.no_grad():
+                bag.weight[~mask] = weight[~mask]
+            for name, value in state.items():
+                if name != "step":
+                    optimizer.state[bag.weight][name][~mask] = value[~mask]
+
+
+def _assert_tables_close(tbe, bags, **tol):
+    for t, bag in zip(tbe.tables, bags, strict=True):
+        torch.testing.assert_close(tbe.table(t.name), bag.weight.detach(), **tol)
+
+
+def test_forward_matches_embedding_bag_per_table():
+    tbe = TableBatchedEmbeddingBag(TABLES, SGD(lr=0.1), seed=3)
+    bags = _reference_bags(tbe, sparse=False)
+    kjt = _jagged(0)
+    out = tbe(kjt)
+    assert out.shape == (BATCH, 4 + 4 + 2 + 4)
+    torch.testing.assert_close(out, _reference_forward(bags, kjt))
+    assert torch.all(out[0, :4] == 0)  # the empty bag pools to zero
+
+
+def test_forward_with_per_sample_weights():
+    tables = [TableConfig("a", 11, 4), TableConfig("c", 5, 2)]
+    tbe = TableBatchedEmbeddingBag(tables, SGD(lr=0.1))
+    kjt = _jagged(1, tables=tables, weighted=True)
+    torch.testing.assert_close(tbe(kjt), _reference_forward(_reference_bags(tbe, False), kjt))
+
+
+def test_one_hot_form_equals_jagged_form_bitwise():
+    one_hot = _one_hot(2)
+    jagged = KeyedJaggedTensor(one_hot.keys, one_hot.values, one_hot.lengths)
+    a = TableBatchedEmbeddingBag(TABLES, Adam(lr=0.1, weight_decay=0.01), seed=5)
+    b = copy.deepcopy(a)
+    initial = a.weight.clone()
+    out_a, out_b = a(one_hot), b(jagged)
+    assert torch.equal(out_a, out_b)
+    grad = _grad_out(0, a)
+    out_a.backward(grad)
+    out_b.backward(grad)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.momentum2, b.momentum2)
+    assert not torch.equal(a.weight, initial)
+
+
+def test_sgd_matches_torch_sgd_with_lr_change():
+    tbe = TableBatchedEmbeddingBag(TABLES, SGD(lr=0.5))
+    bags = _reference_bags(tbe, sparse=True)
+    initial = tbe.weight.clone()
+    batches, lrs = [_jagged(s) for s in range(4)], [0.5, 0.5, 0.1, 0.02]
+    _train_fused(tbe, batches, lrs)
+    _train_reference(tbe, bags, torch.optim.SGD(bags.parameters(), lr=0.5), batches, lrs)
+    _assert_tables_close(tbe, bags)
+    assert not torch.equal(tbe.weight, initial)
+
+
+def test_sgd_weight_decay_touches_only_looked_up_rows():
+    tbe = TableBatchedEmbeddingBag(TABLES, SGD(lr=0.5, weight_decay=0.1))
+    bags = _reference_bags(tbe, sparse=False)
+    batches, lrs = [_jagged(s) for s in range(3)], [0.5, 0.2, 0.2]
+    one_step = copy.deepcopy(tbe)
+    _train_fused(one_step, batches[:1], lrs[:1])
+    missed = ~_touched(batches[0])[0]
+    assert missed.any()
+    assert torch.equal(one_step.table("a")[missed], tbe.table("a")[missed])
+    _train_fused(tbe, batches, lrs)
+    optimizer = torch.optim.SGD(bags.parameters(), lr=0.5, weight_decay=0.1)
+    _train_reference(tbe, bags, optimizer, batches, lrs)
+    _assert_tables_close(tbe, bags)
+
+
+def test_rowwise_adagrad_matches_hand_written_reference():
+    opt = RowWiseAdagrad(lr=0.3, eps=1e-6, weight_decay=0.05)
+    tbe = TableBatchedEmbeddingBag(TABLES, opt)
+    bags = _reference_bags(tbe, sparse=False)
+    batches, lrs = [_jagged(s) for s in range(4)], [0.3, 0.3, 0.1, 0.1]
+    _train_fused(tbe, batches, lrs)
+    state = [torch.zeros(t.num_embeddings) for t in TABLES]
+    for step, (kjt, lr) in enumerate(zip(batches, lrs, strict=True)):
+        for bag in bags:
+            bag.weight.grad = None
+        _reference_forward(bags, kjt).backward(_grad_out(step, tbe))
+        with torch.no_grad():
+            for bag, s, mask in zip(bags, state, _touched(kjt), strict=True):
+                g = bag.weight.grad[mask] + opt.weight_decay * bag.weight[mask]
+                s[mask] += g.pow(2).mean(1)
+                bag.weight[mask] -= lr * g / (s[mask].sqrt() + opt.eps)[:, None]
+    _assert_tables_close(tbe, bags)
+    for t, s in zip(TABLES, state, strict=True):
+        torch.testing.assert_close(tbe.state(t.name)["sum_squares"], s)
+
+
+def test_rowwise_adagrad_of_dim_one_is_torch_sparse_adagrad():
+    tables = [TableConfig("a", 13, 1), TableConfig("b", 4, 1)]
+    tbe = TableBatchedEmbeddingBag(tables, RowWiseAdagrad(lr=0.2, eps=1e-10))
+    bags = _reference_bags(tbe, sparse=True)
+    batches, lrs = [_jagged(s, tables=tables) for s in range(4)], [0.2] * 4
+    _train_fused(tbe, batches, lrs)
+    optimizer = torch.optim.Adagrad(bags.parameters(), lr=0.2, eps=1e-10)
+    _train_reference(tbe, bags, optimizer, batches, lrs, lazy=False)
+    _assert_tables_close(tbe, bags)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_matches_lazy_torch_adamw(weight_decay):
+    tbe = TableBatchedEmbeddingBag(TABLES, Adam(lr=0.05, weight_decay=weight_decay))
+    bags = _reference_bags(tbe, sparse=False)
+    batches, lrs = [_jagged(s) for s in range(5)], [0.05, 0.05, 0.05, 0.01, 0.01]
+    _train_fused(tbe, batches, lrs)
+    optimizer = torch.optim.AdamW(bags.parameters(), lr=0.05, weight_decay=weight_decay)
+    _train_reference(tbe, bags, optimizer, batches, lrs)
+    _assert_tables_close(tbe, bags)
+    assert int(tbe.step) == 5
+    for t, bag in zip(TABLES, bags, strict=True):
+        torch.testing.assert_close(
+            tbe.state(t.name)["momentum2"], optimizer.state[bag.weight]["exp_avg_sq"]
+        )
+
+
+def _train_big(optimizer, threads: int) -> torch.Tensor:
+    """A few steps on a batch large enough for torch to split its ops across threads."""
+    tables = [TableConfig(f"t{i}", n, 16) for i, n in enumerate([3000, 500, 50, 7])]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tbe = TableBatchedEmbeddingBag(tables, optimizer, seed=1)
+        for step in range(3):
+            kjt = _jagged(step, tables=tables, batch=2048, max_len=4)
+            tbe(kjt).backward(_grad_out(step, tbe, batch=2048))
+            one_hot = _one_hot(step, tables=tables, batch=2048)
+            tbe(one_hot).backward(_grad_out(step + 10, tbe, batch=2048))
+        return torch.cat([b.flatten().float() for b in tbe.state_dict().values()])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("optimizer", [RowWiseAdagrad(lr=0.1), Adam(lr=0.01, weight_decay=0.1)])
+def test_bitwise_identical_across_runs_and_thread_counts(optimizer):
+    one = _train_big(optimizer, threads=1)
+    assert torch.equal(one, _train_big(optimizer, threads=1))
+    assert torch.equal(one, _train_big(optimizer, threads=2))
+
+
+def test_eval_and_no_grad_do_not_update():
+    tbe = TableBatchedEmbeddingBag(TABLES, SGD(lr=1.0))
+    weight = tbe.weight.clone()
+    with torch.no_grad():
+        assert not tbe(_jagged(0)).requires_grad
+    tbe.eval()
+    assert not tbe(_jagged(0)).requires_grad
+    assert torch.equal(tbe.weight, weight)
+    assert not tbe.weight.requires_grad
+
+
+def test_state_dict_holds_weight_and_optimizer_state():
+    tbe = TableBatchedEmbeddingBag(TABLES, Adam(lr=0.1))
+    assert set(tbe.state_dict()) == {"weight", "momentum1", "momentum2", "step"}
+    assert set(TableBatchedEmbeddingBag(TABLES, RowWiseAdagrad(lr=0.1)).state_dict()) == {
+        "weight",
+        "sum_squares",
+    }
+
+
+def test_bad_input_names_the_feature():
+    tbe = TableBatchedEmbeddingBag(TABLES, SGD(lr=0.1))
+    kjt = _jagged(0)
+    bad = KeyedJaggedTensor(kjt.keys, kjt.values.clone(), kjt.lengths)
+    bad.values[-1] = 9  # table "d" has 9 rows
+    with pytest.raises(IndexError, match="'d'"):
+        tbe(bad)
+    rows = _one_hot(0).one_hot_rows.clone()
+    rows[2, 2] = 5  # table "c" has 5 rows
+    with pytest.raises(IndexError, match="'c'.*sample 2"):
+        tbe(KeyedJaggedTensor.from_one_hot(kjt.keys, rows))
+    with pytest.raises(ValueError, match="keys"):
+        tbe(KeyedJaggedTensor(["x"], kjt.values[:0], kjt.lengths[:BATCH] * 0))
+    with pytest.raises(ValueError, match="sum pooling"):
+        tbe(_jagged(0, weighted=True))
+    with pytest.raises(ValueError, match="learning rate"):
+        tbe.set_learning_rate(-1.0)
+    with pytest.raises(ValueError, match="unique"):
+        TableBatchedEmbeddingBag([TABLES[0], TABLES[0]], SGD(lr=0.1))
