@@ -1,6 +1,7 @@
 """Single-process checkpoints: one ``torch.save`` file with everything needed to evaluate.
 
-The file carries the model and optimizer states, the run configuration, the feature spec
+The file carries the model (embedding weights with their fused optimizer state) and the
+dense optimizer's state, the run configuration, the feature spec
 (so table sizes need no dataset to rebuild) and the reader's state.
 """
 
@@ -16,7 +17,7 @@ import torch
 from dlrmflow.config import RunConfig, build_config
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.train.data import spec_from_dict, spec_to_dict
-from dlrmflow.train.model import DLRM
+from dlrmflow.train.model import DLRM, embedding_optimizer
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -37,7 +38,7 @@ def save_checkpoint(
     run_dir: Path,
     *,
     model: DLRM,
-    optimizers: list[torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer,
     config: RunConfig,
     spec: FeatureSpec,
     step: int,
@@ -50,7 +51,7 @@ def save_checkpoint(
     torch.save(
         {
             "model": model.state_dict(),
-            "optimizers": [opt.state_dict() for opt in optimizers],
+            "optimizer": optimizer.state_dict(),
             "config": config.model_dump(),
             "spec": spec_to_dict(spec),
             "step": step,
@@ -74,7 +75,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         data = torch.load(path, map_location="cpu", weights_only=False)
         config = build_config(data["config"])
         spec = spec_from_dict(data["spec"])
-        model = DLRM(spec, config.model)
+        model = DLRM(spec, config.model, embedding_optimizer(config.train))
         model.load_state_dict(data["model"])
     except (KeyError, RuntimeError, EOFError) as e:
         raise ValueError(f"{path}: unreadable or incompatible checkpoint ({e})") from e

@@ -4,6 +4,7 @@ import torch
 from dlrmflow.config import ModelConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.kernels.tbe import SGD
 from dlrmflow.train.model import DLRM, DotInteraction
 
 
@@ -35,26 +36,27 @@ def test_dot_interaction_is_lower_triangle_of_gram_plus_dense():
     assert out.shape[1] == DotInteraction.output_dim(4, 4)
 
 
-def test_embedding_bags_pool_per_spec_and_give_sparse_gradients():
+def test_embeddings_pool_per_spec_and_update_only_touched_rows_in_backward():
     torch.manual_seed(0)
     spec = FeatureSpec(
         dense=("a", "b", "c"), sparse=(SparseFeature("x", 10, 4), SparseFeature("y", 7, 4))
     )
-    model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[6]))
-    pooled = model.embeddings(_kjt())
-    wx = model.embeddings.table("x")
-    wy = model.embeddings.table("y")
+    cfg = ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[6])
+    model = DLRM(spec, cfg, SGD(lr=0.5))
+    pooled = model.embeddings(_kjt()).view(3, 2, 4)
+    wx, wy = model.embeddings.table("x").clone(), model.embeddings.table("y").clone()
     torch.testing.assert_close(pooled[1, 0], wx[2] + wx[3])
     torch.testing.assert_close(pooled[2, 0], torch.zeros(4))
     torch.testing.assert_close(pooled[2, 1], 2 * wy[5])  # sum of [5, 5]
     logits = model(torch.randn(3, 3), _kjt())
     assert logits.shape == (3,)
     logits.sum().backward()
-    grad = model.embeddings.bag.weight.grad
-    assert grad.is_sparse
-    # only the rows the batch used: x rows 1, 2, 3 and y rows 0, 5, 6 (offset by x's 10)
-    assert sorted(grad.coalesce().indices()[0].tolist()) == [1, 2, 3, 10, 15, 16]
-    assert all(p.grad is not None and not p.grad.is_sparse for p in model.dense_parameters())
+    # the fused optimizer moved exactly the rows the batch used: x 1, 2, 3 and y 0, 5, 6
+    changed_x = (model.embeddings.table("x") != wx).any(1).nonzero().flatten().tolist()
+    changed_y = (model.embeddings.table("y") != wy).any(1).nonzero().flatten().tolist()
+    assert changed_x == [1, 2, 3] and changed_y == [0, 5, 6]
+    assert all(p.grad is not None for p in model.parameters())
+    assert not any(b.requires_grad for b in model.embeddings.buffers())
 
 
 def test_dcnv2_variant_runs_and_differs_in_structure():
@@ -74,28 +76,27 @@ def test_mean_pooling_and_mismatched_keys():
         sparse=(SparseFeature("x", 10, 4, "mean"), SparseFeature("y", 7, 4, "mean")),
     )
     model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[]))
-    pooled = model.embeddings(_kjt())
+    pooled = model.embeddings(_kjt()).view(3, 2, 4)
     wx = model.embeddings.table("x")
     torch.testing.assert_close(pooled[1, 0], (wx[2] + wx[3]) / 2)
     bad = _kjt()
     bad.keys = ["y", "x"]
-    with pytest.raises(ValueError, match="differ from the model"):
+    with pytest.raises(ValueError, match="differ from the tables"):
         model.embeddings(bad)
 
 
-def test_one_hot_form_pools_like_the_jagged_form():
-    torch.manual_seed(0)
+def test_one_hot_and_jagged_batches_train_to_identical_weights():
     spec = FeatureSpec(dense=("a",), sparse=(SparseFeature("x", 10, 4), SparseFeature("y", 7, 4)))
-    model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[]))
     rows = torch.tensor([[1, 0], [3, -1], [-1, 6]], dtype=torch.int32)
     one_hot = KeyedJaggedTensor.from_one_hot(["x", "y"], rows)
     jagged = KeyedJaggedTensor(
         ["x", "y"], torch.tensor([1, 3, 0, 6]), torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.int32)
     )
-    pooled = model.embeddings(one_hot)
-    torch.testing.assert_close(pooled, model.embeddings(jagged), rtol=0, atol=0)
-    torch.testing.assert_close(pooled[1, 1], torch.zeros(4))  # empty bag pools to zero
-    pooled.sum().backward()
-    grad = model.embeddings.bag.weight.grad.coalesce()
-    # the padding row never receives a gradient, so it stays zero for ever
-    assert model.embeddings.padding_row not in grad.indices()[0][grad.values().abs().sum(1) > 0]
+    dense = torch.randn(3, 1)
+    weights = []
+    for sparse in (one_hot, jagged):
+        torch.manual_seed(0)
+        model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[]), SGD(lr=0.3))
+        model(dense, sparse).sum().backward()
+        weights.append(model.embeddings.weight.clone())
+    assert torch.equal(weights[0], weights[1])
