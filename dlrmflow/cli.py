@@ -245,6 +245,25 @@ def bench_ingest(
         json_out.write_text(json.dumps(result, indent=2) + "\n")
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the JSON result here.")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option(help="Tiny tables and batch: checks the benchmark runs, in seconds.")
+    ] = False,
+) -> None:
+    """TBE training steps and the fused interaction against plain torch ops and optimizers."""
+    from dlrmflow.bench.kernels import run_kernel_benchmark
+
+    result = run_kernel_benchmark(quick=quick)
+    _echo_json(result)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     """Entry point: turns expected failures (bad config, bad data) into one-line errors."""
     try:

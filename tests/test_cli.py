@@ -21,6 +21,7 @@ def test_every_command_has_help():
         ["config"],
         ["bench"],
         ["bench", "ingest"],
+        ["bench", "kernels"],
     ):
         result = runner.invoke(app, [*args, "--help"])
         assert result.exit_code == 0, result.output

@@ -1,0 +1,74 @@
+"""The kernel benchmark's record, at quick size: structure and sane values, never speed."""
+
+import json
+import math
+
+import numpy as np
+from typer.testing import CliRunner
+
+from dlrmflow.bench.kernels import make_batches, run_kernel_benchmark, table_sizes, zipf_ids
+from dlrmflow.cli import app
+
+TBE_KEYS = {
+    f"tbe_{opt}_step_{form}_d8"
+    for opt in ("sgd", "rowwise_adagrad")
+    for form in ("onehot", "multihot")
+}
+EXPECTED_RATIOS = TBE_KEYS | {"interaction_fwd_bwd_d8"}
+
+
+def _check_record(record: dict) -> None:
+    assert record["benchmark"] == "kernels"
+    assert "Adagrad" in record["baseline"] and "element-wise" in record["baseline"]
+    assert set(record["ratios"]) == EXPECTED_RATIOS
+    for key, ratio in record["ratios"].items():
+        assert isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0, key
+        times = record["results"][key]
+        assert times["baseline_s"] / times["ours_s"] == ratio
+    assert set(record["bandwidth_share"]) == TBE_KEYS
+    for key, share in record["bandwidth_share"].items():
+        assert 0 < share <= 10, (key, share)
+    assert record["copy_bandwidth_bytes_per_s"] > 0
+    assert record["machine"]["cpu_count"] >= 1
+    assert record["batch_size"] == 256 and record["dims"] == [8]
+
+
+def test_quick_benchmark_record():
+    record = run_kernel_benchmark(quick=True)
+    _check_record(record)
+    results = record["results"]
+    # 26 tables x 256 samples, one ID each or 20 each; distinct rows can't exceed either.
+    onehot, multihot = results["tbe_sgd_step_onehot_d8"], results["tbe_sgd_step_multihot_d8"]
+    assert onehot["ids"] == 26 * 256 and multihot["ids"] == 26 * 256 * 20
+    assert 0 < onehot["distinct_rows"] <= min(onehot["ids"], sum(record["table_rows"]))
+    # Same IDs, so Adagrad touches the same rows plus 8 bytes of state per row.
+    adagrad = results["tbe_rowwise_adagrad_step_onehot_d8"]
+    assert adagrad["bytes_touched"] == onehot["bytes_touched"] + 8 * onehot["distinct_rows"]
+
+
+def test_zipf_ids_are_skewed_in_range_and_deterministic():
+    ids = zipf_ids(np.random.default_rng(1), 1000, 50_000)
+    assert ids.min() >= 0 and ids.max() < 1000
+    counts = np.sort(np.bincount(ids, minlength=1000))[::-1]
+    assert counts[0] > 20 * np.median(counts)  # a hot head, not uniform
+    assert np.array_equal(ids, zipf_ids(np.random.default_rng(1), 1000, 50_000))
+
+
+def test_batches_cover_every_table_within_its_rows():
+    sizes = table_sizes(500)
+    assert len(sizes) == 26 and max(sizes) == 500 and min(sizes) < 500
+    batches = make_batches(sizes, 32)
+    for form, per_bag in (("onehot", 1), ("multihot", 20)):
+        kjt = batches[form]
+        assert kjt.length_per_key() == [32 * per_bag] * 26
+        for (values, _), size in zip(kjt.split_by_key().values(), sizes, strict=True):
+            assert int(values.min()) >= 0 and int(values.max()) < size
+
+
+def test_cli_writes_the_json(tmp_path):
+    out = tmp_path / "bench" / "kernels.json"
+    result = CliRunner().invoke(app, ["bench", "kernels", "--quick", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    _check_record(record)
+    assert json.loads(result.stdout)["ratios"].keys() == record["ratios"].keys()
