@@ -29,9 +29,10 @@ from torch import nn
 
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import SparseFeature
 from dlrmflow.ingest.schema import CRITEO_CARDINALITIES
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag, TableConfig
+from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
 
 POOLING = 20
 ZIPF_ALPHA = 1.1
@@ -137,7 +138,7 @@ def _baseline_bags(tbe: TableBatchedEmbeddingBag) -> nn.ModuleList:
     """One ``EmbeddingBag(sparse=True)`` per table, starting from the TBE's weights."""
     bags = nn.ModuleList()
     for table in tbe.tables:
-        bag = nn.EmbeddingBag(table.num_embeddings, table.dim, mode="sum", sparse=True)
+        bag = nn.EmbeddingBag(table.num_embeddings, table.embedding_dim, mode="sum", sparse=True)
         with torch.no_grad():
             bag.weight.copy_(tbe.table(table.name))
         bags.append(bag)
@@ -199,7 +200,7 @@ def run_kernel_benchmark(
     ratios: dict[str, float] = {}
     shares: dict[str, float] = {}
     for dim in dims:
-        tables = [TableConfig(f"C{k + 1}", n, dim) for k, n in enumerate(sizes)]
+        tables = [SparseFeature(f"C{k + 1}", n, dim) for k, n in enumerate(sizes)]
         grad = torch.randn(
             batch_size, len(tables) * dim, generator=torch.Generator().manual_seed(0)
         )

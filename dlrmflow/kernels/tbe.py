@@ -36,7 +36,6 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,21 +43,12 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import SparseFeature
 
 # The CSR product is stable API in practice; torch still prints a beta notice on first use.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
-__all__ = ["SGD", "Adam", "RowWiseAdagrad", "TableBatchedEmbeddingBag", "TableConfig"]
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """One embedding table, looked up by the batch key of the same name."""
-
-    name: str
-    num_embeddings: int
-    dim: int
-    pooling: Literal["sum", "mean"] = "sum"
+__all__ = ["SGD", "Adam", "RowWiseAdagrad", "TableBatchedEmbeddingBag"]
 
 
 @dataclass(frozen=True)
@@ -145,14 +135,16 @@ class TableBatchedEmbeddingBag(nn.Module):
     a gradient: do not hand it to a ``torch.optim`` optimizer.
     """
 
-    def __init__(self, tables: Sequence[TableConfig], optimizer: Optimizer, seed: int = 0) -> None:
+    def __init__(
+        self, tables: Sequence[SparseFeature], optimizer: Optimizer, seed: int = 0
+    ) -> None:
         super().__init__()
         _check_config(tables, optimizer)
         self.tables = list(tables)
         self.optimizer = optimizer
         self.lr = optimizer.lr
         sizes = [t.num_embeddings for t in tables]
-        dims = [t.dim for t in tables]
+        dims = [t.embedding_dim for t in tables]
         self.groups = _groups(self.tables)
         # Row of each table inside its group's 2-D view, indexed by key.
         local_start = [0] * len(tables)
@@ -186,7 +178,7 @@ class TableBatchedEmbeddingBag(nn.Module):
 
     @property
     def output_dim(self) -> int:
-        return sum(t.dim for t in self.tables)
+        return sum(t.embedding_dim for t in self.tables)
 
     def table(self, name: str) -> torch.Tensor:
         """The ``[num_embeddings, dim]`` rows of one table: a view into ``weight``."""
@@ -233,9 +225,11 @@ class TableBatchedEmbeddingBag(nn.Module):
 
     def _rows_of(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         k = self.names.index(name)
-        start = sum(t.num_embeddings * t.dim for t in self.tables[:k])
+        start = sum(t.num_embeddings * t.embedding_dim for t in self.tables[:k])
         table = self.tables[k]
-        return flat[start : start + table.num_embeddings * table.dim].view(-1, table.dim)
+        return flat[start : start + table.num_embeddings * table.embedding_dim].view(
+            -1, table.embedding_dim
+        )
 
     def _view(self, flat: torch.Tensor, group: _Group) -> torch.Tensor:
         end = group.first_element + group.num_rows * group.dim
@@ -400,15 +394,15 @@ def _reduce_by_row(
     return rows, incidence @ bag_grads
 
 
-def _groups(tables: list[TableConfig]) -> list[_Group]:
+def _groups(tables: list[SparseFeature]) -> list[_Group]:
     groups: list[_Group] = []
     row = element = column = 0
     start = 0
     for k in range(1, len(tables) + 1):
-        if k < len(tables) and tables[k].dim == tables[start].dim:
+        if k < len(tables) and tables[k].embedding_dim == tables[start].embedding_dim:
             continue
         members = tables[start:k]
-        dim = members[0].dim
+        dim = members[0].embedding_dim
         num_rows = sum(t.num_embeddings for t in members)
         groups.append(
             _Group(
@@ -429,14 +423,14 @@ def _groups(tables: list[TableConfig]) -> list[_Group]:
     return groups
 
 
-def _check_config(tables: Sequence[TableConfig], optimizer: Optimizer) -> None:
+def _check_config(tables: Sequence[SparseFeature], optimizer: Optimizer) -> None:
     if not tables:
         raise ValueError("TableBatchedEmbeddingBag needs at least one table")
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise ValueError(f"table names must be unique, got {names}")
     for t in tables:
-        if t.num_embeddings <= 0 or t.dim <= 0:
+        if t.num_embeddings <= 0 or t.embedding_dim <= 0:
             raise ValueError(f"table {t.name!r}: num_embeddings and dim must be positive")
         if t.pooling not in ("sum", "mean"):
             raise ValueError(

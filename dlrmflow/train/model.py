@@ -15,7 +15,7 @@ from dlrmflow.config import ModelConfig, TrainConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag, TableConfig
+from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
 
 EmbeddingOptimizer = SGD | RowWiseAdagrad | Adam
 
@@ -89,10 +89,7 @@ class DLRM(nn.Module):
         # All tables in one table-batched bag whose backward updates the touched rows itself:
         # no embedding gradient ever exists, so no torch optimizer sees these weights.
         self.embeddings = TableBatchedEmbeddingBag(
-            [
-                TableConfig(f.name, f.num_embeddings, f.embedding_dim, f.pooling)
-                for f in spec.sparse
-            ],
+            spec.sparse,
             embedding_optimizer or SGD(lr=0.0),
             seed=seed,
         )

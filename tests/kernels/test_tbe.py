@@ -5,21 +5,21 @@ import torch
 from torch import nn
 
 from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe import (
     SGD,
     Adam,
     RowWiseAdagrad,
     TableBatchedEmbeddingBag,
-    TableConfig,
 )
 
 # Different dims (two runs of dim 4 around a dim-2 table, so three weight groups), both
 # poolings, and tables small enough that a batch repeats IDs.
 TABLES = [
-    TableConfig("a", 11, 4),
-    TableConfig("b", 7, 4, "mean"),
-    TableConfig("c", 5, 2),
-    TableConfig("d", 9, 4),
+    SparseFeature("a", 11, 4),
+    SparseFeature("b", 7, 4, "mean"),
+    SparseFeature("c", 5, 2),
+    SparseFeature("d", 9, 4),
 ]
 BATCH = 6
 
@@ -54,7 +54,7 @@ def _reference_bags(tbe: TableBatchedEmbeddingBag, sparse: bool) -> nn.ModuleLis
     """One ``nn.EmbeddingBag`` per table holding a copy of the fused module's rows."""
     bags = nn.ModuleList()
     for t in tbe.tables:
-        bag = nn.EmbeddingBag(t.num_embeddings, t.dim, mode=t.pooling, sparse=sparse)
+        bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=sparse)
         with torch.no_grad():
             bag.weight.copy_(tbe.table(t.name))
         bags.append(bag)
@@ -135,7 +135,7 @@ def test_forward_matches_embedding_bag_per_table():
 
 
 def test_forward_with_per_sample_weights():
-    tables = [TableConfig("a", 11, 4), TableConfig("c", 5, 2)]
+    tables = [SparseFeature("a", 11, 4), SparseFeature("c", 5, 2)]
     tbe = TableBatchedEmbeddingBag(tables, SGD(lr=0.1))
     kjt = _jagged(1, tables=tables, weighted=True)
     torch.testing.assert_close(tbe(kjt), _reference_forward(_reference_bags(tbe, False), kjt))
@@ -204,7 +204,7 @@ def test_rowwise_adagrad_matches_hand_written_reference():
 
 
 def test_rowwise_adagrad_of_dim_one_is_torch_sparse_adagrad():
-    tables = [TableConfig("a", 13, 1), TableConfig("b", 4, 1)]
+    tables = [SparseFeature("a", 13, 1), SparseFeature("b", 4, 1)]
     tbe = TableBatchedEmbeddingBag(tables, RowWiseAdagrad(lr=0.2, eps=1e-10))
     bags = _reference_bags(tbe, sparse=True)
     batches, lrs = [_jagged(s, tables=tables) for s in range(4)], [0.2] * 4
@@ -232,7 +232,7 @@ def test_adam_matches_lazy_torch_adamw(weight_decay):
 
 def _train_big(optimizer, threads: int) -> torch.Tensor:
     """A few steps on a batch large enough for torch to split its ops across threads."""
-    tables = [TableConfig(f"t{i}", n, 16) for i, n in enumerate([3000, 500, 50, 7])]
+    tables = [SparseFeature(f"t{i}", n, 16) for i, n in enumerate([3000, 500, 50, 7])]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
