@@ -97,7 +97,7 @@ def run_ingest_benchmark(
             )
         manifest = read_manifest(data_url)
         spec = FeatureSpec.for_dataset(manifest, FeaturesConfig(), ModelConfig())
-        transform = BatchTransform(spec, HashIds({f.name: f.num_embeddings for f in spec.sparse}))
+        transform = BatchTransform(spec, HashIds.from_spec(spec))
         splits = list_splits(manifest.day_paths(data_url))
         total = sum(s.num_rows for s in splits)
         columns = spec.columns

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 from dlrmflow.config import FeaturesConfig, ModelConfig
@@ -41,6 +41,18 @@ class FeatureSpec:
     @property
     def sparse_names(self) -> list[str]:
         return [f.name for f in self.sparse]
+
+    def to_dict(self) -> dict:
+        """Plain data for a checkpoint, so table sizes are known without the dataset."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FeatureSpec:
+        return cls(
+            dense=tuple(data["dense"]),
+            sparse=tuple(SparseFeature(**f) for f in data["sparse"]),
+            label=data["label"],
+        )
 
     @classmethod
     def for_dataset(

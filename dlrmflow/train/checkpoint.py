@@ -16,7 +16,6 @@ import torch
 
 from dlrmflow.config import RunConfig, build_config
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.train.data import spec_from_dict, spec_to_dict
 from dlrmflow.train.model import DLRM, embedding_optimizer
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -53,7 +52,7 @@ def save_checkpoint(
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "config": config.model_dump(),
-            "spec": spec_to_dict(spec),
+            "spec": spec.to_dict(),
             "step": step,
             "rows": rows,
             "loader": loader_state,
@@ -74,7 +73,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     try:
         data = torch.load(path, map_location="cpu", weights_only=False)
         config = build_config(data["config"])
-        spec = spec_from_dict(data["spec"])
+        spec = FeatureSpec.from_dict(data["spec"])
         model = DLRM(spec, config.model, embedding_optimizer(config.train))
         model.load_state_dict(data["model"])
     except (KeyError, RuntimeError, EOFError) as e:

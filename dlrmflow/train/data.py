@@ -6,14 +6,13 @@ each decoded row group in its own threads, so preprocessing overlaps training.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 from torchdata.nodes import Loader
 
 from dlrmflow.config import RunConfig
 from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
-from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
@@ -41,30 +40,17 @@ def fit_features(
             max_size=config.features.max_rows_per_table - 1,
         )
         vocab.save(str(run_dir / VOCAB_FILE))
-        sizes = {name: vocab.num_embeddings(name) for name in SPARSE}
-        spec = FeatureSpec.for_dataset(manifest, config.features, config.model, sizes)
+        spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
         return spec, vocab
     spec = FeatureSpec.for_dataset(manifest, config.features, config.model)
-    return spec, HashIds({f.name: f.num_embeddings for f in spec.sparse})
-
-
-def spec_to_dict(spec: FeatureSpec) -> dict:
-    return asdict(spec)
-
-
-def spec_from_dict(data: dict) -> FeatureSpec:
-    return FeatureSpec(
-        dense=tuple(data["dense"]),
-        sparse=tuple(SparseFeature(**f) for f in data["sparse"]),
-        label=data["label"],
-    )
+    return spec, HashIds.from_spec(spec)
 
 
 def load_ids(kind: str, spec: FeatureSpec, run_dir: Path) -> IdMapper:
     """The ID mapping a checkpoint was trained with."""
     if kind == "vocab":
         return Vocabulary.load(str(run_dir / VOCAB_FILE))
-    return HashIds({f.name: f.num_embeddings for f in spec.sparse})
+    return HashIds.from_spec(spec)
 
 
 def batch_loader(

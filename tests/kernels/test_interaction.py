@@ -1,20 +1,8 @@
 import pytest
 import torch
 
+from dlrmflow.bench.kernels import unfused_interaction
 from dlrmflow.kernels.interaction import dot_interaction
-
-
-class ReferenceDotInteraction(torch.nn.Module):
-    """The plain PyTorch interaction the fused op replaced, kept as the reference."""
-
-    def __init__(self, n_vectors: int) -> None:
-        super().__init__()
-        self.rows, self.cols = torch.tril_indices(n_vectors, n_vectors, offset=-1)
-
-    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        vectors = torch.cat([dense.unsqueeze(1), pooled], dim=1)
-        gram = torch.bmm(vectors, vectors.transpose(1, 2))
-        return torch.cat([dense, gram[:, self.rows, self.cols]], dim=1)
 
 
 def _output_dim(n_vectors: int, dim: int) -> int:
@@ -52,7 +40,7 @@ def test_output_is_dense_then_lower_triangle_of_pairwise_dots():
 )
 def test_matches_reference_forward_and_gradients_in_float32(batch, n_sparse, dim):
     dense, pooled = _inputs(batch, n_sparse, dim)
-    reference = ReferenceDotInteraction(n_sparse + 1)
+    reference = unfused_interaction
     grad_out = torch.randn(batch, _output_dim(n_sparse + 1, dim))
     expected = _forward_backward(reference, dense, pooled, grad_out)
     actual = _forward_backward(dot_interaction, dense, pooled, grad_out)
@@ -83,7 +71,7 @@ def test_pooled_may_be_a_transposed_view_as_the_embedding_bags_return_it():
     dense = torch.randn(6, 8)
     grad_out = torch.randn(6, _output_dim(6, 8))
     results = []
-    for fn in (ReferenceDotInteraction(6), dot_interaction):
+    for fn in (unfused_interaction, dot_interaction):
         leaf = key_major.clone().requires_grad_()
         fn(dense, leaf.transpose(0, 1)).backward(grad_out)
         results.append((fn(dense, leaf.transpose(0, 1)).detach(), leaf.grad))
@@ -95,7 +83,7 @@ def test_bfloat16_stays_close_to_float32_reference():
     dense, pooled = _inputs(16, 26, 16, dtype=torch.bfloat16)
     grad_out = torch.randn(16, _output_dim(27, 16), dtype=torch.bfloat16)
     expected = _forward_backward(
-        ReferenceDotInteraction(27), dense.float(), pooled.float(), grad_out.float()
+        unfused_interaction, dense.float(), pooled.float(), grad_out.float()
     )
     actual = _forward_backward(dot_interaction, dense, pooled, grad_out)
     for got, want in zip(actual, expected, strict=True):
