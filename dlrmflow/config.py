@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dlrmflow.train.sharding import ShardingType
+
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot be used; the message names the key."""
@@ -102,6 +104,43 @@ class TrainConfig(_Section):
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (default: cores left by the readers)"
     )
+    checkpoint_every: int | None = Field(
+        None, ge=1, description="steps between checkpoints (default: only at the end)"
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (plus the best)")
+    eval_every: int | None = Field(
+        None, ge=1, description="steps between evaluations on the test day during training"
+    )
+
+
+class DistributedConfig(_Section):
+    """How training is spread over processes: sharding, communication precision, launch."""
+
+    nproc: int = Field(1, ge=1, description="ranks on this host (>1: launched with torchrun)")
+    ranks_per_host: int | None = Field(
+        None, ge=1, description="for planning; default: nproc (one host)"
+    )
+    sharding: ShardingType | None = Field(
+        None, description="force one sharding type on every table (default: the planner picks)"
+    )
+    comms: Literal["fp32", "fp16", "bf16", "fp8", "int8"] = Field(
+        "fp32", description="precision of the forward embedding all-to-all"
+    )
+    backward_comms: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="precision of the backward (gradient) all-to-all"
+    )
+    dense_comms: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="precision of the dense gradient allreduce (a DDP comm hook)"
+    )
+    pipeline: bool = Field(
+        True, description="start the next batch's input all-to-all while this one computes"
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, description="collective timeout: a dead peer ends the job after this"
+    )
+    readers: list[str] = Field(
+        default_factory=list, description="remote reader endpoints HOST:PORT (default: local)"
+    )
 
 
 class EvalConfig(_Section):
@@ -119,6 +158,7 @@ class RunConfig(_Section):
     features: FeaturesConfig = Field(default_factory=FeaturesConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,50 @@ from dlrmflow.features.spec import SparseFeature
 # The CSR product is stable API in practice; torch still prints a beta notice on first use.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
-__all__ = ["SGD", "Adam", "RowWiseAdagrad", "TableBatchedEmbeddingBag"]
+__all__ = ["SGD", "Adam", "RowWiseAdagrad", "TableBatchedEmbeddingBag", "init_table_rows"]
+
+# Rows drawn per generator in the init: each block has its own seed, so any row range of a
+# table (a shard) is drawn without drawing the rows before it.
+INIT_BLOCK_ROWS = 8192
+
+GradientHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+SquareSumHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def init_table_rows(
+    out: torch.Tensor,
+    name: str,
+    seed: int,
+    *,
+    table_rows: int,
+    row_start: int = 0,
+    col_start: int = 0,
+    table_dim: int | None = None,
+) -> None:
+    """Fill ``out`` with rows ``[row_start, row_start + len(out))`` and columns
+    ``[col_start, col_start + out.shape[1])`` of table ``name``'s initial weights.
+
+    The weights are uniform in +-sqrt(1 / table_rows), as in the DLRM reference, drawn in
+    blocks of ``INIT_BLOCK_ROWS`` rows whose generators are seeded by (seed, name, block):
+    a shard of a table, at any world size and sharding, starts from exactly the values the
+    same rows have in a single-process model.
+    """
+    rows, cols = out.shape
+    dim = table_dim if table_dim is not None else cols
+    bound = math.sqrt(1.0 / table_rows)
+    name_key = zlib.crc32(name.encode())
+    first, last = row_start // INIT_BLOCK_ROWS, (row_start + rows - 1) // INIT_BLOCK_ROWS
+    for block in range(first, last + 1):
+        gen = torch.Generator().manual_seed(
+            ((seed * 1_000_003 + name_key) * 1_000_003 + block) % 2**63
+        )
+        block_start = block * INIT_BLOCK_ROWS
+        n = min(INIT_BLOCK_ROWS, table_rows - block_start)
+        values = torch.empty(n, dim).uniform_(-bound, bound, generator=gen)
+        lo, hi = max(row_start, block_start), min(row_start + rows, block_start + n)
+        out[lo - row_start : hi - row_start] = values[
+            lo - block_start : hi - block_start, col_start : col_start + cols
+        ]
 
 
 @dataclass(frozen=True)
@@ -136,8 +180,14 @@ class TableBatchedEmbeddingBag(nn.Module):
     """
 
     def __init__(
-        self, tables: Sequence[SparseFeature], optimizer: Optimizer, seed: int = 0
+        self,
+        tables: Sequence[SparseFeature],
+        optimizer: Optimizer,
+        seed: int = 0,
+        init: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
+        """``init(k, rows)`` fills table ``k``'s ``[num_embeddings, dim]`` rows in place; by
+        default ``init_table_rows`` draws them from ``seed`` and the table's name."""
         super().__init__()
         _check_config(tables, optimizer)
         self.tables = list(tables)
@@ -158,13 +208,20 @@ class TableBatchedEmbeddingBag(nn.Module):
         )
         numel = sum(n * d for n, d in zip(sizes, dims, strict=True))
         self.register_buffer("weight", torch.empty(numel))
-        gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for name in (t.name for t in tables):
-                table = self.table(name)
-                # The model's init: uniform in +-sqrt(1 / rows), as in the DLRM reference.
-                bound = math.sqrt(1.0 / table.shape[0])
-                table.uniform_(-bound, bound, generator=gen)
+            for k, t in enumerate(tables):
+                if init is None:
+                    init_table_rows(self.table(t.name), t.name, seed, table_rows=t.num_embeddings)
+                else:
+                    init(k, self.table(t.name))
+        # Called with (group index, group-local unique rows, their reduced gradients) before
+        # the update; returns the (rows, gradients) to apply. Data-parallel tables allreduce
+        # here, so every replica applies the same global update.
+        self.gradient_hook: GradientHook | None = None
+        # Row-wise Adagrad on a column shard: called with (group index, rows, each row's sum
+        # of squared gradients over this shard's columns); returns the mean over the whole
+        # row's columns, which the shards holding the other columns contribute to.
+        self.square_sum_hook: SquareSumHook | None = None
         if isinstance(optimizer, RowWiseAdagrad):
             self.register_buffer("sum_squares", torch.zeros(sum(sizes)))
         elif isinstance(optimizer, Adam):
@@ -310,8 +367,8 @@ class TableBatchedEmbeddingBag(nn.Module):
     def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[_Lookup]) -> None:
         if isinstance(self.optimizer, Adam):
             self.step += 1
-        for group, lookup in zip(self.groups, lookups, strict=True):
-            if lookup.ids.numel() == 0:
+        for g, (group, lookup) in enumerate(zip(self.groups, lookups, strict=True)):
+            if lookup.ids.numel() == 0 and self.gradient_hook is None:
                 continue
             columns = slice(group.first_column, group.first_column + self._group_width(group))
             bag_grads = grad_out[:, columns].reshape(-1, group.dim)
@@ -319,12 +376,16 @@ class TableBatchedEmbeddingBag(nn.Module):
             if lookup.weights is not None:
                 scale = lookup.weights if scale is None else scale * lookup.weights
             rows, row_grads = _reduce_by_row(lookup.ids, bag_grads, lookup.positions, scale)
-            self._update(group, rows, row_grads)
+            if self.gradient_hook is not None:
+                rows, row_grads = self.gradient_hook(g, rows, row_grads)
+            self._update(group, rows, row_grads, g)
 
     def _group_width(self, group: _Group) -> int:
         return (group.end_key - group.first_key) * group.dim
 
-    def _update(self, group: _Group, rows: torch.Tensor, grads: torch.Tensor) -> None:
+    def _update(
+        self, group: _Group, rows: torch.Tensor, grads: torch.Tensor, group_index: int = 0
+    ) -> None:
         """One optimizer step on the (unique, sorted) group-local ``rows``."""
         opt, lr = self.optimizer, self.lr
         weight = self._view(self.weight, group)
@@ -337,7 +398,11 @@ class TableBatchedEmbeddingBag(nn.Module):
             if opt.weight_decay:
                 grads = grads.add(w, alpha=opt.weight_decay)
             state = self.sum_squares[group.first_row : group.first_row + group.num_rows]
-            s = state.index_select(0, rows).add_(grads.square().mean(1))
+            if self.square_sum_hook is None:
+                mean_square = grads.square().mean(1)
+            else:
+                mean_square = self.square_sum_hook(group_index, rows, grads.square().sum(1))
+            s = state.index_select(0, rows).add_(mean_square)
             state.index_copy_(0, rows, s)
             w.add_(grads / s.sqrt().add_(opt.eps)[:, None], alpha=-lr)
         else:

@@ -67,32 +67,20 @@ class CrossNetwork(nn.Module):
         return x
 
 
-class DLRM(nn.Module):
-    """Bottom MLP + embedding bags + interaction + top MLP, producing click logits."""
+class DenseArch(nn.Module):
+    """Everything but the embeddings: bottom MLP, interaction and top MLP.
 
-    def __init__(
-        self,
-        spec: FeatureSpec,
-        config: ModelConfig,
-        embedding_optimizer: EmbeddingOptimizer | None = None,
-        seed: int = 0,
-    ) -> None:
-        """``embedding_optimizer`` is fused into the embeddings' backward (SGD by default, for
-        a model that is only evaluated); ``seed`` draws the embedding weights."""
+    Its parameters are the data-parallel half of the model (replicated, gradients
+    allreduced); the embeddings feeding it are the model-parallel half.
+    """
+
+    def __init__(self, spec: FeatureSpec, config: ModelConfig) -> None:
         super().__init__()
         n_sparse = len(spec.sparse)
         dim = config.embedding_dim
-        if any(f.embedding_dim != dim for f in spec.sparse):
-            raise ValueError("every sparse feature must use model.embedding_dim")
         self.arch = config.arch
+        self.n_sparse = n_sparse
         self.bottom = mlp([len(spec.dense), *config.bottom_mlp], last_relu=True)
-        # All tables in one table-batched bag whose backward updates the touched rows itself:
-        # no embedding gradient ever exists, so no torch optimizer sees these weights.
-        self.embeddings = TableBatchedEmbeddingBag(
-            spec.sparse,
-            embedding_optimizer or SGD(lr=0.0),
-            seed=seed,
-        )
         if config.arch == "dlrm":
             self.interaction: nn.Module = DotInteraction()
             top_in = DotInteraction.output_dim(n_sparse + 1, dim)
@@ -101,11 +89,43 @@ class DLRM(nn.Module):
             self.interaction = CrossNetwork(top_in, config.dcn_layers, config.dcn_low_rank)
         self.top = mlp([top_in, *config.top_mlp, 1], last_relu=False)
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """Click logits ``[B]`` from dense features and the pooled embeddings ``[B, n * dim]``."""
         dense_out = self.bottom(dense)
-        pooled = self.embeddings(sparse).view(dense.shape[0], len(self.embeddings.names), -1)
         if self.arch == "dlrm":
-            features = self.interaction(dense_out, pooled)
+            features = self.interaction(dense_out, pooled.view(dense.shape[0], self.n_sparse, -1))
         else:
-            features = self.interaction(torch.cat([dense_out, pooled.flatten(1)], dim=1))
+            features = self.interaction(torch.cat([dense_out, pooled], dim=1))
         return self.top(features).squeeze(1)
+
+
+class DLRM(nn.Module):
+    """Embedding bags feeding the dense arch, producing click logits.
+
+    ``embeddings`` is any module mapping a ``KeyedJaggedTensor`` to pooled ``[B, n * dim]``
+    in feature order: the table-batched bag of one process by default, or the sharded
+    collection of a distributed job.
+    """
+
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        config: ModelConfig,
+        embedding_optimizer: EmbeddingOptimizer | None = None,
+        seed: int = 0,
+        embeddings: nn.Module | None = None,
+    ) -> None:
+        """``embedding_optimizer`` is fused into the embeddings' backward (SGD by default, for
+        a model that is only evaluated); ``seed`` draws the embedding weights."""
+        super().__init__()
+        if any(f.embedding_dim != config.embedding_dim for f in spec.sparse):
+            raise ValueError("every sparse feature must use model.embedding_dim")
+        # All tables in one table-batched bag whose backward updates the touched rows itself:
+        # no embedding gradient ever exists, so no torch optimizer sees these weights.
+        self.embeddings = embeddings or TableBatchedEmbeddingBag(
+            spec.sparse, embedding_optimizer or SGD(lr=0.0), seed=seed
+        )
+        self.dense_arch = DenseArch(spec, config)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense_arch(dense, self.embeddings(sparse))

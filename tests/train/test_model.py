@@ -65,9 +65,9 @@ def test_dcnv2_variant_runs_and_differs_in_structure():
     model = DLRM(_spec(4), cfg)
     out = model(torch.randn(3, 3), _kjt())
     assert out.shape == (3,)
-    assert len(model.interaction.down) == 2
+    assert len(model.dense_arch.interaction.down) == 2
     # the cross network sees the bottom output (5) plus two 4-dim embeddings
-    assert model.interaction.up[0].out_features == 5 + 2 * 4
+    assert model.dense_arch.interaction.up[0].out_features == 5 + 2 * 4
 
 
 def test_mean_pooling_and_mismatched_keys():

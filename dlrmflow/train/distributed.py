@@ -1,0 +1,138 @@
+"""Hybrid parallelism: model-parallel sharded embeddings feeding data-parallel dense layers.
+
+``init_distributed`` joins the job torchrun started (gloo on CPU, NCCL on GPU) with a
+collective timeout, so a dead peer ends the job instead of hanging it. ``ShardedDLRM`` is
+the DLRM of ``dlrmflow.train.model`` with its embeddings replaced by the sharded
+collection and its dense arch wrapped in DDP, whose gradient allreduce runs through a
+comm hook in the configured precision.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dlrmflow.config import RunConfig
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
+from dlrmflow.train.comms import CommStats, dense_comm_hook
+from dlrmflow.train.model import DLRM, DenseArch, EmbeddingOptimizer
+from dlrmflow.train.sharded import PendingInput, ReceivedInput, ShardedEmbeddingCollection
+from dlrmflow.train.sharding import ShardingPlan
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls) -> Topology:
+        """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), or a
+        single process when it is absent."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
+
+
+def init_distributed(config: RunConfig, topology: Topology) -> None:
+    """Join the process group torchrun set up (env:// rendezvous), once per process."""
+    if dist.is_initialized() or not topology.distributed:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend,
+        timeout=timedelta(seconds=config.distributed.timeout_s),
+        rank=topology.rank,
+        world_size=topology.world_size,
+    )
+
+
+class ShardedDLRM(nn.Module):
+    """The DLRM with sharded embeddings and a DDP-wrapped dense arch.
+
+    ``forward(dense, sparse)`` runs one step's input distribution synchronously; the
+    pipeline instead calls ``start_input_dist`` one batch ahead and ``forward_received``.
+    """
+
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        config: RunConfig,
+        plan: ShardingPlan,
+        optimizer: EmbeddingOptimizer,
+        *,
+        stats: CommStats | None = None,
+    ) -> None:
+        super().__init__()
+        self.stats = stats or CommStats()
+        world = dist.get_world_size()
+        # Separate groups: the pipelined input exchange runs in the background and must not
+        # interleave with the output exchange or DDP's allreduce on the same group.
+        output_group = dist.new_group(backend=dist.get_backend())
+        input_group = dist.new_group(backend=dist.get_backend())
+        self.embeddings = ShardedEmbeddingCollection(
+            spec.sparse,
+            plan,
+            optimizer,
+            seed=config.train.seed,
+            comms=config.distributed.comms,
+            backward_comms=config.distributed.backward_comms,
+            group=output_group,
+            input_group=input_group,
+            stats=self.stats,
+        )
+        self.dense_arch = DenseArch(spec, config.model)
+        self.ddp = DistributedDataParallel(self.dense_arch)
+        hook, state = dense_comm_hook(config.distributed.dense_comms, self.stats, world)
+        self.ddp.register_comm_hook(state, hook)
+
+    def start_input_dist(self, sparse: KeyedJaggedTensor, async_op: bool = False) -> PendingInput:
+        return self.embeddings.start_input_dist(sparse, async_op=async_op)
+
+    def forward_received(self, dense: torch.Tensor, received: ReceivedInput) -> torch.Tensor:
+        return self.ddp(dense, self.embeddings.forward_received(received))
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return self.forward_received(dense, self.start_input_dist(sparse).wait())
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return list(self.dense_arch.parameters())
+
+    def unsharded(self, spec: FeatureSpec, config: RunConfig) -> DLRM | None:
+        """The whole model in one process on rank 0 (None elsewhere): every table gathered
+        with its optimizer state. A collective; for models that fit one process."""
+        tables = self.embeddings.gather_tables(dst=0)
+        if tables is None:
+            return None
+        optimizer = self.embeddings.local.optimizer if self.embeddings.local else None
+        if optimizer is None and self.embeddings.replicated is not None:
+            optimizer = self.embeddings.replicated.optimizer
+        model = DLRM(spec, config.model, optimizer, seed=config.train.seed)
+        model.dense_arch.load_state_dict(self.dense_arch.state_dict())
+        bag: TableBatchedEmbeddingBag = model.embeddings
+        with torch.no_grad():
+            for name, parts in tables.items():
+                bag.table(name).copy_(parts["weight"])
+                for key, value in bag.state(name).items():
+                    value.copy_(parts[key])
+        return model

@@ -1,0 +1,572 @@
+"""The sharded embedding collection: a ``ShardingPlan`` executed with all-to-all.
+
+Each rank holds the shards the plan gives it in one table-batched bag (row ranges shifted
+to start at 0, column ranges as narrower tables) and a replica of every data-parallel
+table. A step, for the batch each rank read:
+
+1. **Input distribution.** Every rank sends each other rank the IDs of the features that
+   rank holds: whole bags for table-wise and column-wise shards, only the IDs inside its
+   row range (shifted) for row-wise ones. One-hot batches travel as a ``[B, n]`` ID matrix
+   (-1 for an empty bag or an ID outside the range); jagged ones as lengths, then values.
+2. **Local lookup** of every received sample in the rank's bag, one call for all shards.
+3. **Output distribution.** The pooled vectors go back to the rank that owns each sample,
+   encoded with the forward codec (fp32, fp16, bf16, fp8 or int8 row-wise). The owner puts
+   table-wise ones in place, concatenates column-wise ones, and sums the partial sums of
+   row-wise ones in rank order (a fixed order: runs are bitwise repeatable).
+4. **Backward** mirrors 3: each owner sends every shard the gradient of its columns
+   (through the backward codec), scaled by 1 / world size so that the update is that of
+   the mean loss over the global batch, as DDP does for the dense layers; the bag's fused
+   optimizer then updates the touched rows. Data-parallel tables allreduce their reduced
+   row gradients before the same fused update.
+
+Mean pooling of a row-wise table is a sum on every shard, divided by the whole bag's
+length at the owner, since no shard sees the whole bag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import SparseFeature
+from dlrmflow.kernels.codecs import Codec, Encoded, get_codec
+from dlrmflow.kernels.tbe import Optimizer, TableBatchedEmbeddingBag, init_table_rows
+from dlrmflow.train.comms import CommStats, PendingAllToAll, all_gather_ints, all_to_all
+from dlrmflow.train.sharding import Shard, ShardingPlan, TablePlan
+
+PARTIAL_SUM_TYPES = ("row_wise", "table_row_wise")
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One shard of a model-parallel table, as a destination of input IDs."""
+
+    feature: int  # index of the feature in the collection (global order)
+    table: TablePlan
+    shard: Shard
+
+    @property
+    def partial(self) -> bool:
+        return self.table.sharding in PARTIAL_SUM_TYPES
+
+
+@dataclass
+class ReceivedInput:
+    """What a rank got from the input distribution: its shards' IDs for every sample of
+    every rank (source after source), and each source's batch size."""
+
+    kjt: KeyedJaggedTensor | None
+    batch_sizes: list[int]
+    source: KeyedJaggedTensor  # this rank's own batch, for data-parallel tables and means
+
+
+class PendingInput:
+    """An input distribution in flight (the pipeline overlaps it with the previous step)."""
+
+    def __init__(self, finish, batch_sizes: list[int], source: KeyedJaggedTensor) -> None:
+        self._finish = finish
+        self._batch_sizes = batch_sizes
+        self._source = source
+
+    def wait(self) -> ReceivedInput:
+        return ReceivedInput(self._finish(), self._batch_sizes, self._source)
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """Pooled embeddings ``[B, sum of dims]`` of the local batch, in feature order, from
+    tables sharded over the ranks of ``group`` as ``plan`` says."""
+
+    def __init__(
+        self,
+        features: Sequence[SparseFeature],
+        plan: ShardingPlan,
+        optimizer: Optimizer,
+        *,
+        seed: int = 0,
+        comms: str = "fp32",
+        backward_comms: str = "fp32",
+        group: dist.ProcessGroup | None = None,
+        input_group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        """``group`` carries the output all-to-all and its backward; ``input_group`` the
+        input distribution, which the pipeline runs in the background, so it needs its own
+        group to be ordered independently. ``seed`` draws the same initial rows as a
+        single-process model with that seed."""
+        super().__init__()
+        self.group = group
+        self.input_group = input_group if input_group is not None else group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if plan.world_size != self.world_size:
+            raise ValueError(
+                f"the sharding plan is for {plan.world_size} ranks, the job has {self.world_size}"
+            )
+        plan.validate()
+        self.features = list(features)
+        self.names = [f.name for f in self.features]
+        self._check_plan(plan)
+        self.plan = plan
+        self.codec: Codec = get_codec(comms)
+        self.backward_codec: Codec = get_codec(backward_comms)
+        if self.backward_codec.name not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"backward_comms must be fp32, fp16 or bf16, got {backward_comms!r}")
+        self.stats = stats or CommStats()
+        starts = [0]
+        for f in self.features:
+            starts.append(starts[-1] + f.embedding_dim)
+        self._feature_start = starts
+        self.output_dim = starts[-1]
+
+        index = {name: k for k, name in enumerate(self.names)}
+        self.routes = [
+            [
+                _Route(index[t.name], t, s)
+                for t, s in plan.shards_on(r)
+                if t.sharding != "data_parallel"
+            ]
+            for r in range(self.world_size)
+        ]
+        local = self.routes[self.rank]
+        self.local = (
+            TableBatchedEmbeddingBag(
+                [self._local_table(route) for route in local],
+                optimizer,
+                init=lambda j, out: self._init_shard(local[j], out, seed),
+            )
+            if local
+            else None
+        )
+        # Row-wise Adagrad keeps one value per row, the mean of the squared gradient over
+        # the row's columns: the shards of a column-wise table sum their columns' squares
+        # over the table's ranks so that every shard keeps the whole row's value.
+        self._column_groups = {
+            t.name: dist.new_group(ranks=list(t.ranks), backend=dist.get_backend(group))
+            for t in plan.tables
+            if t.sharding == "column_wise" and len(t.shards) > 1
+        }
+        if self.local is not None and any(r.table.name in self._column_groups for r in local):
+            self.local.square_sum_hook = self._column_square_means
+        self._replicated_features = [
+            index[t.name] for t in plan.tables if t.sharding == "data_parallel"
+        ]
+        self.replicated = None
+        if self._replicated_features:
+            self.replicated = TableBatchedEmbeddingBag(
+                [self.features[k] for k in self._replicated_features], optimizer, seed=seed
+            )
+            self.replicated.gradient_hook = self._allreduce_rows
+        self._build_maps()
+
+    # -- construction -------------------------------------------------------------------
+
+    def _check_plan(self, plan: ShardingPlan) -> None:
+        planned = {t.name: t for t in plan.tables}
+        if sorted(planned) != sorted(self.names):
+            raise ValueError(
+                f"the sharding plan covers tables {sorted(planned)}, the model has "
+                f"{sorted(self.names)}"
+            )
+        for f in self.features:
+            t = planned[f.name]
+            if (t.rows, t.dim) != (f.num_embeddings, f.embedding_dim):
+                raise ValueError(
+                    f"table {f.name}: the plan says {t.rows}x{t.dim}, the model "
+                    f"{f.num_embeddings}x{f.embedding_dim}"
+                )
+
+    def _local_table(self, route: _Route) -> SparseFeature:
+        feature = self.features[route.feature]
+        pooling = "sum" if route.partial else feature.pooling
+        return SparseFeature(feature.name, route.shard.rows, route.shard.cols, pooling)
+
+    @staticmethod
+    def _init_shard(route: _Route, out: torch.Tensor, seed: int) -> None:
+        init_table_rows(
+            out,
+            route.table.name,
+            seed,
+            table_rows=route.table.rows,
+            row_start=route.shard.row_start,
+            col_start=route.shard.col_start,
+            table_dim=route.table.dim,
+        )
+
+    def _build_maps(self) -> None:
+        """Index tensors of the routing, built once: which input columns go to each rank and
+        with which row range, and where each rank's returned columns land in the output."""
+        self._send_keys, self._send_lo, self._send_hi, self._out_columns = [], [], [], []
+        for routes in self.routes:
+            self._send_keys.append(torch.tensor([r.feature for r in routes], dtype=torch.int64))
+            self._send_lo.append(torch.tensor([r.shard.row_start for r in routes]))
+            self._send_hi.append(torch.tensor([r.shard.row_end for r in routes]))
+            columns = [
+                torch.arange(r.shard.col_start, r.shard.col_end) + self._feature_start[r.feature]
+                for r in routes
+            ]
+            self._out_columns.append(
+                torch.cat(columns) if columns else torch.zeros(0, dtype=torch.int64)
+            )
+        self._replicated_columns = torch.cat(
+            [
+                torch.arange(self._feature_start[k], self._feature_start[k + 1])
+                for k in self._replicated_features
+            ]
+            or [torch.zeros(0, dtype=torch.int64)]
+        )
+        # Features whose shards return partial sums of a mean-pooled bag: divided at the owner.
+        self._mean_partial = sorted(
+            {
+                route.feature
+                for routes in self.routes
+                for route in routes
+                if route.partial and self.features[route.feature].pooling == "mean"
+            }
+        )
+        self._widths = [int(c.numel()) for c in self._out_columns]
+        # The quantization row: one table's vector when every shard has the same width (row-wise
+        # codecs then scale each embedding on its own), else one sample's block.
+        widths = {r.shard.cols for routes in self.routes for r in routes}
+        self._codec_width = widths.pop() if len(widths) == 1 else None
+
+    # -- input distribution -------------------------------------------------------------
+
+    def start_input_dist(self, kjt: KeyedJaggedTensor, *, async_op: bool = False) -> PendingInput:
+        """Send every rank the IDs of its shards for this rank's batch ``kjt``.
+
+        The batch sizes (and whether any rank's batch is jagged) are exchanged first and
+        synchronously; the IDs themselves travel in the background when ``async_op``.
+        """
+        if kjt.keys != self.names:
+            raise ValueError(f"batch keys {kjt.keys} differ from the tables {self.names}")
+        jagged = kjt.one_hot_rows is None
+        sizes = all_gather_ints([kjt.stride, int(jagged)], self.input_group)
+        batch_sizes = sizes[:, 0].tolist()
+        if bool(sizes[:, 1].any()):
+            finish = self._send_jagged(kjt, batch_sizes, async_op)
+        else:
+            finish = self._send_one_hot(kjt.one_hot_rows, batch_sizes, async_op)
+        return PendingInput(finish, batch_sizes, kjt)
+
+    def _send_one_hot(self, rows: torch.Tensor, batch_sizes: list[int], async_op: bool):
+        rows = rows.long()
+        parts = []
+        for keys, lo, hi in zip(self._send_keys, self._send_lo, self._send_hi, strict=True):
+            ids = rows.index_select(1, keys)
+            inside = (ids >= lo) & (ids < hi)
+            parts.append(torch.where(inside, ids - lo, -1).reshape(-1))
+        n_local = len(self.routes[self.rank])
+        pending = all_to_all(
+            parts,
+            [b * n_local for b in batch_sizes],
+            self.input_group,
+            kind="input",
+            stats=self.stats,
+            async_op=async_op,
+        )
+
+        def finish() -> KeyedJaggedTensor | None:
+            received = pending.wait()
+            if not n_local:
+                return None
+            local_rows = torch.cat(received).view(-1, n_local)
+            return KeyedJaggedTensor.from_one_hot(self.local.names, local_rows)
+
+        return finish
+
+    def _send_jagged(self, kjt: KeyedJaggedTensor, batch_sizes: list[int], async_op: bool):
+        batch = kjt.stride
+        values = kjt.values
+        lengths = kjt.lengths.view(len(self.names), batch)
+        offsets = kjt.offsets()
+        key_start = offsets[::batch].tolist()
+        weights = kjt.weights
+        send_lengths, send_values, send_weights = [], [], []
+        for routes in self.routes:
+            lens, vals, wts = [], [], []
+            for route in routes:
+                k = route.feature
+                v = values[key_start[k] : key_start[k + 1]]
+                n = lengths[k]
+                w = None if weights is None else weights[key_start[k] : key_start[k + 1]]
+                if route.partial:
+                    inside = (v >= route.shard.row_start) & (v < route.shard.row_end)
+                    bag = torch.arange(batch).repeat_interleave(n.long(), output_size=v.numel())
+                    n = torch.zeros(batch, dtype=torch.int64).index_add_(0, bag, inside.long())
+                    v = v[inside] - route.shard.row_start
+                    w = None if w is None else w[inside]
+                lens.append(n.to(torch.int32))
+                vals.append(v)
+                if w is not None:
+                    wts.append(w)
+            send_lengths.append(torch.cat(lens) if lens else torch.zeros(0, dtype=torch.int32))
+            send_values.append(torch.cat(vals) if vals else torch.zeros(0, dtype=torch.int64))
+            send_weights.append(torch.cat(wts) if wts else torch.zeros(0))
+        n_local = len(self.routes[self.rank])
+        # How many IDs each rank receives from each: exchanged before the IDs themselves.
+        counts = torch.tensor([v.numel() for v in send_values], dtype=torch.int64)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.input_group)
+        recv_counts_list = recv_counts.tolist()
+        pending = [
+            all_to_all(
+                send_lengths,
+                [b * n_local for b in batch_sizes],
+                self.input_group,
+                kind="input",
+                stats=self.stats,
+                async_op=async_op,
+            ),
+            all_to_all(
+                send_values,
+                recv_counts_list,
+                self.input_group,
+                kind="input",
+                stats=self.stats,
+                async_op=async_op,
+            ),
+        ]
+        if weights is not None:
+            pending.append(
+                all_to_all(
+                    send_weights,
+                    recv_counts_list,
+                    self.input_group,
+                    kind="input",
+                    stats=self.stats,
+                    async_op=async_op,
+                )
+            )
+
+        def finish() -> KeyedJaggedTensor | None:
+            received = [p.wait() for p in pending]
+            if not n_local:
+                return None
+            parts = [
+                KeyedJaggedTensor(
+                    self.local.names,
+                    received[1][s],
+                    received[0][s],
+                    received[2][s] if weights is not None else None,
+                )
+                for s in range(self.world_size)
+            ]
+            return KeyedJaggedTensor.concat(parts)
+
+        return finish
+
+    # -- lookup and output distribution -------------------------------------------------
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.forward_received(self.start_input_dist(kjt).wait())
+
+    def forward_received(self, received: ReceivedInput) -> torch.Tensor:
+        """The pooled embeddings of this rank's batch from an input distribution's result."""
+        total = sum(received.batch_sizes)
+        if self.local is not None and received.kjt is not None:
+            pooled = self.local(received.kjt)
+        else:
+            pooled = torch.zeros(total, 0)
+        training = self.training and torch.is_grad_enabled()
+        trigger = torch.empty(0, requires_grad=training)
+        blocks = _OutputDist.apply(trigger, pooled, self, received.batch_sizes)
+        batch = received.batch_sizes[self.rank]
+        out = torch.zeros(batch, self.output_dim)
+        # Rank order: partial sums of row-wise tables always add up the same way.
+        for columns, block in zip(self._out_columns, blocks, strict=True):
+            if columns.numel():
+                out = out.index_add(1, columns, block)
+        if self.replicated is not None:
+            keys = [self.names[k] for k in self._replicated_features]
+            out = out.index_add(
+                1, self._replicated_columns, self.replicated(_select_keys(received.source, keys))
+            )
+        if self._mean_partial:
+            out = out * self._mean_scale(received.source)
+        return out
+
+    def _mean_scale(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """1 / bag length on the columns of mean-pooled row-wise features, 1 elsewhere."""
+        scale = torch.ones(kjt.stride, self.output_dim)
+        lengths = kjt.lengths.view(len(self.names), kjt.stride)
+        for k in self._mean_partial:
+            cols = slice(self._feature_start[k], self._feature_start[k + 1])
+            scale[:, cols] = lengths[k].clamp(min=1).reciprocal()[:, None]
+        return scale
+
+    def _encode(self, codec: Codec, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        width = self._codec_width or max(x.shape[1], 1)
+        if x.shape[1] == 0:
+            return torch.zeros(rows, 0, dtype=torch.uint8)
+        return codec.encode(x.reshape(-1, width)).data.reshape(rows, -1)
+
+    def _decode(self, codec: Codec, data: torch.Tensor, dim: int) -> torch.Tensor:
+        rows = data.shape[0]
+        if dim == 0:
+            return torch.zeros(rows, 0)
+        width = self._codec_width or dim
+        decoded = codec.decode(Encoded(data.reshape(-1, codec.row_nbytes(width)), width))
+        return decoded.reshape(rows, dim)
+
+    def _exchange(
+        self, codec: Codec, parts: list[torch.Tensor], recv: list[tuple[int, int]], kind: str
+    ) -> list[torch.Tensor]:
+        """Encode ``parts[r]`` for rank r, all-to-all, decode: ``recv[s]`` = (rows, dim) of
+        what rank s sends."""
+        encoded = [self._encode(codec, p) for p in parts]
+        # Pieces must share a row width; a flat byte stream per rank does whatever the dims.
+        flat = [e.reshape(-1) for e in encoded]
+        recv_bytes = [rows * (self._row_bytes(codec, dim)) for rows, dim in recv]
+        pending: PendingAllToAll = all_to_all(
+            flat, recv_bytes, self.group, kind=kind, stats=self.stats
+        )
+        return [
+            self._decode(codec, data.view(rows, -1), dim)
+            for data, (rows, dim) in zip(pending.wait(), recv, strict=True)
+        ]
+
+    def _row_bytes(self, codec: Codec, dim: int) -> int:
+        if dim == 0:
+            return 0
+        width = self._codec_width or dim
+        return codec.row_nbytes(width) * (dim // width)
+
+    def _column_square_means(
+        self, group_index: int, rows: torch.Tensor, sums: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's mean squared gradient over all its table's columns. Every column shard
+        of a table got the same bags, so its touched rows, sorted, line up across ranks."""
+        bag = self.local
+        group = bag.groups[group_index]
+        means = sums / group.dim
+        for key in range(group.first_key, group.end_key):
+            route = self.routes[self.rank][key]
+            process_group = self._column_groups.get(route.table.name)
+            if process_group is None:
+                continue
+            start = int(bag._local_start[key])
+            inside = ((rows >= start) & (rows < start + route.shard.rows)).nonzero().squeeze(1)
+            if inside.numel() == 0:  # the same on every shard of the table: no collective
+                continue
+            total = sums.index_select(0, inside)
+            dist.all_reduce(total, group=process_group)
+            means.index_copy_(0, inside, total / route.table.dim)
+        return means
+
+    # -- replicated tables ---------------------------------------------------------------
+
+    def _allreduce_rows(
+        self, group_index: int, rows: torch.Tensor, grads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's reduced row gradients of a data-parallel group, summed, then scaled
+        to the mean over the global batch; a row is updated when any rank touched it."""
+        group = self.replicated.groups[group_index]
+        dense = torch.zeros(group.num_rows, group.dim + 1)
+        dense[rows, : group.dim] = grads
+        dense[rows, group.dim] = 1.0
+        self.stats.add_allreduce("replicated", dense.numel() * 4, self.world_size)
+        dist.all_reduce(dense, group=self.group)
+        touched = dense[:, group.dim].nonzero().squeeze(1)
+        return touched, dense[touched, : group.dim] / self.world_size
+
+    # -- whole tables ---------------------------------------------------------------------
+
+    def gather_tables(self, dst: int = 0) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Every table whole, with its optimizer state, on rank ``dst`` (None elsewhere).
+
+        Meant for models that fit one process (the unsharded end-of-run checkpoint and
+        ``export``); it is a collective, so every rank must call it.
+        """
+        mine = []
+        if self.local is not None:
+            for route in self.routes[self.rank]:
+                name = route.table.name
+                state = {k: v.clone() for k, v in self.local.state(name).items()}
+                mine.append((route.shard, name, self.local.table(name).clone(), state))
+        if self.replicated is not None and self.rank == 0:
+            for k in self._replicated_features:
+                name = self.names[k]
+                t = self.plan.table(name)
+                shard = Shard(0, 0, t.rows, 0, t.dim)
+                state = {key: v.clone() for key, v in self.replicated.state(name).items()}
+                mine.append((shard, name, self.replicated.table(name).clone(), state))
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(mine, gathered, dst=dst, group=self.group)
+        if gathered is None:
+            return None
+        tables: dict[str, dict[str, torch.Tensor]] = {}
+        for f in self.features:
+            tables[f.name] = {"weight": torch.empty(f.num_embeddings, f.embedding_dim)}
+        for pieces in gathered:
+            for shard, name, weight, state in pieces:
+                full = tables[name]
+                rows = slice(shard.row_start, shard.row_end)
+                full["weight"][rows, shard.col_start : shard.col_end] = weight
+                for key, value in state.items():
+                    if key not in full:
+                        shape = (self.plan.table(name).rows, *value.shape[1:])
+                        full[key] = torch.zeros(shape, dtype=value.dtype)
+                    if value.dim() == 1:
+                        # Row-wise state: every column shard holds the whole row's value.
+                        full[key][rows] = value
+                    else:
+                        full[key][rows, shard.col_start : shard.col_end] = value
+        return tables
+
+
+class _OutputDist(torch.autograd.Function):
+    """Pooled vectors back to the ranks owning their samples; gradients the other way."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        trigger: torch.Tensor,
+        pooled: torch.Tensor,
+        module: ShardedEmbeddingCollection,
+        batch_sizes: list[int],
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.module = module
+        ctx.batch_sizes = batch_sizes
+        ctx.local_width = pooled.shape[1]
+        parts = list(pooled.detach().split(batch_sizes))
+        batch = batch_sizes[module.rank]
+        recv = [(batch, width) for width in module._widths]
+        return tuple(module._exchange(module.codec, parts, recv, "forward"))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        module = ctx.module
+        scale = 1.0 / module.world_size
+        parts = [
+            (g if g is not None else torch.zeros(ctx.batch_sizes[module.rank], w)) * scale
+            for g, w in zip(grads, module._widths, strict=True)
+        ]
+        recv = [(rows, ctx.local_width) for rows in ctx.batch_sizes]
+        received = module._exchange(module.backward_codec, parts, recv, "backward")
+        return None, torch.cat(received), None, None
+
+
+def _select_keys(kjt: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:
+    """The bags of ``keys`` only (in that order), keeping the one-hot form."""
+    index = [kjt.keys.index(k) for k in keys]
+    rows = kjt.one_hot_rows
+    if rows is not None:
+        return KeyedJaggedTensor.from_one_hot(keys, rows[:, index])
+    batch = kjt.stride
+    starts = kjt.offsets()[::batch].tolist()
+    lengths = kjt.lengths.view(len(kjt.keys), batch)
+    values = torch.cat([kjt.values[starts[k] : starts[k + 1]] for k in index])
+    weights = (
+        None
+        if kjt.weights is None
+        else torch.cat([kjt.weights[starts[k] : starts[k + 1]] for k in index])
+    )
+    return KeyedJaggedTensor(keys, values, lengths[index].reshape(-1), weights)
