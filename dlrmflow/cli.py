@@ -150,13 +150,37 @@ def convert(
 def train_cmd(
     run_dir: Annotated[str | None, typer.Option(help="Where metrics and checkpoint go.")] = None,
     data: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
+    nproc: Annotated[
+        int | None, typer.Option(help="Ranks on this host (>1: torchrun, sharded embeddings).")
+    ] = None,
+    sharding: Annotated[
+        str | None,
+        typer.Option(
+            help="Force one sharding type on every table: data_parallel, table_wise, "
+            "row_wise, column_wise or table_row_wise (default: the planner chooses)."
+        ),
+    ] = None,
+    comms: Annotated[
+        str | None,
+        typer.Option(help="Forward embedding all-to-all precision: fp32, fp16, bf16, fp8, int8."),
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Train a DLRM on the dataset's training days."""
-    from dlrmflow.train.trainer import train
+    """Train a DLRM on the dataset's training days (one process, or --nproc ranks)."""
+    from dlrmflow.train.launch import launch_training
 
-    cfg = _config(config, set_, run_dir=run_dir, **{"data.url": data})
+    cfg = _config(
+        config,
+        set_,
+        run_dir=run_dir,
+        **{
+            "data.url": data,
+            "distributed.nproc": nproc,
+            "distributed.sharding": sharding,
+            "distributed.comms": comms,
+        },
+    )
     bar = _Progress(None, "train", unit="steps")
     last = [0]
 
@@ -165,9 +189,47 @@ def train_cmd(
         last[0] = record["step"]
         bar.bar.set_postfix(loss=f"{record['loss']:.4f}")
 
-    result = train(cfg, progress=show)
+    def echo(line: str) -> None:
+        if not line.startswith("result "):
+            typer.echo(line, err=True)
+
+    result = launch_training(cfg, on_line=echo, on_record=show)
     bar.close()
     _echo_json(result.to_dict())
+
+
+@app.command("plan")
+def plan_cmd(
+    world_size: Annotated[int, typer.Option(help="Ranks to plan for.")] = 2,
+    ranks_per_host: Annotated[
+        int | None, typer.Option(help="Ranks per host (default: all on one host).")
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="A built-in model instead of the config's: paper-12t.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Plan how the embedding tables shard over the ranks, with each rank's load and memory."""
+    from dlrmflow.train import planner
+
+    if preset is not None:
+        if preset != "paper-12t":
+            raise ConfigError(f"--preset: unknown preset {preset!r} (known: paper-12t)")
+        tables, topology, batch_size = planner.paper_12t()
+        plan = planner.plan_sharding(tables, topology, batch_size)
+    else:
+        from dlrmflow.features.spec import FeatureSpec
+        from dlrmflow.ingest.manifest import read_manifest
+
+        cfg = _config(config, set_)
+        spec = FeatureSpec.for_dataset(read_manifest(cfg.data.url), cfg.features, cfg.model)
+        plan = planner.plan_for_config(cfg, spec, world_size, ranks_per_host or world_size)
+    if json_out:
+        _echo_json(plan.to_dict())
+    else:
+        typer.echo(planner.format_plan(plan))
 
 
 @app.command("evaluate")

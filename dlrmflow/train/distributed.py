@@ -29,7 +29,7 @@ from dlrmflow.train.sharding import ShardingPlan
 
 
 @dataclass(frozen=True)
-class Topology:
+class DistEnv:
     """Where this process sits in the job."""
 
     rank: int
@@ -42,7 +42,7 @@ class Topology:
         return self.world_size > 1
 
     @classmethod
-    def from_env(cls) -> Topology:
+    def from_env(cls) -> DistEnv:
         """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), or a
         single process when it is absent."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -54,7 +54,7 @@ class Topology:
         )
 
 
-def init_distributed(config: RunConfig, topology: Topology) -> None:
+def init_distributed(config: RunConfig, topology: DistEnv) -> None:
     """Join the process group torchrun set up (env:// rendezvous), once per process."""
     if dist.is_initialized() or not topology.distributed:
         return

@@ -11,19 +11,27 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dlrmflow.config import RunConfig
-from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.train.checkpoint import save_checkpoint
-from dlrmflow.train.data import batch_loader, fit_features
+from dlrmflow.features.batch import Batch
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.ingest.manifest import Manifest, read_manifest
+from dlrmflow.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from dlrmflow.train.comms import CommStats
+from dlrmflow.train.data import IdMapper, batch_loader, fit_features, load_ids
+from dlrmflow.train.distributed import DistEnv, ShardedDLRM, init_distributed
 from dlrmflow.train.model import DLRM, embedding_optimizer
+from dlrmflow.train.planner import plan_for_config
 
 METRICS_FILE = "metrics.jsonl"
+PLAN_FILE = "plan.json"
+RESULT_FILE = "train_result.json"
 
 
 @dataclass
@@ -36,28 +44,27 @@ class TrainResult:
     samples_per_s: float
     final_loss: float
     checkpoint: str
+    world_size: int = 1
+    dropped_rows: int = 0  # rows a rank still held when another rank's splits ran out
+    data_wait_s: float = 0.0  # time the loop waited for the reader
+    comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def dense_optimizer(model: DLRM, config: RunConfig) -> torch.optim.Optimizer:
-    """The torch optimizer of the MLPs and the interaction (every parameter of the model:
-    the embedding weights are buffers updated by their own fused backward)."""
-    if config.train.optimizer == "adagrad":
-        return torch.optim.Adagrad(model.parameters(), lr=config.train.lr)
-    return torch.optim.SGD(model.parameters(), lr=config.train.lr)
-
-
-def compute_threads(config: RunConfig) -> int:
+def compute_threads(config: RunConfig, env: DistEnv | None = None) -> int:
     """torch's intra-op threads: ``train.threads``, else the cores the readers leave free.
 
     Oversubscribed cores are far worse than idle ones: OpenMP threads that spin while a
-    reader holds their core slowed training twentyfold in measurements on 2 cores.
+    reader holds their core slowed training twentyfold in measurements on 2 cores. The
+    ranks of one host share its cores.
     """
     if config.train.threads is not None:
         return config.train.threads
-    return max(1, (os.cpu_count() or 1) - config.train.num_workers)
+    ranks = env.local_world_size if env is not None else 1
+    cores = max(1, (os.cpu_count() or 1) // ranks)
+    return max(1, cores - config.train.num_workers)
 
 
 def seed_everything(seed: int, threads: int) -> None:
@@ -67,20 +74,99 @@ def seed_everything(seed: int, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def _features(
+    config: RunConfig, manifest: Manifest, run_dir: Path, env: DistEnv
+) -> tuple[FeatureSpec, IdMapper]:
+    """The feature spec and ID mapping: fitted by rank 0 (a vocabulary is written to the run
+    dir once), then loaded by the other ranks, so every rank maps IDs identically."""
+    if env.rank == 0:
+        fitted = fit_features(config, manifest, run_dir)
+    if env.distributed:
+        dist.barrier()
+    if env.rank == 0:
+        return fitted
+    if config.features.ids == "vocab":
+        vocab = load_ids("vocab", FeatureSpec((), ()), run_dir)
+        spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
+        return spec, vocab
+    return fit_features(config, manifest, run_dir)
+
+
+def _build_model(
+    config: RunConfig, spec: FeatureSpec, env: DistEnv, run_dir: Path
+) -> tuple[nn.Module, list[nn.Parameter], CommStats | None]:
+    """One process: the DLRM. Several: the sharded DLRM under the planner's plan, which
+    rank 0 writes to ``RUN_DIR/plan.json`` for the report and for resharding."""
+    optimizer = embedding_optimizer(config.train)
+    if not env.distributed:
+        model = DLRM(spec, config.model, optimizer, seed=config.train.seed)
+        return model, list(model.parameters()), None
+    ranks_per_host = config.distributed.ranks_per_host or env.local_world_size
+    plan = plan_for_config(config, spec, env.world_size, ranks_per_host)
+    if env.rank == 0:
+        (run_dir / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1))
+    stats = CommStats()
+    model = ShardedDLRM(spec, config, plan, optimizer, stats=stats)
+    return model, model.dense_parameters(), stats
+
+
+def dense_optimizer(parameters: list[nn.Parameter], config: RunConfig) -> torch.optim.Optimizer:
+    """The torch optimizer of the MLPs and the interaction (the embedding weights are
+    buffers updated by their own fused backward)."""
+    if config.train.optimizer == "adagrad":
+        return torch.optim.Adagrad(parameters, lr=config.train.lr)
+    return torch.optim.SGD(parameters, lr=config.train.lr)
+
+
+class _Batches:
+    """The loader's batches, with every rank stopping at the same step.
+
+    Ranks read different splits, so one can run out a batch or two before another; a
+    collective on every step would then wait forever for it. Each fetch agrees, over all
+    ranks, whether everyone still has a batch; rows a rank holds when another ran out are
+    counted in ``dropped_rows`` (reported in the result, never silently lost).
+    """
+
+    def __init__(self, loader, env: DistEnv) -> None:
+        self._iter = iter(loader)
+        self._env = env
+        self.dropped_rows = 0
+        self.wait_s = 0.0
+
+    def next(self) -> Batch | None:
+        start = time.perf_counter()
+        batch = next(self._iter, None)
+        self.wait_s += time.perf_counter() - start
+        if not self._env.distributed:
+            return batch
+        everyone = torch.tensor([int(batch is not None)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        if bool(everyone):
+            return batch
+        for rest in [batch, *self._iter] if batch is not None else []:
+            self.dropped_rows += len(rest)
+        return None
+
+
 def train(
     config: RunConfig,
     progress: Callable[[dict], None] | None = None,
 ) -> TrainResult:
     """Train a DLRM on every day but the test day and save the checkpoint.
 
-    ``progress`` receives each metrics record as it is written (the CLI and the Prefect
-    flow show it); it must not be slow.
+    Run by every rank of a torchrun job (``dlrmflow train --nproc N``), or alone. Each rank
+    reads its own splits; rank 0 writes the metrics, the plan, the checkpoint and
+    ``train_result.json``. ``progress`` receives each metrics record as it is written (the
+    CLI and the Prefect flow show it); it must not be slow.
     """
+    env = DistEnv.from_env()
+    init_distributed(config, env)
+    rank0 = env.rank == 0
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(config.train.seed, compute_threads(config))
+    seed_everything(config.train.seed, compute_threads(config, env))
     manifest = read_manifest(config.data.url)
-    spec, ids = fit_features(config, manifest, run_dir)
+    spec, ids = _features(config, manifest, run_dir, env)
     dataset, loader = batch_loader(
         manifest.day_paths(config.data.url, manifest.train_days()),
         spec,
@@ -90,81 +176,138 @@ def train(
         shuffle=config.train.shuffle,
         shuffle_window=config.train.shuffle_window,
         seed=config.train.seed,
+        rank=env.rank,
+        world_size=env.world_size,
     )
-    model = DLRM(spec, config.model, embedding_optimizer(config.train), seed=config.train.seed)
-    optimizer = dense_optimizer(model, config)
+    model, parameters, stats = _build_model(config, spec, env, run_dir)
+    optimizer = dense_optimizer(parameters, config)
     loss_fn = nn.BCEWithLogitsLoss()
+    sharded = isinstance(model, ShardedDLRM)
+    pipelined = sharded and config.distributed.pipeline
+
+    def start(batch: Batch):
+        """Begin fetching what the embeddings need (the sharded input all-to-all)."""
+        return model.start_input_dist(batch.sparse, async_op=pipelined) if sharded else None
+
+    def forward(batch: Batch, pending) -> tuple[torch.Tensor, int]:
+        if not sharded:
+            return model(batch.dense, batch.sparse), len(batch)
+        received = pending.wait()
+        return model.forward_received(batch.dense, received), sum(received.batch_sizes)
 
     metrics_path = run_dir / METRICS_FILE
-    metrics_path.unlink(missing_ok=True)
-    metrics_file = metrics_path.open("a")
-    step = rows = 0
+    if rank0:
+        metrics_path.unlink(missing_ok=True)
+    step = rows = dropped = 0
     epoch = 0
     window = {"loss": 0.0, "steps": 0, "rows": 0}
     last_loss = float("nan")
-    start = window_start = time.perf_counter()
+    wait_s = 0.0
+    start_time = window_start = time.perf_counter()
 
     def log_window() -> None:
-        """Append one metrics record for the steps since the last one."""
+        """Append one metrics record for the steps since the last one (a collective when
+        distributed: the loss is averaged over the ranks)."""
         nonlocal last_loss, window_start
         now = time.perf_counter()
-        last_loss = window["loss"] / window["steps"]
+        loss = torch.tensor([window["loss"] / window["steps"]], dtype=torch.float64)
+        if sharded:
+            dist.all_reduce(loss)
+            loss /= env.world_size
+        last_loss = float(loss)
         record = {
             "step": step,
             "epoch": epoch,
             "rows": rows,
             "loss": last_loss,
             "samples_per_s": window["rows"] / max(now - window_start, 1e-9),
-            "elapsed_s": now - start,
+            "elapsed_s": now - start_time,
+            "data_wait_s": wait_s,
         }
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-        if progress is not None:
-            progress(record)
+        if stats is not None:
+            record["comm_bytes_per_step"] = {
+                kind: n // max(step, 1) for kind, n in stats.snapshot().items()
+            }
         window.update(loss=0.0, steps=0, rows=0)
         window_start = now
+        if not rank0:
+            return
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if progress is not None:
+            progress(record)
 
     max_steps = config.train.max_steps or float("inf")
     model.train()
-    with metrics_file:
-        while epoch < config.train.epochs and step < max_steps:
-            dataset.set_epoch(epoch)
-            for batch in loader:
-                logits = model(batch.dense, batch.sparse)
-                loss = loss_fn(logits, batch.labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # also updates the touched embedding rows (fused optimizer)
-                optimizer.step()
-                step += 1
-                rows += len(batch)
-                window["loss"] += loss.item()
-                window["steps"] += 1
-                window["rows"] += len(batch)
-                if step % config.train.log_every == 0:
-                    log_window()
-                if step >= max_steps:
-                    break
-            epoch += 1
-        if window["steps"]:
-            log_window()
-    seconds = time.perf_counter() - start
+    while epoch < config.train.epochs and step < max_steps:
+        dataset.set_epoch(epoch)
+        batches = _Batches(loader, env)
+        batch = batches.next()
+        pending = start(batch) if batch is not None else None
+        while batch is not None:
+            # The next batch's input exchange runs while this one computes (pipelined).
+            following = batches.next() if step + 1 < max_steps else None
+            following_pending = start(following) if pipelined and following else None
+            logits, n = forward(batch, pending)
+            loss = loss_fn(logits, batch.labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # also updates the touched embedding rows (fused optimizer)
+            optimizer.step()
+            if following is not None and not pipelined:
+                following_pending = start(following)
+            step += 1
+            rows += n
+            window["loss"] += loss.item()
+            window["steps"] += 1
+            window["rows"] += n
+            if step % config.train.log_every == 0:
+                log_window()
+            batch, pending = following, following_pending
+        wait_s += batches.wait_s
+        dropped += batches.dropped_rows
+        epoch += 1
+    if window["steps"]:
+        log_window()
+    seconds = time.perf_counter() - start_time
     if step == 0:
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
-    checkpoint = save_checkpoint(
-        run_dir,
-        model=model,
-        optimizer=optimizer,
-        config=config,
-        spec=spec,
-        step=step,
-        rows=rows,
-        loader_state=loader.state_dict(),
-    )
-    return TrainResult(
+    dropped = _sum_over_ranks(dropped, env)
+    whole = model.unsharded(spec, config) if sharded else model
+    checkpoint = run_dir / CHECKPOINT_FILE
+    result = TrainResult(
         steps=step,
         rows=rows,
         seconds=seconds,
         samples_per_s=rows / seconds,
         final_loss=last_loss,
         checkpoint=str(checkpoint),
+        world_size=env.world_size,
+        dropped_rows=dropped,
+        data_wait_s=wait_s,
+        comm_bytes_per_step=(
+            {k: n // step for k, n in stats.snapshot().items()} if stats is not None else {}
+        ),
     )
+    if rank0:
+        save_checkpoint(
+            run_dir,
+            model=whole,
+            optimizer=optimizer,
+            config=config,
+            spec=spec,
+            step=step,
+            rows=rows,
+            loader_state=loader.state_dict(),
+        )
+        (run_dir / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
+    if env.distributed:
+        dist.barrier()
+    return result
+
+
+def _sum_over_ranks(value: int, env: DistEnv) -> int:
+    if not env.distributed:
+        return value
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    return int(total)

@@ -1,0 +1,113 @@
+"""Launch a training job of ``distributed.nproc`` ranks on this host with torch's elastic
+launcher (torchrun), as its own process group, streaming its output line by line.
+
+The launcher runs in a child process in a new session, so that stopping the job (Ctrl-C,
+a Prefect cancellation, a failed rank) takes every rank down with it; a rank that dies
+makes the others fail within ``distributed.timeout_s`` (the collective timeout) and
+torchrun then exits non-zero, which raises ``TrainingFailed`` with the output's tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from dlrmflow.config import RunConfig
+from dlrmflow.train.trainer import RESULT_FILE, TrainResult, train
+
+CONFIG_FILE = "config.json"
+
+
+class TrainingFailed(RuntimeError):
+    """The distributed job exited non-zero; the message carries its last lines."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(config_path: Path, nproc: int, port: int) -> list[str]:
+    """The torchrun command line of a one-host job (what ``dlrmflow train --nproc`` runs)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "-m",
+        "dlrmflow.train",
+        "--config",
+        str(config_path),
+    ]
+
+
+def launch_training(
+    config: RunConfig,
+    on_line: Callable[[str], None] | None = None,
+    on_record: Callable[[dict], None] | None = None,
+) -> TrainResult:
+    """Train with ``config.distributed.nproc`` ranks (in this process when it is 1).
+
+    ``on_line`` gets every output line of every rank; ``on_record`` each metrics record
+    rank 0 prints. The resolved configuration is written to ``RUN_DIR/config.json`` first,
+    so the job runs exactly what was validated here.
+    """
+    if config.distributed.nproc == 1:
+        return train(config, progress=on_record)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / CONFIG_FILE
+    config_path.write_text(json.dumps(config.model_dump(), indent=1))
+    (run_dir / RESULT_FILE).unlink(missing_ok=True)
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    command = launch_command(config_path, config.distributed.nproc, free_port())
+    tail: deque[str] = deque(maxlen=30)
+    errors: list[str] = []
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            tail.append(line)
+            if line.startswith("error: rank "):
+                errors.append(line.removeprefix("error: "))
+            if on_record is not None and line.startswith("metrics "):
+                on_record(json.loads(line.removeprefix("metrics ")))
+            elif on_line is not None:
+                on_line(line)
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    result_path = run_dir / RESULT_FILE
+    if code != 0 or not result_path.is_file():
+        lines = "\n".join(errors or [line for line in tail if not line.startswith("metrics ")])
+        raise TrainingFailed(
+            f"training with {config.distributed.nproc} ranks failed (exit {code}):\n{lines}"
+        )
+    return TrainResult(**json.loads(result_path.read_text()))

@@ -1,0 +1,54 @@
+"""``dlrmflow train --nproc 2``: torchrun, sharded embeddings, a checkpoint that evaluates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dlrmflow.train.checkpoint import load_checkpoint
+from dlrmflow.train.evaluate import evaluate
+from dlrmflow.train.launch import TrainingFailed, launch_training
+from tests.conftest import tiny_run_config
+
+
+def test_two_ranks_from_the_cli_train_shard_and_evaluate(tiny_dataset: str, tmp_path: Path):
+    cfg = tiny_run_config(tiny_dataset, tmp_path / "run", max_steps=12)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump()))
+    env = {**os.environ, "DLRMFLOW_DEBUG": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmflow", "train", "--config", str(config_file)]
+        + ["--nproc", "2", "--sharding", "row_wise", "--comms", "bf16"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["world_size"] == 2 and result["steps"] == 12
+    # Each rank read 3 of the 6 row groups of 2000 rows: 12 batches of 512 (the last
+    # partial) each, so 12 steps cover both training days once; rows count both ranks.
+    assert result["rows"] == 2 * 6000 and result["dropped_rows"] == 0
+    assert result["comm_bytes_per_step"]["forward"] > 0
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert {t["sharding"] for t in plan["tables"]} == {"row_wise"}
+    assert all(len(t["shards"]) == 2 for t in plan["tables"])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [5, 10, 12]
+    # The sharded run leaves a whole-model checkpoint that one process evaluates.
+    assert load_checkpoint(tmp_path / "run").step == 12
+    assert 0.5 < evaluate(tmp_path / "run")["auc"] <= 1.0
+
+
+def test_a_failing_job_raises_with_the_ranks_error(tmp_path: Path) -> None:
+    cfg = tiny_run_config(str(tmp_path / "no-such-data"), tmp_path / "run")
+    cfg.distributed.nproc = 2
+    with pytest.raises(TrainingFailed, match="no-such-data"):
+        launch_training(cfg)
