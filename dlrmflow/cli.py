@@ -326,6 +326,26 @@ def bench_kernels(
         json_out.write_text(json.dumps(result, indent=2) + "\n")
 
 
+@bench_app.command("train")
+def bench_train(
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the JSON result here.")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option(help="Tiny tables and batch: checks the benchmark runs, in seconds.")
+    ] = False,
+    steps: Annotated[int | None, typer.Option(help="Timed steps per mode.")] = None,
+) -> None:
+    """Sharded training samples/s per sharding type and codec, at world sizes 1 and 2."""
+    from dlrmflow.bench.train import run_train_benchmark
+
+    result = run_train_benchmark(quick=quick, steps=steps)
+    _echo_json(result)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     """Entry point: turns expected failures (bad config, bad data) into one-line errors."""
     try:
