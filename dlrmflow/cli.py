@@ -25,6 +25,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks that print JSON ratios against a named baseline.")
 app.add_typer(bench_app, name="bench")
+readers_app = typer.Typer(help="Reader services that preprocess batches for remote trainers.")
+app.add_typer(readers_app, name="readers")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML, JSON or TOML run configuration.")
@@ -164,10 +166,21 @@ def train_cmd(
         str | None,
         typer.Option(help="Forward embedding all-to-all precision: fp32, fp16, bf16, fp8, int8."),
     ] = None,
+    readers: Annotated[
+        str | None,
+        typer.Option(help="Reader servers HOST:PORT,HOST:PORT (default: read locally)."),
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(help='A checkpoint dir to continue from, "auto" (default) or "never".'),
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Train a DLRM on the dataset's training days (one process, or --nproc ranks)."""
+    """Train a DLRM on the dataset's training days (one process, or --nproc ranks).
+
+    A run directory that holds a checkpoint continues from its newest intact one.
+    """
     from dlrmflow.train.launch import launch_training
 
     cfg = _config(
@@ -179,6 +192,8 @@ def train_cmd(
             "distributed.nproc": nproc,
             "distributed.sharding": sharding,
             "distributed.comms": comms,
+            "distributed.readers": readers.split(",") if readers else None,
+            "train.resume": resume,
         },
     )
     bar = _Progress(None, "train", unit="steps")
@@ -320,6 +335,45 @@ def bench_kernels(
     from dlrmflow.bench.kernels import run_kernel_benchmark
 
     result = run_kernel_benchmark(quick=quick)
+    _echo_json(result)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+@readers_app.command("serve")
+def readers_serve(
+    listen: Annotated[str, typer.Option(help="HOST:PORT to serve on (port 0: any free port).")],
+    data: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
+    workers: Annotated[int, typer.Option(help="Row groups preprocessed at once.")] = 2,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Serve preprocessed batches over Arrow Flight until SIGINT/SIGTERM.
+
+    Use the trainers' configuration (the same features and batch size); trainers connect
+    with `dlrmflow train --readers HOST:PORT,...`.
+    """
+    import logging
+
+    from dlrmflow.train.readers import serve_readers
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = _config(config, set_, **{"data.url": data})
+    serve_readers(cfg, listen, workers)
+
+
+@bench_app.command("readers")
+def bench_readers(
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the JSON result here.")
+    ] = None,
+    rows: Annotated[int, typer.Option(help="Rows in the benchmark dataset.")] = 400_000,
+) -> None:
+    """Trainer samples/s and data-wait share: local readers against 1 and 2 reader servers."""
+    from dlrmflow.bench.readers import run_readers_benchmark
+
+    result = run_readers_benchmark(rows=rows)
     _echo_json(result)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)

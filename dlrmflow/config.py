@@ -108,6 +108,10 @@ class TrainConfig(_Section):
         None, ge=1, description="steps between checkpoints (default: only at the end)"
     )
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (plus the best)")
+    resume: str = Field(
+        "auto",
+        description='"auto": continue from the run dir\'s newest checkpoint; "never"; or a path',
+    )
     eval_every: int | None = Field(
         None, ge=1, description="steps between evaluations on the test day during training"
     )

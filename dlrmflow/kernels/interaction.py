@@ -99,4 +99,9 @@ def dot_interaction(dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
             f"dot_interaction: dense is {dense.dtype} on {dense.device}, "
             f"pooled is {pooled.dtype} on {pooled.device}; they must match"
         )
+    if dense.is_cuda:
+        from dlrmflow.kernels import triton_interaction
+
+        if triton_interaction.available():
+            return triton_interaction.dot_interaction(dense, pooled)
     return _DotInteraction.apply(dense, pooled)

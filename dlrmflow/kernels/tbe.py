@@ -272,13 +272,39 @@ class TableBatchedEmbeddingBag(nn.Module):
             if kjt.weights is not None and bool(self._is_mean.any()):
                 raise ValueError("per-sample weights need sum pooling for every table")
             self._check_jagged(kjt)
-            parts = [self._lookup_jagged(g, kjt) for g in self.groups]
+            if self._on_triton():
+                from dlrmflow.kernels import triton_tbe
+
+                parts = [
+                    triton_tbe.lookup_jagged(self.weight, g, kjt, self._local_start, self._is_mean)
+                    for g in self.groups
+                ]
+            else:
+                parts = [self._lookup_jagged(g, kjt) for g in self.groups]
         pooled = parts[0][0] if len(parts) == 1 else torch.cat([p for p, _ in parts], dim=1)
         if not (self.training and torch.is_grad_enabled()):
             return pooled
         # The weight never requires grad; an empty leaf that does puts the op in the graph.
         trigger = torch.empty(0, requires_grad=True)
         return _FusedLookup.apply(trigger, self, pooled, [lookup for _, lookup in parts])
+
+    def _on_triton(self) -> bool:
+        """CUDA weights with triton installed run the Triton kernels (``triton_tbe``)."""
+        if not self.weight.is_cuda:
+            return False
+        from dlrmflow.kernels import triton_tbe
+
+        return triton_tbe.available()
+
+    def _fused_on_triton(self) -> bool:
+        """The fused Triton backward covers SGD and row-wise Adagrad without the sharded
+        trainer's hooks; the rest stays on the torch ops, which run on CUDA too."""
+        return (
+            self._on_triton()
+            and not isinstance(self.optimizer, Adam)
+            and self.gradient_hook is None
+            and self.square_sum_hook is None
+        )
 
     def _rows_of(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         k = self.names.index(name)
@@ -375,6 +401,22 @@ class TableBatchedEmbeddingBag(nn.Module):
             scale = None if lookup.divisor is None else lookup.divisor.reciprocal()
             if lookup.weights is not None:
                 scale = lookup.weights if scale is None else scale * lookup.weights
+            if self._fused_on_triton():
+                from dlrmflow.kernels import triton_tbe
+
+                # Reduce and update in one kernel: the row gradients never reach memory.
+                triton_tbe.reduce_and_update(
+                    self.weight,
+                    getattr(self, "sum_squares", None),
+                    group,
+                    lookup.ids,
+                    bag_grads,
+                    lookup.positions,
+                    scale,
+                    self.optimizer,
+                    self.lr,
+                )
+                continue
             rows, row_grads = _reduce_by_row(lookup.ids, bag_grads, lookup.positions, scale)
             if self.gradient_hook is not None:
                 rows, row_grads = self.gradient_hook(g, rows, row_grads)

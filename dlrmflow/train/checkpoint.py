@@ -1,29 +1,69 @@
-"""Single-process checkpoints: one ``torch.save`` file with everything needed to evaluate.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): sharded, atomic, verified.
 
-The file carries the model (embedding weights with their fused optimizer state) and the
-dense optimizer's state, the run configuration, the feature spec
-(so table sizes need no dataset to rebuild) and the reader's state.
+A checkpoint is a directory ``RUN_DIR/checkpoints/step_000000120/`` holding DCP's files
+(every rank writes its own shards) and ``manifest.json``, written last by rank 0, with the
+step, the configuration, the feature spec, the sharding plan, the evaluation metrics and
+the SHA-256 of every file. The manifest is the commit mark: a directory without one is a
+checkpoint that never finished (it was being written in ``.partial_step_...`` and is
+ignored); one whose files do not match their checksums is corrupt and skipped, with a
+warning, for the previous good one.
+
+What is saved: the embedding tables and their fused optimizer state (model-parallel
+tables as ``ShardedTensor`` with their global row and column offsets, so DCP reshards them
+on load to any world size or plan), the dense layers and their optimizer (replicated),
+and per rank its reader position and RNG state. Weights resumed from a checkpoint at the
+same world size continue bitwise as if never interrupted.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+import hashlib
+import json
+import shutil
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from dlrmflow.config import RunConfig, build_config
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.train.model import DLRM, embedding_optimizer
 
-CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST_FILE = "manifest.json"
+PARTIAL_PREFIX = ".partial_"
+
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or no usable checkpoint exists."""
+
+
+@dataclass
+class CheckpointInfo:
+    """A complete checkpoint directory and its manifest."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
 
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: the model ready for inference plus what produced it."""
+    """A checkpoint loaded into one process, ready for inference."""
 
     model: DLRM
     config: RunConfig
@@ -33,50 +73,268 @@ class Checkpoint:
     path: Path
 
 
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it runs without a process group when one process saves or loads;
+    that is the intended use for one-process training and evaluation."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The DCP state dict of a ``DLRM`` or ``ShardedDLRM`` and its dense optimizer.
+
+    Every tensor is a view of the live one (DCP loads in place), keyed by what it is:
+    ``emb.<table>.weight``, ``emb.<table>.<optimizer state>``, ``dense.<parameter>`` and
+    ``dense_optim.<parameter>.<state>``, the same keys whatever the sharding.
+    """
+    from dlrmflow.train.distributed import ShardedDLRM
+
+    state: dict[str, Any] = {}
+    if isinstance(model, ShardedDLRM):
+        embedding_state = model.embeddings.checkpoint_state()
+    else:
+        bag = model.embeddings
+        embedding_state = {}
+        for name in bag.names:
+            embedding_state[f"{name}.weight"] = bag.table(name)
+            for key, value in bag.state(name).items():
+                embedding_state[f"{name}.{key}"] = value
+        if hasattr(bag, "step"):
+            embedding_state["adam_step"] = bag.step
+    state.update({f"emb.{k}": v for k, v in embedding_state.items()})
+    dense = model.dense_arch
+    state.update({f"dense.{k}": v for k, v in dense.state_dict(keep_vars=False).items()})
+    names = [name for name, _ in dense.named_parameters()]
+    packed = optimizer.state_dict()["state"]
+    for index, name in enumerate(names):
+        for key, value in packed.get(index, {}).items():
+            if isinstance(value, torch.Tensor):
+                state[f"dense_optim.{name}.{key}"] = value
+    return state
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS_DIR / f"step_{step:09d}"
+
+
 def save_checkpoint(
     run_dir: Path,
     *,
-    model: DLRM,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     config: RunConfig,
     spec: FeatureSpec,
-    step: int,
-    rows: int,
+    progress: dict[str, Any],
     loader_state: dict[str, Any],
+    plan: dict | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> Path:
-    """Write ``RUN_DIR/checkpoint.pt`` atomically (temporary file, then rename)."""
-    path = run_dir / CHECKPOINT_FILE
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "config": config.model_dump(),
-            "spec": spec.to_dict(),
-            "step": step,
-            "rows": rows,
-            "loader": loader_state,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
-    return path
+    """Write a checkpoint of step ``progress["step"]`` (a collective: every rank calls it).
+
+    It becomes visible only once complete; if writing fails (a full disk, a lost mount)
+    the partial directory is removed, the previous checkpoints are untouched, and
+    ``CheckpointError`` says which step failed and why.
+    """
+    step = int(progress["step"])
+    final = _step_dir(run_dir, step)
+    partial = final.with_name(PARTIAL_PREFIX + final.name)
+    rank = _rank()
+    state = model_state(model, optimizer)
+    # A string, which DCP stores whole (a dict would be flattened into many entries).
+    state[f"rank{rank}.loader"] = json.dumps(loader_state)
+    state[f"rank{rank}.rng"] = torch.get_rng_state()
+    failure = torch.zeros(1)
+    try:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        _barrier()
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(partial))
+    except Exception as e:  # noqa: BLE001 - reported below with the step, then re-raised
+        failure[0] = 1
+        error: Exception | None = e
+    else:
+        error = None
+    if dist.is_initialized():
+        dist.all_reduce(failure)
+    if bool(failure):
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        cause = f": {error}" if error is not None else " on another rank"
+        raise CheckpointError(
+            f"checkpoint of step {step} in {final.parent} could not be written{cause}; "
+            "the previous checkpoints are intact"
+        ) from error
+    if rank == 0:
+        try:
+            files = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+            manifest = {
+                "step": step,
+                "progress": progress,
+                "world_size": _world(),
+                "config": config.model_dump(),
+                "spec": spec.to_dict(),
+                "plan": plan,
+                "metrics": metrics or {},
+                "files": files,
+                "created": time.time(),
+            }
+            (partial / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+        except OSError as e:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(
+                f"checkpoint of step {step} could not be committed: {e}; "
+                "the previous checkpoints are intact"
+            ) from e
+    _barrier()
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """The complete checkpoints of a run (with a manifest), oldest first; unverified."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    found = []
+    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
+        manifest_path = path / MANIFEST_FILE
+        if not manifest_path.is_file():
+            continue
+        try:
+            found.append(CheckpointInfo(path, json.loads(manifest_path.read_text())))
+        except json.JSONDecodeError:
+            warnings.warn(f"{manifest_path}: unreadable manifest; checkpoint skipped", stacklevel=2)
+    return sorted(found, key=lambda c: c.step)
+
+
+def verify(info: CheckpointInfo) -> str | None:
+    """Why the checkpoint is unusable (a missing or altered file), or None if it is intact."""
+    for name, digest in info.manifest["files"].items():
+        path = info.path / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if _sha256(path) != digest:
+            return f"{path} does not match its checksum"
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
+    """The newest intact checkpoint; corrupt ones are skipped with a warning naming them.
+
+    Distributed: rank 0 verifies and tells the others, so every rank resumes from the same.
+    """
+    chosen: list[Any] = [None]
+    if _rank() == 0:
+        for info in reversed(list_checkpoints(run_dir)):
+            problem = verify(info)
+            if problem is None:
+                chosen[0] = str(info.path)
+                break
+            warnings.warn(
+                f"checkpoint {info.path.name} is corrupt ({problem}); using an older one",
+                stacklevel=2,
+            )
+    if dist.is_initialized():
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return None
+    path = Path(chosen[0])
+    return CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
+
+
+def restore(
+    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any] | None:
+    """Load a checkpoint into a live model (and dense optimizer) at any world size or plan.
+
+    Returns this rank's reader state when the checkpoint was written at this world size
+    (exact resume), else None: at another world size the splits are dealt differently,
+    so the reader starts the checkpoint's epoch afresh.
+    """
+    from dlrmflow.train.distributed import ShardedDLRM
+
+    rank = _rank()
+    state = model_state(model, optimizer) if optimizer is not None else _weights_only(model)
+    same_world = info.world_size == _world()
+    if same_world:
+        state[f"rank{rank}.loader"] = ""
+        state[f"rank{rank}.rng"] = torch.get_rng_state()
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(info.path))
+    if isinstance(model, ShardedDLRM):
+        model.embeddings.after_checkpoint_load()
+    if not same_world:
+        return None
+    torch.set_rng_state(state[f"rank{rank}.rng"])
+    return json.loads(state[f"rank{rank}.loader"])
+
+
+def _weights_only(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's entries of ``model_state`` (for evaluation: no optimizer)."""
+    dummy = torch.optim.SGD(model.dense_arch.parameters(), lr=0.0)
+    return model_state(model, dummy)
+
+
+def prune_checkpoints(run_dir: Path, keep: int, metric: str = "auc") -> None:
+    """Keep the ``keep`` newest checkpoints and the best by ``metric`` (higher is better)."""
+    found = list_checkpoints(run_dir)
+    scored = [c for c in found if metric in c.manifest.get("metrics", {})]
+    best = max(scored, key=lambda c: c.manifest["metrics"][metric], default=None)
+    for info in found[: max(len(found) - keep, 0)]:
+        if best is not None and info.path == best.path:
+            continue
+        shutil.rmtree(info.path, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Rebuild the model of a checkpoint file (or of ``DIR/checkpoint.pt`` for a run dir)."""
+    """The model of a checkpoint in this one process (whatever world size wrote it).
+
+    ``path`` is a checkpoint directory or a run directory (its newest intact checkpoint).
+    """
     path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no checkpoint; train first (`dlrmflow train`)")
+    if (path / MANIFEST_FILE).is_file():
+        info = CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
+        problem = verify(info)
+        if problem is not None:
+            raise ValueError(f"{path}: corrupt checkpoint ({problem})")
+    else:
+        info = latest_checkpoint(path)
+        if info is None:
+            raise FileNotFoundError(
+                f"{path}: no complete checkpoint under {CHECKPOINTS_DIR}/; train first "
+                "(`dlrmflow train`)"
+            )
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-        config = build_config(data["config"])
-        spec = FeatureSpec.from_dict(data["spec"])
+        config = build_config(info.manifest["config"])
+        spec = FeatureSpec.from_dict(info.manifest["spec"])
         model = DLRM(spec, config.model, embedding_optimizer(config.train))
-        model.load_state_dict(data["model"])
-    except (KeyError, RuntimeError, EOFError) as e:
-        raise ValueError(f"{path}: unreadable or incompatible checkpoint ({e})") from e
+        restore(info, model, None)
+    except (KeyError, RuntimeError) as e:
+        raise ValueError(f"{info.path}: unreadable or incompatible checkpoint ({e})") from e
     model.eval()
-    return Checkpoint(model, config, spec, int(data["step"]), int(data["rows"]), path)
+    progress = info.manifest["progress"]
+    return Checkpoint(model, config, spec, info.step, int(progress["rows"]), info.path)

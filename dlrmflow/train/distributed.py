@@ -21,9 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.train.comms import CommStats, dense_comm_hook
-from dlrmflow.train.model import DLRM, DenseArch, EmbeddingOptimizer
+from dlrmflow.train.model import DenseArch, EmbeddingOptimizer
 from dlrmflow.train.sharded import PendingInput, ReceivedInput, ShardedEmbeddingCollection
 from dlrmflow.train.sharding import ShardingPlan
 
@@ -117,22 +116,3 @@ class ShardedDLRM(nn.Module):
 
     def dense_parameters(self) -> list[nn.Parameter]:
         return list(self.dense_arch.parameters())
-
-    def unsharded(self, spec: FeatureSpec, config: RunConfig) -> DLRM | None:
-        """The whole model in one process on rank 0 (None elsewhere): every table gathered
-        with its optimizer state. A collective; for models that fit one process."""
-        tables = self.embeddings.gather_tables(dst=0)
-        if tables is None:
-            return None
-        optimizer = self.embeddings.local.optimizer if self.embeddings.local else None
-        if optimizer is None and self.embeddings.replicated is not None:
-            optimizer = self.embeddings.replicated.optimizer
-        model = DLRM(spec, config.model, optimizer, seed=config.train.seed)
-        model.dense_arch.load_state_dict(self.dense_arch.state_dict())
-        bag: TableBatchedEmbeddingBag = model.embeddings
-        with torch.no_grad():
-            for name, parts in tables.items():
-                bag.table(name).copy_(parts["weight"])
-                for key, value in bag.state(name).items():
-                    value.copy_(parts[key])
-        return model

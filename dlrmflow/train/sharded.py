@@ -32,11 +32,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as ShardedTensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
 
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.codecs import Codec, Encoded, get_codec
-from dlrmflow.kernels.tbe import Optimizer, TableBatchedEmbeddingBag, init_table_rows
+from dlrmflow.kernels.tbe import (
+    Adam,
+    Optimizer,
+    RowWiseAdagrad,
+    TableBatchedEmbeddingBag,
+    init_table_rows,
+)
 from dlrmflow.train.comms import CommStats, PendingAllToAll, all_gather_ints, all_to_all
 from dlrmflow.train.sharding import Shard, ShardingPlan, TablePlan
 
@@ -113,6 +126,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self.names = [f.name for f in self.features]
         self._check_plan(plan)
         self.plan = plan
+        self.optimizer = optimizer
         self.codec: Codec = get_codec(comms)
         self.backward_codec: Codec = get_codec(backward_comms)
         if self.backward_codec.name not in ("fp32", "fp16", "bf16"):
@@ -476,49 +490,65 @@ class ShardedEmbeddingCollection(nn.Module):
         touched = dense[:, group.dim].nonzero().squeeze(1)
         return touched, dense[touched, : group.dim] / self.world_size
 
-    # -- whole tables ---------------------------------------------------------------------
+    # -- checkpoints ----------------------------------------------------------------------
 
-    def gather_tables(self, dst: int = 0) -> dict[str, dict[str, torch.Tensor]] | None:
-        """Every table whole, with its optimizer state, on rank ``dst`` (None elsewhere).
+    def checkpoint_state(self) -> dict[str, torch.Tensor | ShardedTensor]:
+        """Every table's weight and optimizer state by table name, for
+        ``torch.distributed.checkpoint``: model-parallel tables as ``ShardedTensor`` views
+        of this rank's shards (global offsets from the plan, so a load under any other plan
+        or world size reads the right rows and columns), replicated tables as plain tensors.
 
-        Meant for models that fit one process (the unsharded end-of-run checkpoint and
-        ``export``); it is a collective, so every rank must call it.
+        Loading writes into the views, i.e. straight into the bags; call
+        ``after_checkpoint_load`` afterwards.
         """
-        mine = []
-        if self.local is not None:
-            for route in self.routes[self.rank]:
-                name = route.table.name
-                state = {k: v.clone() for k, v in self.local.state(name).items()}
-                mine.append((route.shard, name, self.local.table(name).clone(), state))
-        if self.replicated is not None and self.rank == 0:
+        state: dict[str, torch.Tensor | ShardedTensor] = {}
+        mine = {route.table.name: route for route in self.routes[self.rank]}
+        for table in self.plan.tables:
+            if table.sharding == "data_parallel":
+                continue
+            route = mine.get(table.name)
+            weight = self.local.table(table.name) if route else None
+            state[f"{table.name}.weight"] = _sharded(
+                weight, table.shards, route.shard if route else None, (table.rows, table.dim)
+            )
+            for key, kind in _optimizer_state_kinds(self.optimizer).items():
+                value = self.local.state(table.name)[key] if route else None
+                if kind == "row":
+                    # One value per row: the column shards starting at column 0 own it.
+                    owners = [s for s in table.shards if s.col_start == 0]
+                    own = route.shard if route and route.shard.col_start == 0 else None
+                    state[f"{table.name}.{key}"] = _sharded(
+                        value if own else None, owners, own, (table.rows,)
+                    )
+                else:
+                    shard = route.shard if route else None
+                    state[f"{table.name}.{key}"] = _sharded(
+                        value, table.shards, shard, (table.rows, table.dim)
+                    )
+        if self.replicated is not None:
             for k in self._replicated_features:
                 name = self.names[k]
-                t = self.plan.table(name)
-                shard = Shard(0, 0, t.rows, 0, t.dim)
-                state = {key: v.clone() for key, v in self.replicated.state(name).items()}
-                mine.append((shard, name, self.replicated.table(name).clone(), state))
-        gathered = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(mine, gathered, dst=dst, group=self.group)
-        if gathered is None:
-            return None
-        tables: dict[str, dict[str, torch.Tensor]] = {}
-        for f in self.features:
-            tables[f.name] = {"weight": torch.empty(f.num_embeddings, f.embedding_dim)}
-        for pieces in gathered:
-            for shard, name, weight, state in pieces:
-                full = tables[name]
-                rows = slice(shard.row_start, shard.row_end)
-                full["weight"][rows, shard.col_start : shard.col_end] = weight
-                for key, value in state.items():
-                    if key not in full:
-                        shape = (self.plan.table(name).rows, *value.shape[1:])
-                        full[key] = torch.zeros(shape, dtype=value.dtype)
-                    if value.dim() == 1:
-                        # Row-wise state: every column shard holds the whole row's value.
-                        full[key][rows] = value
-                    else:
-                        full[key][rows, shard.col_start : shard.col_end] = value
-        return tables
+                state[f"{name}.weight"] = self.replicated.table(name)
+                for key, value in self.replicated.state(name).items():
+                    state[f"{name}.{key}"] = value
+        for bag in (self.local, self.replicated):
+            if bag is not None and hasattr(bag, "step"):
+                state["adam_step"] = bag.step
+        return state
+
+    def after_checkpoint_load(self) -> None:
+        """Copy the row-wise state to the column shards that do not own it (a collective
+        over each column-wise table's ranks)."""
+        for table in self.plan.tables:
+            process_group = self._column_groups.get(table.name)
+            if process_group is None:
+                continue
+            owner = next(s.rank for s in table.shards if s.col_start == 0)
+            for key, kind in _optimizer_state_kinds(self.optimizer).items():
+                if kind == "row" and self.rank in table.ranks:
+                    dist.broadcast(
+                        self.local.state(table.name)[key], src=owner, group=process_group
+                    )
 
 
 class _OutputDist(torch.autograd.Function):
@@ -552,6 +582,36 @@ class _OutputDist(torch.autograd.Function):
         recv = [(rows, ctx.local_width) for rows in ctx.batch_sizes]
         received = module._exchange(module.backward_codec, parts, recv, "backward")
         return None, torch.cat(received), None, None
+
+
+def _optimizer_state_kinds(optimizer: Optimizer) -> dict[str, str]:
+    """The fused optimizer's state per table: "row" (one value per row) or "element"."""
+    if isinstance(optimizer, RowWiseAdagrad):
+        return {"sum_squares": "row"}
+    if isinstance(optimizer, Adam):
+        return {"momentum1": "element", "momentum2": "element"}
+    return {}
+
+
+def _sharded(
+    local: torch.Tensor | None,
+    shards: Sequence[Shard],
+    mine: Shard | None,
+    size: tuple[int, ...],
+) -> ShardedTensor:
+    """A ``ShardedTensor`` over ``shards`` (1-D: row ranges; 2-D: row and column ranges) whose
+    local shard is ``local`` (a view, not a copy) on the rank holding ``mine``."""
+
+    def metadata(s: Shard) -> ShardMetadata:
+        if len(size) == 1:
+            return ShardMetadata([s.row_start], [s.rows], f"rank:{s.rank}/cpu")
+        return ShardMetadata([s.row_start, s.col_start], [s.rows, s.cols], f"rank:{s.rank}/cpu")
+
+    local_shards = [] if mine is None else [ShardedTensorShard(local, metadata(mine))]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards,
+        ShardedTensorMetadata([metadata(s) for s in shards], torch.Size(size), TensorProperties()),
+    )
 
 
 def _select_keys(kjt: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:

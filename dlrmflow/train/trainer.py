@@ -22,12 +22,21 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, read_manifest
-from dlrmflow.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from dlrmflow.train.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointInfo,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    restore,
+    save_checkpoint,
+)
 from dlrmflow.train.comms import CommStats
-from dlrmflow.train.data import IdMapper, batch_loader, fit_features, load_ids
+from dlrmflow.train.data import IdMapper, fit_features, load_ids, make_train_loader
 from dlrmflow.train.distributed import DistEnv, ShardedDLRM, init_distributed
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.planner import plan_for_config
+from dlrmflow.train.sharding import ShardingPlan
 
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
@@ -48,6 +57,7 @@ class TrainResult:
     dropped_rows: int = 0  # rows a rank still held when another rank's splits ran out
     data_wait_s: float = 0.0  # time the loop waited for the reader
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
+    resumed_from_step: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,20 +104,20 @@ def _features(
 
 def _build_model(
     config: RunConfig, spec: FeatureSpec, env: DistEnv, run_dir: Path
-) -> tuple[nn.Module, list[nn.Parameter], CommStats | None]:
+) -> tuple[nn.Module, list[nn.Parameter], CommStats | None, ShardingPlan | None]:
     """One process: the DLRM. Several: the sharded DLRM under the planner's plan, which
     rank 0 writes to ``RUN_DIR/plan.json`` for the report and for resharding."""
     optimizer = embedding_optimizer(config.train)
     if not env.distributed:
         model = DLRM(spec, config.model, optimizer, seed=config.train.seed)
-        return model, list(model.parameters()), None
+        return model, list(model.parameters()), None, None
     ranks_per_host = config.distributed.ranks_per_host or env.local_world_size
     plan = plan_for_config(config, spec, env.world_size, ranks_per_host)
     if env.rank == 0:
         (run_dir / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1))
     stats = CommStats()
     model = ShardedDLRM(spec, config, plan, optimizer, stats=stats)
-    return model, model.dense_parameters(), stats
+    return model, model.dense_parameters(), stats, plan
 
 
 def dense_optimizer(parameters: list[nn.Parameter], config: RunConfig) -> torch.optim.Optimizer:
@@ -131,13 +141,12 @@ class _Batches:
         self._iter = iter(loader)
         self._env = env
         self.dropped_rows = 0
-        self.wait_s = 0.0
+        self.exhausted = False  # the epoch's data ran out (not stopped at max_steps)
 
     def next(self) -> Batch | None:
-        start = time.perf_counter()
         batch = next(self._iter, None)
-        self.wait_s += time.perf_counter() - start
         if not self._env.distributed:
+            self.exhausted = batch is None
             return batch
         everyone = torch.tensor([int(batch is not None)])
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
@@ -145,19 +154,36 @@ class _Batches:
             return batch
         for rest in [batch, *self._iter] if batch is not None else []:
             self.dropped_rows += len(rest)
+        self.exhausted = True
         return None
+
+
+def _resume_point(config: RunConfig, run_dir: Path) -> CheckpointInfo | None:
+    """The checkpoint to continue from: ``train.resume`` "auto" (the run dir's newest
+    intact one, if any), "never", or a checkpoint directory."""
+    if config.train.resume == "never":
+        return None
+    if config.train.resume == "auto":
+        return latest_checkpoint(run_dir)
+    path = Path(config.train.resume)
+    found = [c for c in list_checkpoints(path.parent) if c.path == path]
+    if not found:
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})")
+    return found[0]
 
 
 def train(
     config: RunConfig,
     progress: Callable[[dict], None] | None = None,
 ) -> TrainResult:
-    """Train a DLRM on every day but the test day and save the checkpoint.
+    """Train a DLRM on every day but the test day, checkpointing as configured.
 
     Run by every rank of a torchrun job (``dlrmflow train --nproc N``), or alone. Each rank
-    reads its own splits; rank 0 writes the metrics, the plan, the checkpoint and
-    ``train_result.json``. ``progress`` receives each metrics record as it is written (the
-    CLI and the Prefect flow show it); it must not be slow.
+    reads its own splits; rank 0 writes the metrics, the plan and ``train_result.json``;
+    every rank writes its shards of each checkpoint. A run directory holding a checkpoint
+    continues from it (``train.resume``), bitwise as if it had never stopped.
+    ``progress`` receives each metrics record as it is written (the CLI and the Prefect
+    flow show it); it must not be slow.
     """
     env = DistEnv.from_env()
     init_distributed(config, env)
@@ -167,23 +193,32 @@ def train(
     seed_everything(config.train.seed, compute_threads(config, env))
     manifest = read_manifest(config.data.url)
     spec, ids = _features(config, manifest, run_dir, env)
-    dataset, loader = batch_loader(
-        manifest.day_paths(config.data.url, manifest.train_days()),
+    # Local reader threads, or the reader servers of ``distributed.readers``: same batches.
+    loader = make_train_loader(
+        config,
         spec,
         ids,
-        batch_size=config.train.batch_size,
-        num_workers=config.train.num_workers,
-        shuffle=config.train.shuffle,
-        shuffle_window=config.train.shuffle_window,
-        seed=config.train.seed,
+        manifest.day_paths(config.data.url, manifest.train_days()),
         rank=env.rank,
         world_size=env.world_size,
     )
-    model, parameters, stats = _build_model(config, spec, env, run_dir)
+    model, parameters, stats, plan = _build_model(config, spec, env, run_dir)
     optimizer = dense_optimizer(parameters, config)
     loss_fn = nn.BCEWithLogitsLoss()
     sharded = isinstance(model, ShardedDLRM)
     pipelined = sharded and config.distributed.pipeline
+
+    # Where the run stands; a checkpoint stores it, a resumed run continues it.
+    state = {"step": 0, "epoch": 0, "rows": 0, "dropped_rows": 0, "seconds": 0.0, "loss": None}
+    resume_from = _resume_point(config, run_dir)
+    if resume_from is not None:
+        loader_state = restore(resume_from, model, optimizer)
+        state.update(resume_from.manifest["progress"])
+        if loader_state is not None:
+            loader.load_state_dict(loader_state)
+    metrics_path = run_dir / METRICS_FILE
+    if rank0 and resume_from is None:
+        metrics_path.unlink(missing_ok=True)
 
     def start(batch: Batch):
         """Begin fetching what the embeddings need (the sharded input all-to-all)."""
@@ -195,38 +230,33 @@ def train(
         received = pending.wait()
         return model.forward_received(batch.dense, received), sum(received.batch_sizes)
 
-    metrics_path = run_dir / METRICS_FILE
-    if rank0:
-        metrics_path.unlink(missing_ok=True)
-    step = rows = dropped = 0
-    epoch = 0
     window = {"loss": 0.0, "steps": 0, "rows": 0}
-    last_loss = float("nan")
-    wait_s = 0.0
     start_time = window_start = time.perf_counter()
+    elapsed_before = state["seconds"]
 
     def log_window() -> None:
         """Append one metrics record for the steps since the last one (a collective when
         distributed: the loss is averaged over the ranks)."""
-        nonlocal last_loss, window_start
+        nonlocal window_start
         now = time.perf_counter()
         loss = torch.tensor([window["loss"] / window["steps"]], dtype=torch.float64)
         if sharded:
             dist.all_reduce(loss)
             loss /= env.world_size
-        last_loss = float(loss)
+        state["loss"] = float(loss)
         record = {
-            "step": step,
-            "epoch": epoch,
-            "rows": rows,
-            "loss": last_loss,
+            "step": state["step"],
+            "epoch": state["epoch"],
+            "rows": state["rows"],
+            "loss": state["loss"],
             "samples_per_s": window["rows"] / max(now - window_start, 1e-9),
-            "elapsed_s": now - start_time,
-            "data_wait_s": wait_s,
+            "elapsed_s": elapsed_before + now - start_time,
+            "data_wait_s": loader.wait_seconds,
         }
         if stats is not None:
+            steps_here = max(state["step"] - (resume_from.step if resume_from else 0), 1)
             record["comm_bytes_per_step"] = {
-                kind: n // max(step, 1) for kind, n in stats.snapshot().items()
+                kind: n // steps_here for kind, n in stats.snapshot().items()
             }
         window.update(loss=0.0, steps=0, rows=0)
         window_start = now
@@ -237,68 +267,86 @@ def train(
         if progress is not None:
             progress(record)
 
+    def checkpoint(loader_state: dict) -> None:
+        state["seconds"] = elapsed_before + time.perf_counter() - start_time
+        save_checkpoint(
+            run_dir,
+            model=model,
+            optimizer=optimizer,
+            config=config,
+            spec=spec,
+            progress=dict(state),
+            loader_state=loader_state,
+            plan=plan.to_dict() if plan is not None else None,
+        )
+        if rank0:
+            prune_checkpoints(run_dir, config.train.keep_checkpoints)
+
+    every = config.train.checkpoint_every
     max_steps = config.train.max_steps or float("inf")
     model.train()
-    while epoch < config.train.epochs and step < max_steps:
-        dataset.set_epoch(epoch)
+    while state["epoch"] < config.train.epochs and state["step"] < max_steps:
+        loader.set_epoch(state["epoch"])
         batches = _Batches(loader, env)
         batch = batches.next()
         pending = start(batch) if batch is not None else None
         while batch is not None:
+            step = state["step"] + 1
+            # A checkpoint after this step records the reader before the next batch is
+            # fetched: resuming then reads that batch again, exactly as this run will.
+            save_now = every is not None and step % every == 0
+            loader_state = loader.state_dict() if save_now else None
             # The next batch's input exchange runs while this one computes (pipelined).
-            following = batches.next() if step + 1 < max_steps else None
+            following = batches.next() if step < max_steps else None
             following_pending = start(following) if pipelined and following else None
             logits, n = forward(batch, pending)
             loss = loss_fn(logits, batch.labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # also updates the touched embedding rows (fused optimizer)
             optimizer.step()
-            if following is not None and not pipelined:
-                following_pending = start(following)
-            step += 1
-            rows += n
+            state["step"] = step
+            state["rows"] += n
             window["loss"] += loss.item()
             window["steps"] += 1
             window["rows"] += n
             if step % config.train.log_every == 0:
                 log_window()
+            if save_now:
+                checkpoint(loader_state)
+            if following is not None and not pipelined:
+                following_pending = start(following)
             batch, pending = following, following_pending
-        wait_s += batches.wait_s
-        dropped += batches.dropped_rows
-        epoch += 1
+        state["dropped_rows"] += _sum_over_ranks(batches.dropped_rows, env)
+        if batches.exhausted:
+            state["epoch"] += 1
     if window["steps"]:
         log_window()
-    seconds = time.perf_counter() - start_time
-    if step == 0:
+    loader.close()
+    if state["step"] == 0:
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
-    dropped = _sum_over_ranks(dropped, env)
-    whole = model.unsharded(spec, config) if sharded else model
-    checkpoint = run_dir / CHECKPOINT_FILE
+    latest = list_checkpoints(run_dir)
+    if not latest or latest[-1].step != state["step"]:
+        checkpoint(loader.state_dict())
+    seconds = time.perf_counter() - start_time
+    rows_here = state["rows"] - (resume_from.manifest["progress"]["rows"] if resume_from else 0)
     result = TrainResult(
-        steps=step,
-        rows=rows,
+        steps=state["step"],
+        rows=state["rows"],
         seconds=seconds,
-        samples_per_s=rows / seconds,
-        final_loss=last_loss,
-        checkpoint=str(checkpoint),
+        samples_per_s=rows_here / seconds,
+        final_loss=state["loss"] if state["loss"] is not None else float("nan"),
+        checkpoint=str(list_checkpoints(run_dir)[-1].path),
         world_size=env.world_size,
-        dropped_rows=dropped,
-        data_wait_s=wait_s,
+        dropped_rows=state["dropped_rows"],
+        data_wait_s=loader.wait_seconds,
         comm_bytes_per_step=(
-            {k: n // step for k, n in stats.snapshot().items()} if stats is not None else {}
+            {k: n // max(state["step"], 1) for k, n in stats.snapshot().items()}
+            if stats is not None
+            else {}
         ),
+        resumed_from_step=resume_from.step if resume_from else None,
     )
     if rank0:
-        save_checkpoint(
-            run_dir,
-            model=whole,
-            optimizer=optimizer,
-            config=config,
-            spec=spec,
-            step=step,
-            rows=rows,
-            loader_state=loader.state_dict(),
-        )
         (run_dir / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
     if env.distributed:
         dist.barrier()

@@ -1,5 +1,9 @@
 """The sharded DLRM against the single-process one: same data, same seed, 20+ steps.
 
+Each sharded run saves a checkpoint (every rank its shards, with torch.distributed.
+checkpoint) that is then loaded into the one-process model, so every comparison of
+weights and optimizer state also checks resharding to world size 1.
+
 Each world size runs in one spawn of gloo processes that trains every sharding type in
 turn (spawning is the slow part); the single-process reference trains on the global
 batches, i.e. the ranks' batches concatenated in rank order.
@@ -13,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -20,9 +25,11 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.train.checkpoint import model_state
 from dlrmflow.train.comms import CommStats
 from dlrmflow.train.model import DLRM
-from dlrmflow.train.sharding import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
+from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
+from dlrmflow.train.sharding import SHARDING_TYPES, ShardingPlan
 
 STEPS = 20
 BATCH = 6  # per rank
@@ -44,27 +51,9 @@ CONFIG = RunConfig.model_validate(
 LR = 0.1
 
 
-def _split(n: int, parts: int) -> list[int]:
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return bounds
-
-
 def forced_plan(spec: FeatureSpec, world: int, sharding: str) -> ShardingPlan:
-    tables = []
-    for i, f in enumerate(spec.sparse):
-        rows, dim = f.num_embeddings, f.embedding_dim
-        if sharding == "data_parallel":
-            shards = [Shard(r, 0, rows, 0, dim) for r in range(world)]
-        elif sharding == "table_wise":
-            shards = [Shard(i % world, 0, rows, 0, dim)]
-        elif sharding in ("row_wise", "table_row_wise"):
-            b = _split(rows, world)
-            shards = [Shard(r, b[r], b[r + 1], 0, dim) for r in range(world)]
-        else:
-            b = _split(dim, world)
-            shards = [Shard((r + i) % world, 0, rows, b[r], b[r + 1]) for r in range(world)]
-        tables.append(TablePlan(f.name, rows, dim, sharding, tuple(shards)))
-    return ShardingPlan(world, tuple(tables))
+    """The planner's plan with every table forced to ``sharding`` (uneven at world size 3)."""
+    return plan_sharding(tables_from_spec(spec), cpu_topology(world, world), BATCH, force=sharding)
 
 
 def global_batch(step: int, world: int, multi_hot: bool) -> Batch:
@@ -95,7 +84,7 @@ def local_batch(batch: Batch, rank: int) -> Batch:
 
 
 def _train_sharded(
-    rank: int, world: int, sharding: str, comms: str, multi_hot: bool, *_repeat: str
+    rank: int, world: int, out_dir: str, sharding: str, comms: str, multi_hot: bool, *_repeat: str
 ) -> dict:
     from dlrmflow.train.distributed import ShardedDLRM
 
@@ -121,18 +110,17 @@ def _train_sharded(
         optimizer.step()
         if step + 1 < STEPS and not pipelined:
             pending = model.start_input_dist(batches[step + 1].sparse)
-    full = model.unsharded(SPEC, config)
-    return {
-        "state": None if full is None else full.state_dict(),
-        "bytes": stats.snapshot(),
-    }
+    # Every rank writes its shards; the test loads them into one process (resharding to 1).
+    path = Path(out_dir) / "-".join([sharding, comms, str(multi_hot), *_repeat])
+    dcp.save(model_state(model, optimizer), checkpoint_id=str(path))
+    return {"checkpoint": str(path), "bytes": stats.snapshot()}
 
 
 def _worker(rank: int, world: int, store: str, out: str, cases: list) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    results = {case: _train_sharded(rank, world, *case) for case in cases}
+    results = {case: _train_sharded(rank, world, str(Path(out).parent), *case) for case in cases}
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
@@ -147,7 +135,18 @@ def run_sharded(tmp_path: Path, world: int, cases: list) -> dict:
         nprocs=world,
         join=True,
     )
-    return torch.load(out, weights_only=False)
+    results = torch.load(out, weights_only=False)
+    for result in results.values():
+        result["state"] = load_single_process(result["checkpoint"])
+    return results
+
+
+def load_single_process(path: str) -> dict:
+    """A sharded run's checkpoint loaded into the one-process DLRM: weights and state."""
+    model = DLRM(SPEC, CONFIG.model, RowWiseAdagrad(lr=LR))
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=LR)
+    dcp.load(model_state(model, optimizer), checkpoint_id=path)
+    return model.state_dict()
 
 
 def train_reference(world: int, multi_hot: bool) -> dict:

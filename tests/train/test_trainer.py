@@ -10,7 +10,7 @@ from tests.conftest import tiny_run_config
 
 
 def _weights(run_dir):
-    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+    return load_checkpoint(run_dir).model.state_dict()
 
 
 def test_train_writes_metrics_and_checkpoint_then_evaluates(tiny_dataset, tmp_path):
@@ -51,7 +51,7 @@ def test_vocabulary_ids_and_dcnv2_train(tiny_dataset, tmp_path):
 
 
 def test_evaluate_without_checkpoint_fails_clearly(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         evaluate(tmp_path)
 
 

@@ -1,0 +1,831 @@
+"""Disaggregated readers: reader servers stream ready batches to trainers over Arrow Flight.
+
+Preprocessing can outgrow the CPUs beside an accelerator; reader servers move it to hosts
+of their own that scale apart from the trainers. A server runs the local reader and
+transform unchanged (``ParquetBatchDataset``, ``SplitReader``, ``BatchTransform``, the
+feature spec and ID mapping fitted from the run config as ``fit_features`` does) and sends
+each batch as one Arrow record batch; the trainer turns it back into the identical ``Batch``.
+
+How the work is divided (the rule). The local loader of a rank runs ``train.num_workers``
+readers (one, read in the training loop, when it is 0); reader ``w`` reads a fixed share of
+the rank's splits, and the loader takes one batch from each reader in turn. Remotely, each
+of those readers becomes one Flight stream (``do_get``), and the client takes batches from
+the streams in the same turn, with the same ``torchdata`` nodes. Stream ``w`` goes to
+endpoint ``w mod S`` of the ``S`` ``distributed.readers`` endpoints. So the batches, their
+order and the ``state_dict`` are those of the local loader for any number of servers; to
+use ``S`` servers at once, set ``train.num_workers`` to ``S`` or a multiple of it (a server
+serves several streams; its ``workers`` bounds how many row groups it preprocesses at once).
+
+The ticket (JSON, ``StreamRequest``) names the rank, world size, reader ``w`` of
+``num_workers``, epoch, seed, batch size and shuffle settings, the files (relative to the
+dataset root, which each server resolves under its own ``--data``), a digest of the trainer's
+feature spec and ID mapping (a server fitted differently refuses), and the ``SplitReader``
+state to start from. Each record batch carries the reader's state after it as Flight
+metadata, so the client always knows the exact position of the next row. Flight's streaming
+is the back-pressure: a server reads ahead a few windows and what gRPC buffers, never an
+epoch.
+
+Failure. When a stream's endpoint dies (connection lost, refused, or shutting down), the
+client re-requests that stream from the next endpoint in the list (``w + 1 mod S``, ...),
+starting from the state of the last batch it received: no row is lost or repeated. An
+endpoint that failed is not tried again in that pass. When none is left the pass fails with
+``ReaderUnavailableError`` naming every endpoint and its error. Bad data (``DataError``) or
+a refused request (``ValueError``: mismatched features, a state of another layout) are not
+failures of the endpoint and raise at once, naming the endpoint, file, row group and column.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torchdata.nodes import BaseNode, Loader, Prefetcher
+
+from dlrmflow.config import RunConfig
+from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.ids import Vocabulary
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.transform import BatchTransform
+from dlrmflow.ingest.manifest import join_url, read_manifest
+from dlrmflow.ingest.reader import (
+    DataError,
+    ParquetBatchDataset,
+    RoundRobin,
+    Split,
+    SplitReader,
+    list_splits,
+)
+from dlrmflow.train.data import IdMapper, fit_features
+
+logger = logging.getLogger(__name__)
+
+STATE_ACTION = "reader-state"
+# Stands for the Flight errors a server sends on purpose: the client raises them as these
+# types instead of failing over, since another endpoint would refuse the same request.
+_MARKED = {"DataError": DataError, "ValueError": ValueError}
+_EMPTY_SCHEMA = pa.schema([("labels", pa.float32())])  # a stream with no batch at all
+
+TransformFactory = Callable[[FeatureSpec, IdMapper], BatchTransform]
+
+
+class ReaderUnavailableError(RuntimeError):
+    """No reader endpoint could serve a stream; the message names each one and its error."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A reader server's ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6)."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        host, sep, port = text.strip().rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"reader endpoint {text!r}: expected HOST:PORT, e.g. 10.0.0.5:8815")
+        return cls(host, int(port))
+
+    @property
+    def location(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"grpc://{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return self.location.removeprefix("grpc://")
+
+
+def features_digest(spec: FeatureSpec, ids: IdMapper) -> str:
+    """What decides the tensors of a batch: column names, table sizes and the ID mapping.
+
+    Embedding widths and pooling are left out: they shape the model, not the batches, so
+    reader servers need no model config.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps([spec.label, list(spec.dense)]).encode())
+    h.update(json.dumps([[f.name, f.num_embeddings] for f in spec.sparse]).encode())
+    if isinstance(ids, Vocabulary):
+        for name in sorted(ids.ids):
+            h.update(name.encode())
+            h.update(ids.ids[name].tobytes())
+    else:
+        h.update(json.dumps(["hash", ids.seed, sorted(ids.table_rows.items())]).encode())
+    return h.hexdigest()
+
+
+class StreamRequest(BaseModel):
+    """A Flight ticket: one reader's batches of one rank, from ``state`` (or the epoch start)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    files: tuple[str, ...] = Field(min_length=1, description="relative to the dataset root")
+    features: str = Field(description="features_digest of the trainer's spec and IDs")
+    batch_size: int = Field(ge=1)
+    seed: int = Field(ge=0)
+    shuffle: bool
+    shuffle_window: int = Field(ge=1)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    worker: int = Field(ge=0)
+    num_workers: int = Field(ge=1)
+    epoch: int = Field(ge=0)
+    state: dict[str, Any] | None = None
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+# --- wire format -------------------------------------------------------------------------
+# dense: fixed_size_list<float32>[n_dense]; labels: float32; the sparse IDs either one-hot,
+# "sparse_rows": fixed_size_list<int32|int64>[n_keys] (-1: empty bag), as compact as the
+# transform's own form, or jagged, one list<int64> column "sparse.KEY" per key. The keys, in
+# order, are in the schema metadata.
+
+
+def _batch_schema(batch: Batch) -> pa.Schema:
+    sparse = batch.sparse
+    fields = [
+        pa.field("dense", pa.list_(pa.float32(), batch.dense.shape[1]), nullable=False),
+        pa.field("labels", pa.float32(), nullable=False),
+    ]
+    rows = sparse.one_hot_rows
+    if rows is not None:
+        item = pa.from_numpy_dtype(rows.numpy().dtype)
+        fields.append(pa.field("sparse_rows", pa.list_(item, len(sparse.keys)), nullable=False))
+    else:
+        fields += [
+            pa.field(f"sparse.{k}", pa.list_(pa.int64()), nullable=False) for k in sparse.keys
+        ]
+    return pa.schema(fields, metadata={"keys": json.dumps(sparse.keys)})
+
+
+def encode_batch(batch: Batch) -> pa.RecordBatch:
+    """``batch`` as one record batch; batches of one stream share its schema."""
+    sparse = batch.sparse
+    if sparse.weights is not None:
+        raise ValueError("reader servers stream unweighted IDs; this batch has weights")
+    n = len(batch)
+    dense = pa.FixedSizeListArray.from_arrays(
+        pa.array(batch.dense.contiguous().numpy().reshape(-1)), batch.dense.shape[1]
+    )
+    columns = [dense, pa.array(batch.labels.numpy())]
+    rows = sparse.one_hot_rows
+    if rows is not None:
+        flat = rows.contiguous().numpy().reshape(-1)
+        columns.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), len(sparse.keys)))
+    else:
+        # Key k's bags are lengths[k*n:(k+1)*n]; their offsets into the key-major values,
+        # shifted to start at 0, cut that key's slice of the values.
+        offsets, values = sparse.offsets().numpy(), sparse.values.numpy()
+        for k in range(len(sparse.keys)):
+            key_offsets = offsets[k * n : (k + 1) * n + 1]
+            first, last = int(key_offsets[0]), int(key_offsets[-1])
+            columns.append(
+                pa.ListArray.from_arrays(
+                    pa.array((key_offsets - first).astype(np.int32)), pa.array(values[first:last])
+                )
+            )
+    return pa.RecordBatch.from_arrays(columns, schema=_batch_schema(batch))
+
+
+def _rows(column: pa.FixedSizeListArray) -> np.ndarray:
+    """The [len, list_size] values of a fixed-size list column, copied.
+
+    A copy, so that the tensors own writable memory rather than pin the gRPC message;
+    ``values`` sliced by hand, since ``flatten()`` is a compute call that costs more here.
+    """
+    size = column.type.list_size
+    values = column.values.slice(column.offset * size, len(column) * size)
+    return values.to_numpy().reshape(len(column), size).copy()
+
+
+def decode_batch(data: pa.RecordBatch) -> Batch:
+    """The ``Batch`` that ``encode_batch`` encoded."""
+    keys = json.loads(data.schema.metadata[b"keys"])
+    dense = _rows(data.column("dense"))
+    labels = data.column("labels").to_numpy().copy()
+    if "sparse_rows" in data.schema.names:
+        sparse = KeyedJaggedTensor.from_one_hot(
+            keys, torch.from_numpy(_rows(data.column("sparse_rows")))
+        )
+    else:
+        columns = [data.column(f"sparse.{key}") for key in keys]
+        values = np.concatenate([c.flatten().to_numpy() for c in columns])
+        lengths = np.concatenate([np.diff(c.offsets.to_numpy()) for c in columns])
+        sparse = KeyedJaggedTensor(
+            keys, torch.from_numpy(values), torch.from_numpy(lengths.astype(np.int32))
+        )
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
+
+
+# --- server ------------------------------------------------------------------------------
+
+
+def _refuse(kind: str, message: str) -> flight.FlightServerError:
+    return flight.FlightServerError(
+        message, extra_info=json.dumps({"type": kind, "message": message}).encode()
+    )
+
+
+@contextmanager
+def _marked_errors() -> Iterator[None]:
+    """Send bad data and bad requests as marked errors, so that clients do not fail over."""
+    try:
+        yield
+    except DataError as e:
+        raise _refuse("DataError", str(e)) from e
+    except ValidationError as e:
+        raise _refuse("ValueError", f"bad request: {e}") from e
+    except (ValueError, KeyError) as e:
+        raise _refuse("ValueError", str(e)) from e
+
+
+class _Throttled:
+    """``fn`` run under one of the server's preprocessing slots, so that however many
+    streams are open, at most ``workers`` row groups are validated or transformed at once."""
+
+    def __init__(self, fn: Callable[[pa.Table], Any], slots: threading.Semaphore) -> None:
+        self._fn = fn
+        self._slots = slots
+
+    def __call__(self, table: pa.Table) -> Any:
+        with self._slots:
+            return self._fn(table)
+
+
+def _next_or_none(reader: SplitReader) -> Batch | None:
+    try:
+        return next(reader)
+    except StopIteration:
+        return None
+
+
+class ReaderServer(flight.FlightServerBase):
+    """A Flight server of one dataset's batches: ``do_get`` streams one reader's share.
+
+    It listens as soon as it is built (``listen`` ``HOST:0`` picks a free port, see
+    ``port``); ``serve()`` only blocks. ``workers`` is how many row groups it preprocesses
+    at once (size it to its cores). ``transform`` builds the batch transform from the spec
+    and IDs; the readers benchmark passes one with an artificial cost. ``shutdown()`` ends
+    every open stream at its next batch (clients fail over) and waits for them.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        listen: str,
+        workers: int,
+        *,
+        transform: TransformFactory = BatchTransform,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be positive, got {workers}")
+        endpoint = Endpoint.parse(listen)
+        self.root = config.data.url
+        manifest = read_manifest(self.root)
+        self._files = {f.path for f in manifest.files}
+        spec, ids = fit_features(config, manifest)
+        self.features = features_digest(spec, ids)
+        self.workers = workers
+        self._columns = spec.columns
+        batch_transform = transform(spec, ids)
+        slots = threading.BoundedSemaphore(workers)
+        self._validate = _Throttled(batch_transform.validate, slots)
+        self._transform = _Throttled(batch_transform, slots)
+        self._splits: dict[tuple[str, ...], list[Split]] = {}
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        super().__init__(endpoint.location)
+        self.endpoint = Endpoint(endpoint.host, self.port)
+
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator:
+        """``reader-state``: the state a ticket's stream starts in, checked against its layout."""
+        if action.type != STATE_ACTION:
+            raise _refuse("ValueError", f"unknown action {action.type!r}")
+        with _marked_errors():
+            request = StreamRequest.model_validate_json(action.body.to_pybytes())
+            state = self._reader(request).state_dict()
+        return iter([json.dumps(state).encode()])
+
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> Any:
+        with _marked_errors():
+            request = StreamRequest.model_validate_json(ticket.ticket)
+            reader = self._reader(request)
+            # The schema must precede the first batch, and whether the sparse part is
+            # one-hot depends on the data: the first batch decides it.
+            first = _next_or_none(reader)
+        head = None if first is None else encode_batch(first)
+        schema = _EMPTY_SCHEMA if head is None else head.schema
+        return flight.GeneratorStream(schema, self._stream(reader, head))
+
+    def _stream(
+        self, reader: SplitReader, data: pa.RecordBatch | None
+    ) -> Iterator[tuple[pa.RecordBatch, bytes]]:
+        """``data`` then the reader's other batches, each with the reader's state after it."""
+        with _marked_errors():
+            while data is not None:
+                if self._closing.is_set():
+                    raise flight.FlightUnavailableError(f"reader {self.endpoint} is shutting down")
+                state = reader.state_dict()
+                cursor = {key: state[key] for key in ("epoch", "window", "offset")}
+                yield data, json.dumps(cursor).encode()
+                batch = _next_or_none(reader)
+                data = None if batch is None else encode_batch(batch)
+
+    def _reader(self, request: StreamRequest) -> SplitReader:
+        """The request's reader, reset to its state (checked) or to the start of its epoch."""
+        if request.features != self.features:
+            raise ValueError(
+                f"reader {self.endpoint}: its feature spec or ID mapping differs from the "
+                "trainer's; start it with the trainer's config (features section) and data"
+            )
+        if request.worker >= request.num_workers or request.rank >= request.world_size:
+            raise ValueError(
+                f"reader {request.worker} of {request.num_workers} on rank "
+                f"{request.rank} of {request.world_size} does not exist"
+            )
+        dataset = ParquetBatchDataset(
+            self._list_splits(request.files),
+            self._columns,
+            request.batch_size,
+            rank=request.rank,
+            world_size=request.world_size,
+            seed=request.seed,
+            shuffle=request.shuffle,
+            shuffle_window=request.shuffle_window,
+            validate=self._validate,
+            transform=self._transform,
+        )
+        dataset.set_epoch(request.epoch)
+        reader = SplitReader(dataset, request.worker, request.num_workers)
+        reader.reset(request.state)
+        return reader
+
+    def _list_splits(self, files: tuple[str, ...]) -> list[Split]:
+        with self._lock:
+            if files not in self._splits:
+                unknown = [f for f in files if f not in self._files]
+                if unknown:
+                    raise ValueError(
+                        f"reader {self.endpoint}: {', '.join(unknown)} not in the manifest "
+                        f"of its dataset {self.root}"
+                    )
+                self._splits[files] = list_splits([join_url(self.root, f) for f in files])
+            return self._splits[files]
+
+    def shutdown(self) -> None:
+        if self._closing.is_set():
+            return  # Flight's shutdown must run once
+        self._closing.set()
+        super().shutdown()
+
+
+def serve_readers(
+    config: RunConfig,
+    listen: str,
+    workers: int,
+    *,
+    transform: TransformFactory = BatchTransform,
+    ready: Callable[[Endpoint], None] | None = None,
+) -> None:
+    """Serve ``config.data.url``'s batches on ``listen`` (``HOST:PORT``) until SIGINT/SIGTERM.
+
+    ``ready`` is called with the bound endpoint once the server listens (with port 0, that
+    is how to learn the port). Call it from the main thread: it installs the signal
+    handlers. On a signal, open streams end at their next batch, so their trainers fail
+    over at once (or stop with a clear error) instead of the server waiting for their
+    passes to finish.
+    """
+    server = ReaderServer(config, listen, workers, transform=transform)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        logger.info(
+            "dlrmflow readers: serving %s on %s with %d preprocessing slot(s)",
+            server.root,
+            server.endpoint,
+            workers,
+        )
+        if ready is not None:
+            ready(server.endpoint)
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.shutdown()
+
+
+def _serve_in_child(
+    config: RunConfig,
+    listen: str,
+    workers: int,
+    transform: TransformFactory,
+    conn: Any,
+) -> None:
+    def ready(endpoint: Endpoint) -> None:
+        conn.send(endpoint.port)
+        conn.close()
+
+    try:
+        serve_readers(config, listen, workers, transform=transform, ready=ready)
+    except Exception as e:
+        if not conn.closed:
+            conn.send(f"{type(e).__name__}: {e}")
+        raise
+
+
+@dataclass
+class ReaderProcess:
+    """A reader server in a process of its own (tests kill it; benchmarks get its cores)."""
+
+    process: multiprocessing.process.BaseProcess
+    endpoint: Endpoint
+
+
+@contextmanager
+def reader_processes(
+    config: RunConfig,
+    count: int,
+    workers: int,
+    *,
+    transform: TransformFactory = BatchTransform,
+    host: str = "127.0.0.1",
+) -> Iterator[list[ReaderProcess]]:
+    """Start ``count`` ``ReaderServer`` processes on free ports at once; stop them on exit.
+
+    ``transform`` must be picklable. On exit each process gets SIGTERM (its open streams
+    end, see ``serve_readers``), then SIGKILL if it has not ended within 5 seconds.
+    """
+    # Children fork from a server process that imported this module once: a reader then
+    # starts without a new interpreter importing torch (seconds), and no child is forked
+    # from a process that holds threads (this one's gRPC and reader threads).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    started: list[tuple[multiprocessing.process.BaseProcess, Any]] = []
+    try:
+        for _ in range(count):
+            parent, child = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=_serve_in_child,
+                args=(config, f"{host}:0", workers, transform, child),
+                daemon=True,
+                name="dlrmflow-reader",
+            )
+            process.start()
+            child.close()
+            started.append((process, parent))
+        servers = []
+        for process, parent in started:
+            try:
+                reply = parent.recv()
+            except EOFError:
+                reply = f"exited with code {process.exitcode}"
+            if not isinstance(reply, int):
+                raise RuntimeError(f"reader server process did not start: {reply}")
+            servers.append(ReaderProcess(process, Endpoint(host, reply)))
+        yield servers
+    finally:
+        for process, parent in started:
+            parent.close()
+            if process.is_alive():
+                process.terminate()
+        for process, _ in started:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+# --- client ------------------------------------------------------------------------------
+
+
+def _marked(error: Exception) -> tuple[type[Exception], str] | None:
+    """The type and message of an error the server sent on purpose, else None."""
+    if not isinstance(error, flight.FlightServerError) or not error.extra_info:
+        return None
+    try:
+        info = json.loads(error.extra_info)
+        return _MARKED[info["type"]], info["message"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _gist(error: Exception) -> str:
+    """An error's message without gRPC's debug context, which repeats it at length."""
+    message = str(error).split("\n")[0]
+    for noise in (". Detail:", ". gRPC client debug context:"):
+        message = message.split(noise)[0]
+    return message
+
+
+class _Stream:
+    """One pass of one reader, served by one endpoint at a time.
+
+    ``state`` is the ``SplitReader`` state after the last batch received (the server's own
+    state, so a local loader can resume from it). ``next`` is called by one thread at a
+    time; ``close`` may come from another, and then ends the pass without failing over.
+    """
+
+    def __init__(
+        self,
+        source: RemoteBatchSource,
+        request: StreamRequest,
+        endpoints: list[Endpoint],
+    ) -> None:
+        self._source = source
+        self._request = request
+        self._endpoints = endpoints  # in the order this stream tries them
+        self._at = 0  # index of the endpoint in use
+        self._failed: dict[Endpoint, str] = {}
+        self._state = request.state
+        # The client is kept beside its reader: the call needs its channel while it lasts.
+        self._open_call: tuple[flight.FlightClient, flight.FlightStreamReader] | None = None
+        self._closed = False
+
+    @property
+    def state(self) -> dict[str, Any]:
+        if self._state is None:
+            # Asked of a server rather than computed here: the state (its layout above all)
+            # is the reader's business, and this way it is exactly the local one.
+            self._state = self._call(self._start_state)
+        return dict(self._state)
+
+    def next(self) -> Batch:
+        while not self._closed:
+            if self._open_call is None:
+                # The state first: asking for it may fail over too, which must not happen
+                # inside the open call below.
+                self._open_call = self._call(partial(self._open, state=self.state))
+                continue  # closed meanwhile? then the call is cancelled below
+            client, reader = self._open_call
+            try:
+                chunk = reader.read_chunk()
+            except (flight.FlightError, pa.ArrowException, OSError) as e:
+                if self._closed:
+                    break
+                self._raise_if_marked(e)
+                self._open_call = None
+                client.close()
+                self._fail(e)
+                continue
+            cursor = json.loads(chunk.app_metadata.to_pybytes())
+            self._state = {**self.state, **cursor}
+            return decode_batch(chunk.data)
+        self._cancel()
+        raise StopIteration  # closed: the pass was abandoned
+
+    def close(self) -> None:
+        self._closed = True
+        self._cancel()
+
+    def _cancel(self) -> None:
+        # Tells the server at once; otherwise it would hold the stream (and its shutdown)
+        # until this object is collected.
+        call = self._open_call
+        if call is not None:
+            call[1].cancel()
+
+    def _start_state(self, endpoint: Endpoint) -> dict[str, Any]:
+        with flight.connect(endpoint.location) as client:
+            action = flight.Action(STATE_ACTION, self._request.encode())
+            results = list(client.do_action(action))
+        return json.loads(results[0].body.to_pybytes())
+
+    def _open(
+        self, endpoint: Endpoint, state: dict[str, Any]
+    ) -> tuple[flight.FlightClient, flight.FlightStreamReader]:
+        """A ``do_get`` of this reader's batches from ``state`` on."""
+        request = self._request.model_copy(update={"state": state})
+        client = flight.connect(endpoint.location)
+        try:
+            reader = client.do_get(flight.Ticket(request.encode()))
+            reader.schema  # noqa: B018 -- waits until the server has accepted the stream
+        except BaseException:
+            client.close()
+            raise
+        return client, reader
+
+    def _call(self, fn: Callable[[Endpoint], Any]) -> Any:
+        """``fn(endpoint)`` on the endpoint in use, failing over while endpoints are left."""
+        while True:
+            endpoint = self._endpoints[self._at]
+            try:
+                return fn(endpoint)
+            except (flight.FlightError, pa.ArrowException, OSError) as e:
+                self._raise_if_marked(e)
+                self._fail(e)
+
+    def _raise_if_marked(self, error: Exception) -> None:
+        marked = _marked(error)
+        if marked is not None:
+            kind, message = marked
+            raise kind(f"reader {self._endpoints[self._at]}: {message}") from error
+
+    def _fail(self, error: Exception) -> None:
+        """Record the endpoint in use as failed and move to the next one left, or raise."""
+        failed = self._endpoints[self._at]
+        self._failed[failed] = f"{type(error).__name__}: {_gist(error)}"
+        left = [i for i, e in enumerate(self._endpoints) if e not in self._failed]
+        r = self._request
+        where = f"rank {r.rank} reader {r.worker} of {r.num_workers}"
+        if not left:
+            tried = "; ".join(f"{e}: {why}" for e, why in self._failed.items())
+            raise ReaderUnavailableError(
+                f"{where}: no reader endpoint left to serve its splits from state "
+                f"{self._state}. Tried {tried}. Reader w is served by endpoint w mod S of the "
+                "S in distributed.readers and fails over to the next ones in order; start "
+                "the servers again (the state resumes exactly) or clear distributed.readers "
+                "to read locally."
+            ) from error
+        self._at = next((i for i in left if i > self._at), left[0])
+        self._source._record_failover()
+        logger.warning(
+            "%s: reader %s failed (%s); resuming from %s on %s",
+            where,
+            failed,
+            self._failed[failed],
+            self._state,
+            self._endpoints[self._at],
+        )
+
+
+class RemoteSplitReader(BaseNode[Batch]):
+    """``SplitReader``'s counterpart whose batches come from a reader server.
+
+    Its states are ``SplitReader`` states, so local and remote loaders resume each other's.
+    """
+
+    def __init__(self, source: RemoteBatchSource, worker: int, num_workers: int) -> None:
+        super().__init__()
+        self.source = source
+        self.worker = worker
+        self.num_workers = num_workers
+        self._stream: _Stream | None = None
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        # A new stream rather than a rewound one: a prefetch thread of the previous pass
+        # may still be reading, and closing its stream ends it without a failover.
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = self.source.open_stream(self.worker, self.num_workers, initial_state)
+
+    def next(self) -> Batch:
+        assert self._stream is not None  # BaseNode resets before the first next()
+        return self._stream.next()
+
+    def get_state(self) -> dict[str, Any]:
+        assert self._stream is not None
+        return self._stream.state
+
+
+class RemoteBatchSource:
+    """One rank's batches from reader servers: the remote twin of ``ParquetBatchDataset``.
+
+    ``loader(num_workers)`` builds the same node graph as ``make_loader`` with
+    ``RemoteSplitReader`` in place of ``SplitReader``.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        files: Sequence[str],
+        features: str,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_window: int = 4,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("RemoteBatchSource needs at least one reader endpoint")
+        self.endpoints = [Endpoint.parse(e) for e in endpoints]
+        duplicates = {str(e) for e in self.endpoints if self.endpoints.count(e) > 1}
+        if duplicates:
+            raise ValueError(f"distributed.readers lists {', '.join(sorted(duplicates))} twice")
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self._template = StreamRequest(
+            files=tuple(files),
+            features=features,
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            shuffle_window=shuffle_window,
+            rank=rank,
+            world_size=world_size,
+            worker=0,
+            num_workers=1,
+            epoch=0,
+        )
+        self.epoch = 0
+        self._failovers = 0
+        self._lock = threading.Lock()
+        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+
+    @classmethod
+    def for_config(
+        cls,
+        config: RunConfig,
+        spec: FeatureSpec,
+        ids: IdMapper,
+        paths: Sequence[str],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> RemoteBatchSource:
+        """The source of ``config.distributed.readers`` for ``paths`` (under ``data.url``)."""
+        root = config.data.url.rstrip("/") + "/"
+        outside = [p for p in paths if not p.startswith(root)]
+        if outside:
+            raise ValueError(
+                f"remote readers resolve files under their own data root, so every path must "
+                f"lie under data.url {config.data.url}; {outside[0]} does not"
+            )
+        train = config.train
+        return cls(
+            config.distributed.readers,
+            [p.removeprefix(root) for p in paths],
+            features_digest(spec, ids),
+            batch_size=train.batch_size,
+            seed=train.seed,
+            shuffle=train.shuffle,
+            shuffle_window=train.shuffle_window,
+            rank=rank,
+            world_size=world_size,
+        )
+
+    @property
+    def failovers(self) -> int:
+        return self._failovers
+
+    def _record_failover(self) -> None:
+        with self._lock:
+            self._failovers += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next fresh pass reads (a loaded state keeps its own)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be non-negative, got {epoch}")
+        self.epoch = epoch
+
+    def open_stream(self, worker: int, num_workers: int, state: dict[str, Any] | None) -> _Stream:
+        """Reader ``worker``'s pass from ``state`` (or the start of ``epoch``), not yet sent."""
+        request = self._template.model_copy(
+            update={
+                "worker": worker,
+                "num_workers": num_workers,
+                "epoch": self.epoch,
+                "state": state,
+            }
+        )
+        first = worker % len(self.endpoints)
+        stream = _Stream(self, request, self.endpoints[first:] + self.endpoints[:first])
+        self._streams.add(stream)
+        return stream
+
+    def loader(self, num_workers: int, prefetch_factor: int = 4) -> Loader[Batch]:
+        """Batches as ``make_loader(dataset, num_workers, prefetch_factor)`` gives them."""
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be non-negative, got {num_workers}")
+        idle = self.endpoints[max(num_workers, 1) :]
+        if idle:
+            logger.warning(
+                "%d reader stream(s) for %d endpoints: %s only stand by for failover; set "
+                "train.num_workers to a multiple of the endpoint count to use them all",
+                max(num_workers, 1),
+                len(self.endpoints),
+                ", ".join(map(str, idle)),
+            )
+        if num_workers == 0:
+            return Loader(RemoteSplitReader(self, 0, 1))
+        readers = [
+            Prefetcher(RemoteSplitReader(self, worker, num_workers), prefetch_factor)
+            for worker in range(num_workers)
+        ]
+        return Loader(RoundRobin(readers))
+
+    def close(self) -> None:
+        """End every open stream (the servers stop reading for them at once)."""
+        for stream in list(self._streams):
+            stream.close()

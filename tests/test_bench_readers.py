@@ -1,0 +1,56 @@
+"""The readers benchmark at tiny size: its record and its artificial cost, never its speed."""
+
+import math
+import time
+
+import pyarrow.parquet as pq
+import torch
+
+from dlrmflow.bench.readers import BASELINE, CostlyTransform, burn_cpu, run_readers_benchmark
+from dlrmflow.features.transform import BatchTransform
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.train.data import fit_features
+from tests.conftest import tiny_run_config
+
+CASES = {BASELINE, "local_2_readers", "remote_1_server", "remote_2_servers"}
+
+
+def test_burn_cpu_spends_this_threads_cpu_time():
+    start = time.thread_time()
+    burn_cpu(0.05)
+    assert 0.05 <= time.thread_time() - start < 0.5
+
+
+def test_costly_transform_gives_the_same_batch_at_its_cost(tiny_dataset, tmp_path):
+    config = tiny_run_config(tiny_dataset, tmp_path)
+    manifest = read_manifest(tiny_dataset)
+    spec, ids = fit_features(config, manifest)
+    table = pq.read_table(manifest.day_paths(tiny_dataset)[0], columns=spec.columns)
+    start = time.thread_time()
+    costly = CostlyTransform(spec, ids, us_per_row=20.0)(table)
+    assert time.thread_time() - start >= table.num_rows * 20e-6
+    plain = BatchTransform(spec, ids)(table)
+    assert torch.equal(costly.dense, plain.dense) and torch.equal(costly.labels, plain.labels)
+    assert torch.equal(costly.sparse.one_hot_rows, plain.sparse.one_hot_rows)
+
+
+def test_tiny_benchmark_record():
+    record = run_readers_benchmark(
+        rows=3000, batch_size=256, us_per_row=2.0, step_ms=1.0, row_group_size=500, repeats=2
+    )
+    assert record["benchmark"] == "readers" and BASELINE in record["baseline"]
+    assert record["repeats"] == 2
+    results = record["results"]
+    assert set(results) == CASES
+    for case, r in results.items():
+        # Every case reads the one epoch whole, in as many steps, none failing over.
+        assert (r["rows"], r["steps"], r["failovers"]) == (3000, 12, 0), case
+        assert 0 <= r["wait_s"] <= r["seconds"] and 0 <= r["wait_share"] <= 1, case
+        assert r["samples_per_s"] == r["rows"] / r["seconds"], case
+    assert set(record["ratios"]) == {f"{case}_vs_{BASELINE}" for case in CASES - {BASELINE}}
+    base = results[BASELINE]["samples_per_s"]
+    for case in CASES - {BASELINE}:
+        ratio = record["ratios"][f"{case}_vs_{BASELINE}"]
+        assert math.isfinite(ratio) and ratio == results[case]["samples_per_s"] / base
+    assert record["machine"]["cpu_count"] >= 1
+    assert set(record["load_average_1m"]) == {"before", "after"}
