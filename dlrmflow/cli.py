@@ -265,6 +265,18 @@ def evaluate_cmd(
     _echo_json(metrics)
 
 
+@app.command("export")
+def export_cmd(
+    run_dir: Annotated[str, typer.Option(help="Run directory (its newest intact checkpoint).")],
+    out: Annotated[str, typer.Option(help="The safetensors file to write.")],
+    checkpoint: Annotated[str | None, typer.Option(help="A checkpoint directory.")] = None,
+) -> None:
+    """Write the whole model (every table, every dense parameter) as one safetensors file."""
+    from dlrmflow.train.export import export_model
+
+    _echo_json(export_model(checkpoint or run_dir, out))
+
+
 QUICK = {
     "data.days": 3,
     "data.rows_per_day": 20_000,

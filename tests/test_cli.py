@@ -3,9 +3,12 @@
 import json
 
 import pyarrow.parquet as pq
+import torch
+from safetensors import safe_open
 from typer.testing import CliRunner
 
 from dlrmflow.cli import app, main
+from dlrmflow.train.checkpoint import load_checkpoint
 
 runner = CliRunner()
 
@@ -22,6 +25,11 @@ def test_every_command_has_help():
         ["bench"],
         ["bench", "ingest"],
         ["bench", "kernels"],
+        ["bench", "train"],
+        ["bench", "readers"],
+        ["plan"],
+        ["export"],
+        ["readers", "serve"],
     ):
         result = runner.invoke(app, [*args, "--help"])
         assert result.exit_code == 0, result.output
@@ -56,6 +64,20 @@ def test_generate_train_evaluate(tmp_path):
     result = runner.invoke(app, ["evaluate", "--run-dir", run_dir])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["rows"] == 3000
+
+    # The whole model in one safetensors file, by parameter name, with its config.
+    out = tmp_path / "model.safetensors"
+    result = runner.invoke(app, ["export", "--run-dir", run_dir, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["step"] == 6
+    with safe_open(str(out), framework="pt") as f:
+        names = set(f.keys())
+        assert json.loads(f.metadata()["spec"])["sparse"][2]["name"] == "C3"
+        c3 = f.get_tensor("embeddings.C3")
+    assert {f"embeddings.C{i}" for i in range(1, 27)} <= names
+    assert "dense_arch.top.0.weight" in names
+    trained = load_checkpoint(run_dir).model.embeddings.table("C3")
+    assert torch.equal(c3, trained)
 
 
 def test_config_errors_are_one_line_and_name_the_key(capsys, monkeypatch):
