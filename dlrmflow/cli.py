@@ -277,6 +277,7 @@ def export_cmd(
     _echo_json(export_model(checkpoint or run_dir, out))
 
 
+DEMO_RANKS = 2
 QUICK = {
     "data.days": 3,
     "data.rows_per_day": 20_000,
@@ -293,19 +294,31 @@ def demo(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Run the end-to-end Prefect flow: generate -> train -> evaluate -> report."""
+    """Run the end-to-end Prefect flow: generate -> train -> evaluate -> report.
+
+    Trains sharded over two ranks unless --set distributed.nproc=N says otherwise; the
+    dataset is reused when unchanged (Prefect's cache), the training starts afresh.
+    """
+    import shutil
+
     base = load_config(config, set_)
     overrides: dict[str, Any] = dict(QUICK) if quick else {}
     overrides["run_dir"] = run_dir
     if "url" not in base.data.model_fields_set:
         # A demo keeps its data beside its results unless the user chose a dataset URL.
         overrides["data.url"] = str(Path(run_dir) / "data")
+    if "nproc" not in base.distributed.model_fields_set:
+        overrides["distributed.nproc"] = DEMO_RANKS
     cfg = apply_overrides(base, overrides)
+    # A new demo, not the continuation of the last one (the train task still resumes from
+    # this run's own checkpoints when Prefect retries it).
+    shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
     from dlrmflow.flows.end_to_end import end_to_end
 
     typer.echo(
-        f"end_to_end flow: generate {cfg.data.days} x {cfg.data.rows_per_day} rows -> train -> "
-        f"evaluate -> report, in {run_dir} (task logs go to the Prefect API)",
+        f"end_to_end flow: generate {cfg.data.days} x {cfg.data.rows_per_day} rows -> train on "
+        f"{cfg.distributed.nproc} rank(s) -> evaluate -> report, in {run_dir} "
+        "(task logs go to the Prefect API)",
         err=True,
     )
     summary = end_to_end(cfg)
@@ -351,6 +364,44 @@ def bench_kernels(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+@app.command("serve")
+def serve_cmd(
+    cron: Annotated[
+        str | None, typer.Option(help='Schedule the flow with cron, e.g. "0 3 * * *".')
+    ] = None,
+    interval: Annotated[
+        float | None, typer.Option(help="Schedule the flow every this many seconds.")
+    ] = None,
+    flow: Annotated[
+        str, typer.Option(help="The flow the schedule runs: ingest, train, evaluate, end_to_end.")
+    ] = "end_to_end",
+    limit: Annotated[int, typer.Option(help="Flow runs executing at once.")] = 1,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Serve the flows as Prefect deployments (on PREFECT_API_URL's server, or locally)."""
+    from dlrmflow.flows.serve import serve_flows
+
+    if cron is not None and interval is not None:
+        raise ConfigError("give --cron or --interval, not both")
+    serve_flows(_config(config, set_), cron=cron, interval=interval, scheduled=flow, limit=limit)
+
+
+@app.command("stats")
+def stats_cmd(
+    data: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Per-column statistics of a dataset (missing rates, distinct IDs, dense ranges)."""
+    from dlrmflow.ingest.stats import dataset_stats, write_stats
+
+    url = _config(config, set_, **{"data.url": data}).data.url
+    stats = dataset_stats(url)
+    write_stats(url, stats)
+    _echo_json(stats.to_dict())
 
 
 @readers_app.command("serve")

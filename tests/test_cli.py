@@ -30,6 +30,8 @@ def test_every_command_has_help():
         ["plan"],
         ["export"],
         ["readers", "serve"],
+        ["serve"],
+        ["stats"],
     ):
         result = runner.invoke(app, [*args, "--help"])
         assert result.exit_code == 0, result.output

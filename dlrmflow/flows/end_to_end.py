@@ -1,90 +1,59 @@
-"""The ``end_to_end`` flow: generate -> train -> evaluate -> report.
+"""The ``end_to_end`` flow: ingest -> train -> evaluate -> report, as subflows.
 
-Tasks only call the stages' public functions; everything they need travels in the typed
-``RunConfig``. The report task writes ``RUN_DIR/summary.json`` and publishes the metrics as
-a markdown artifact, so a run can be judged from the Prefect UI without reading logs.
+Each stage is a flow of its own (usable alone, and its own deployment), so a run in the
+Prefect UI shows one subflow per stage with its tasks and artifacts. The report task writes
+``RUN_DIR/summary.json`` and publishes it as a markdown artifact, so a run can be judged
+without reading logs.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
 from dlrmflow.config import RunConfig
-from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.train.evaluate import evaluate
-from dlrmflow.train.trainer import train
+from dlrmflow.flows.evaluate import evaluate_flow
+from dlrmflow.flows.ingest import ingest_flow
+from dlrmflow.flows.train import train_flow
 
 SUMMARY_FILE = "summary.json"
-
-
-@task(name="generate")
-def generate_task(config: RunConfig) -> dict[str, Any]:
-    """Write the synthetic dataset and return its manifest plus the ingest rate."""
-    start = time.perf_counter()
-    manifest = generate_dataset(config.data)
-    seconds = time.perf_counter() - start
-    get_run_logger().info(
-        "generated %d rows over %d days in %.1f s", manifest.rows, manifest.days, seconds
-    )
-    return {
-        "rows": manifest.rows,
-        "bayes_auc": manifest.bayes_auc,
-        "bayes_logloss": manifest.bayes_logloss,
-        "positive_rate": manifest.positive_rate,
-        "ingest_rows_per_s": manifest.rows / seconds,
-    }
-
-
-@task(name="train")
-def train_task(config: RunConfig) -> dict[str, Any]:
-    logger = get_run_logger()
-
-    def log(record: dict) -> None:
-        logger.info(
-            "step %d rows %d loss %.4f %.0f samples/s",
-            record["step"],
-            record["rows"],
-            record["loss"],
-            record["samples_per_s"],
-        )
-
-    return train(config, progress=log).to_dict()
-
-
-@task(name="evaluate")
-def evaluate_task(config: RunConfig) -> dict[str, Any]:
-    metrics = evaluate(config.run_dir)
-    get_run_logger().info("test-day AUC %.4f, log loss %.4f", metrics["auc"], metrics["logloss"])
-    return metrics
+SUMMARY_KEY = "dlrmflow-summary"
 
 
 def build_summary(
-    generated: dict[str, Any], trained: dict[str, Any], metrics: dict[str, Any]
+    ingested: dict[str, Any],
+    trained: dict[str, Any],
+    metrics: dict[str, Any],
 ) -> dict[str, Any]:
-    """The fields of ``summary.json``; ``ingest_rows_per_s`` is the generate-and-write rate."""
+    """The fields of ``summary.json``. ``ingest_rows_per_s`` is the generate (or convert)
+    and write rate; the Bayes fields are None for real data, whose optimum is unknown."""
+    bayes_auc = ingested["bayes_auc"]
     return {
         "auc": metrics["auc"],
         "logloss": metrics["logloss"],
         "ne": metrics["ne"],
         "calibration": metrics["calibration"],
-        "bayes_auc": generated["bayes_auc"],
-        "bayes_logloss": generated["bayes_logloss"],
-        "auc_gap_to_bayes": generated["bayes_auc"] - metrics["auc"],
-        "rows_generated": generated["rows"],
+        "bayes_auc": bayes_auc,
+        "bayes_logloss": ingested["bayes_logloss"],
+        "auc_gap_to_bayes": None if bayes_auc is None else bayes_auc - metrics["auc"],
+        "rows_generated": ingested["rows"],
         "rows_trained": trained["rows"],
+        "dropped_rows": trained["dropped_rows"],
         "rows_evaluated": metrics["rows"],
         "steps": trained["steps"],
         "train_seconds": trained["seconds"],
         "train_samples_per_s": trained["samples_per_s"],
-        "ingest_rows_per_s": generated["ingest_rows_per_s"],
-        "world_size": 1,
+        "ingest_rows_per_s": ingested["ingest_rows_per_s"],
+        "world_size": trained["world_size"],
         "checkpoint": trained["checkpoint"],
+        # A run dir that already held a checkpoint continues from it (train.resume "auto"),
+        # so the rows and rates above may cover only the steps after it.
+        "resumed_from_step": trained["resumed_from_step"],
+        "train_attempts": trained["attempts"],
     }
 
 
@@ -96,18 +65,18 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     return f"# dlrmflow run summary\n\n| metric | value |\n|---|---|\n{rows}\n"
 
 
-@task(name="report")
+@task(name="report", retries=1, retry_delay_seconds=5)
 def report_task(
     config: RunConfig,
-    generated: dict[str, Any],
+    ingested: dict[str, Any],
     trained: dict[str, Any],
     metrics: dict[str, Any],
 ) -> dict[str, Any]:
-    summary = build_summary(generated, trained, metrics)
+    summary = build_summary(ingested, trained, metrics)
     path = Path(config.run_dir) / SUMMARY_FILE
     path.write_text(json.dumps(summary, indent=2) + "\n")
     create_markdown_artifact(
-        key="dlrmflow-summary",
+        key=SUMMARY_KEY,
         markdown=summary_markdown(summary),
         description=f"dlrmflow end-to-end run in {config.run_dir}",
     )
@@ -115,11 +84,11 @@ def report_task(
 
 
 @flow(name="end_to_end", validate_parameters=True)
-def end_to_end(config: RunConfig) -> dict[str, Any]:
-    """Generate synthetic data, train a DLRM, evaluate it on the test day and report."""
+def end_to_end(config: RunConfig, raw_inputs: list[str] | None = None) -> dict[str, Any]:
+    """Ingest (generate synthetic data, or convert ``raw_inputs``), train a DLRM, evaluate
+    it on the test day and report; returns the summary written to ``RUN_DIR/summary.json``."""
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(config.run_dir) / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
-    generated = generate_task(config)
-    trained = train_task(config)
-    metrics = evaluate_task(config)
-    return report_task(config, generated, trained, metrics)
+    ingested = ingest_flow(config, raw_inputs)
+    trained = train_flow(config)
+    metrics = evaluate_flow(config)
+    return report_task(config, ingested, trained, metrics)

@@ -1,0 +1,18 @@
+"""Retry policy shared by the flows' tasks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+
+def retry_unless_bad_input(task: Any, task_run: TaskRun, state: State) -> bool:
+    """Retry what may be transient (storage, network, a crashed worker), never bad data or
+    configuration, which would only fail again after the retry delay.
+
+    The stages raise ValueError for bad data or settings (the message names the file, row
+    group and column, or the config key) and FileNotFoundError for a missing input.
+    """
+    return not isinstance(state.data, ValueError | FileNotFoundError)

@@ -1,0 +1,49 @@
+"""Deployments of the flows: names, entrypoints, default parameters and the schedule."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from dlrmflow.config import RunConfig, build_config
+from dlrmflow.flows.serve import build_deployments, serve_flows
+
+
+def test_one_deployment_per_flow_with_the_config_as_default():
+    config = build_config({"run_dir": "runs/nightly", "train": {"batch_size": 256}})
+    deployments = build_deployments(config)
+    assert [(d.flow_name, d.name) for d in deployments] == [
+        ("ingest", "dlrmflow"),
+        ("train", "dlrmflow"),
+        ("evaluate", "dlrmflow"),
+        ("end_to_end", "dlrmflow"),
+    ]
+    # Module paths: a run finds the flow wherever the package is installed.
+    assert deployments[1].entrypoint == "dlrmflow.flows.train.train_flow"
+    for deployment in deployments:
+        assert build_config(deployment.parameters["config"]) == config
+        assert deployment.schedules == []
+
+
+def test_the_schedule_goes_on_the_chosen_flow_only():
+    cron = build_deployments(RunConfig(), cron="0 3 * * *")
+    assert [len(d.schedules) for d in cron] == [0, 0, 0, 1]
+    assert cron[3].schedules[0].schedule.cron == "0 3 * * *"
+
+    interval = build_deployments(RunConfig(), interval=90, scheduled="ingest")
+    assert [len(d.schedules) for d in interval] == [1, 0, 0, 0]
+    assert interval[0].schedules[0].schedule.interval == datetime.timedelta(seconds=90)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cron": "0 3 * * *", "interval": 60}, "not both"),
+        ({"interval": 0}, "interval must be > 0"),
+        ({"interval": 60, "scheduled": "report"}, "no flow 'report'"),
+    ],
+)
+def test_bad_schedules_are_refused_before_serving(options, message):
+    with pytest.raises(ValueError, match=message):
+        serve_flows(RunConfig(), **options)
