@@ -251,16 +251,28 @@ def plan_cmd(
 def evaluate_cmd(
     run_dir: Annotated[str, typer.Option(help="Run directory holding the checkpoint.")],
     data: Annotated[str | None, typer.Option(help="Dataset URL (default: the run's).")] = None,
-    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file.")] = None,
+    checkpoint: Annotated[
+        str | None, typer.Option(help="A checkpoint directory (default: the newest intact).")
+    ] = None,
     max_rows: Annotated[int | None, typer.Option(help="Score at most this many rows.")] = None,
+    nproc: Annotated[
+        int, typer.Option(help="Ranks that score it (the checkpoint reshards to them).")
+    ] = 1,
 ) -> None:
     """Evaluate a trained model on the held-out test day; writes RUN_DIR/eval.json."""
-    from dlrmflow.train.evaluate import evaluate
+    from dlrmflow.train.launch import launch_evaluation
 
     bar = _Progress(None, "evaluate")
-    metrics = evaluate(
-        run_dir, data_url=data, checkpoint=checkpoint, max_rows=max_rows, progress=bar
-    )
+    if nproc == 1:
+        from dlrmflow.train.evaluate import evaluate
+
+        metrics = evaluate(
+            run_dir, data_url=data, checkpoint=checkpoint, max_rows=max_rows, progress=bar
+        )
+    else:
+        metrics = launch_evaluation(
+            run_dir, nproc, data_url=data, checkpoint=checkpoint, max_rows=max_rows
+        )
     bar.close()
     _echo_json(metrics)
 

@@ -1,5 +1,8 @@
 """``python -m dlrmflow.train --config FILE [--set KEY=VALUE ...]``: one rank of a job.
 
+``--evaluate RUN_DIR`` instead scores that run's checkpoint on the test day (``--checkpoint``,
+``--data`` and ``--max-rows`` as for ``dlrmflow evaluate``).
+
 torchrun starts this on every rank (``dlrmflow train --nproc N`` does it for one host; the
 README shows ``torchrun --nnodes ...`` for many). Rank 0 prints the metrics records.
 """
@@ -12,6 +15,7 @@ import os
 import sys
 
 from dlrmflow.config import ConfigError, load_config
+from dlrmflow.train.evaluate import evaluate
 from dlrmflow.train.trainer import train
 
 
@@ -21,7 +25,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="KEY=VALUE override"
     )
+    parser.add_argument("--evaluate", metavar="RUN_DIR", help="score this run's checkpoint")
+    parser.add_argument("--checkpoint", help="with --evaluate: a checkpoint directory")
+    parser.add_argument("--data", help="with --evaluate: the dataset URL")
+    parser.add_argument("--max-rows", type=int, help="with --evaluate: rows to score at most")
     args = parser.parse_args(argv)
+    if args.evaluate is not None:
+        return _run(
+            lambda: evaluate(
+                args.evaluate,
+                data_url=args.data,
+                checkpoint=args.checkpoint,
+                max_rows=args.max_rows,
+            )
+        )
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -31,9 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     def show(record: dict) -> None:
         print("metrics " + json.dumps(record), flush=True)
 
+    return _run(lambda: train(config, progress=show).to_dict())
+
+
+def _run(stage) -> int:
+    """Run a stage; rank 0 prints its result as one ``result`` line for the launcher."""
     rank = os.environ.get("RANK", "0")
     try:
-        result = train(config, progress=show)
+        result = stage()
     except Exception as e:
         # One line naming the rank and the cause, which the launcher reports; the traceback
         # only with DLRMFLOW_DEBUG=1.
@@ -42,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     if rank == "0":
-        print("result " + json.dumps(result.to_dict()), flush=True)
+        print("result " + json.dumps(result), flush=True)
     return 0
 
 

@@ -40,7 +40,6 @@ MANIFEST_FILE = "manifest.json"
 PARTIAL_PREFIX = ".partial_"
 
 
-
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or no usable checkpoint exists."""
 

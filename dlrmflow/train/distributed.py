@@ -66,6 +66,27 @@ def init_distributed(config: RunConfig, topology: DistEnv) -> None:
     )
 
 
+def compute_threads(config: RunConfig, env: DistEnv | None = None) -> int:
+    """torch's intra-op threads: ``train.threads``, else the cores the readers leave free.
+
+    Oversubscribed cores are far worse than idle ones: OpenMP threads that spin while a
+    reader holds their core slowed training twentyfold in measurements on 2 cores. The
+    ranks of one host share its cores.
+    """
+    if config.train.threads is not None:
+        return config.train.threads
+    ranks = env.local_world_size if env is not None else 1
+    cores = max(1, (os.cpu_count() or 1) // ranks)
+    return max(1, cores - config.train.num_workers)
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    """Same seed, data and thread count -> bitwise-identical weights."""
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(threads)
+
+
 class ShardedDLRM(nn.Module):
     """The DLRM with sharded embeddings and a DDP-wrapped dense arch.
 

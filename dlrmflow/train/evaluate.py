@@ -1,21 +1,139 @@
-"""Evaluation on the held-out test day: AUC, log loss, NE and calibration to ``eval.json``."""
+"""Evaluation on the held-out test day: AUC, log loss, NE and calibration to ``eval.json``.
+
+One process, or every rank of a job: each rank scores its own splits of the test day
+through the (sharded) model, all ranks stepping together, and rank 0 gathers every
+prediction to compute the exact AUC (no histogram). The trainer calls ``score`` every
+``train.eval_every`` steps on the live model; ``evaluate`` scores a checkpoint, loaded at
+whatever world size runs it.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from dlrmflow.config import build_config
+from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.train.checkpoint import load_checkpoint
+from dlrmflow.train.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointInfo,
+    latest_checkpoint,
+    load_checkpoint,
+    restore,
+    verify,
+)
 from dlrmflow.train.data import batch_loader, load_ids
+from dlrmflow.train.distributed import DistEnv, ShardedDLRM, compute_threads, init_distributed
 from dlrmflow.train.metrics import click_metrics
-from dlrmflow.train.trainer import compute_threads
+from dlrmflow.train.model import embedding_optimizer
+from dlrmflow.train.planner import plan_for_config
 
 EVAL_FILE = "eval.json"
+
+
+def test_loader(config, spec: FeatureSpec, ids, env: DistEnv, data_url: str | None = None):
+    """This rank's share of the test day, in file order."""
+    url = data_url or config.data.url
+    manifest = read_manifest(url)
+    _, loader = batch_loader(
+        manifest.day_paths(url, [manifest.test_day]),
+        spec,
+        ids,
+        batch_size=config.eval.batch_size,
+        num_workers=config.train.num_workers,
+        shuffle=False,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+    return loader, manifest.test_day
+
+
+def _empty_batch(spec: FeatureSpec) -> Batch:
+    """A batch of no rows, for a rank that ran out while others still score (the sharded
+    model's exchanges need every rank)."""
+    keys = spec.sparse_names
+    return Batch(
+        torch.zeros(0, len(spec.dense)),
+        KeyedJaggedTensor.from_one_hot(keys, torch.zeros(0, len(keys), dtype=torch.int64)),
+        torch.zeros(0),
+    )
+
+
+@torch.no_grad()
+def score(
+    model: nn.Module,
+    loader,
+    spec: FeatureSpec,
+    env: DistEnv,
+    max_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Probabilities and labels of every test row, on rank 0 (None on the others).
+
+    ``max_rows`` caps the rows scored in total (each rank scores its share of the cap).
+    The model is put in eval mode for the pass and back in its previous mode after.
+    """
+    was_training = model.training
+    model.eval()
+    limit = None if max_rows is None else math.ceil(max_rows / env.world_size)
+    probs, labels = [], []
+    seen = 0
+    batches = iter(loader)
+    while True:
+        batch = next(batches, None) if limit is None or seen < limit else None
+        if env.distributed:
+            anyone = torch.tensor([int(batch is not None)])
+            dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+            if not bool(anyone):
+                break
+            batch = batch if batch is not None else _empty_batch(spec)
+        elif batch is None:
+            break
+        take = len(batch) if limit is None else min(len(batch), limit - seen)
+        logits = model(batch.dense, batch.sparse)
+        probs.append(torch.sigmoid(logits[:take]))
+        labels.append(batch.labels[:take])
+        seen += take
+        if progress is not None and take:
+            progress(take * env.world_size)
+    model.train(was_training)
+    mine = (torch.cat(probs), torch.cat(labels))
+    if not env.distributed:
+        return mine
+    gathered = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    out_probs = torch.cat([p for p, _ in gathered])
+    out_labels = torch.cat([y for _, y in gathered])
+    if max_rows is not None:
+        out_probs, out_labels = out_probs[:max_rows], out_labels[:max_rows]
+    return out_probs, out_labels
+
+
+def _checkpoint_info(run_dir: Path, checkpoint: str | Path | None) -> CheckpointInfo:
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        info = CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
+        problem = verify(info)
+        if problem is not None:
+            raise ValueError(f"{path}: corrupt checkpoint ({problem})")
+        return info
+    info = latest_checkpoint(run_dir)
+    if info is None:
+        raise FileNotFoundError(
+            f"{run_dir}: no complete checkpoint; train first (`dlrmflow train`)"
+        )
+    return info
 
 
 def evaluate(
@@ -26,50 +144,46 @@ def evaluate(
     max_rows: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """Score the checkpoint of ``run_dir`` on the test day of its dataset (or ``data_url``).
+    """Score a checkpoint of ``run_dir`` on the test day of its dataset (or ``data_url``).
 
-    The ID mapping (hash sizes or vocabulary) is the one saved with the run, so test IDs map
-    to the same rows as in training; IDs never seen in training hit untrained or OOV rows,
-    exactly as they would in serving. ``progress(n)`` receives the rows scored per batch.
+    Alone, or on every rank of a torchrun job (``dlrmflow evaluate --nproc N``): the
+    checkpoint is loaded at this world size (resharded under this job's plan). The ID
+    mapping is the run's, so test IDs map to the rows they trained; IDs never seen in
+    training hit untrained or OOV rows, exactly as they would in serving.
+    ``progress(n)`` receives the rows scored per batch.
     """
     run_dir = Path(run_dir)
-    ckpt = load_checkpoint(checkpoint if checkpoint is not None else run_dir)
-    config = ckpt.config
-    torch.set_num_threads(compute_threads(config))
-    url = data_url or config.data.url
-    manifest = read_manifest(url)
-    ids = load_ids(config.features.ids, ckpt.spec, run_dir)
-    _, loader = batch_loader(
-        manifest.day_paths(url, [manifest.test_day]),
-        ckpt.spec,
-        ids,
-        batch_size=config.eval.batch_size,
-        num_workers=config.train.num_workers,
-        shuffle=False,
+    env = DistEnv.from_env()
+    if env.distributed:
+        info = _checkpoint_info(run_dir, checkpoint)
+        config = build_config(info.manifest["config"])
+        init_distributed(config, env)
+        spec = FeatureSpec.from_dict(info.manifest["spec"])
+        plan = plan_for_config(config, spec, env.world_size, env.local_world_size)
+        model: nn.Module = ShardedDLRM(spec, config, plan, embedding_optimizer(config.train))
+        restore(info, model, None)
+        step, path = info.step, info.path
+    else:
+        ckpt = load_checkpoint(checkpoint if checkpoint is not None else run_dir)
+        config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
+    torch.set_num_threads(compute_threads(config, env))
+    loader, test_day = test_loader(
+        config, spec, load_ids(config.features.ids, spec, run_dir), env, data_url
     )
-    limit = max_rows if max_rows is not None else config.eval.max_rows
-    probs, labels = [], []
-    seen = 0
     start = time.perf_counter()
-    with torch.inference_mode():
-        for batch in loader:
-            take = len(batch) if limit is None else min(len(batch), limit - seen)
-            logits = ckpt.model(batch.dense, batch.sparse)
-            probs.append(torch.sigmoid(logits[:take]))
-            labels.append(batch.labels[:take])
-            seen += take
-            if progress is not None:
-                progress(take)
-            if limit is not None and seen >= limit:
-                break
+    limit = max_rows if max_rows is not None else config.eval.max_rows
+    scored = score(model, loader, spec, env, limit, progress)
     seconds = time.perf_counter() - start
-    metrics = click_metrics(torch.cat(probs), torch.cat(labels))
+    if scored is None:
+        return {}
+    metrics = click_metrics(*scored)
     metrics.update(
         {
-            "test_day": manifest.test_day,
-            "checkpoint": str(ckpt.path),
-            "step": ckpt.step,
+            "test_day": test_day,
+            "checkpoint": str(path),
+            "step": step,
             "eval_seconds": seconds,
+            "world_size": env.world_size,
         }
     )
     (run_dir / EVAL_FILE).write_text(json.dumps(metrics, indent=2) + "\n")

@@ -8,7 +8,6 @@ to ``RUN_DIR/checkpoint.pt`` at the end.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,7 +32,15 @@ from dlrmflow.train.checkpoint import (
 )
 from dlrmflow.train.comms import CommStats
 from dlrmflow.train.data import IdMapper, fit_features, load_ids, make_train_loader
-from dlrmflow.train.distributed import DistEnv, ShardedDLRM, init_distributed
+from dlrmflow.train.distributed import (
+    DistEnv,
+    ShardedDLRM,
+    compute_threads,
+    init_distributed,
+    seed_everything,
+)
+from dlrmflow.train.evaluate import score, test_loader
+from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.planner import plan_for_config
 from dlrmflow.train.sharding import ShardingPlan
@@ -61,27 +68,6 @@ class TrainResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def compute_threads(config: RunConfig, env: DistEnv | None = None) -> int:
-    """torch's intra-op threads: ``train.threads``, else the cores the readers leave free.
-
-    Oversubscribed cores are far worse than idle ones: OpenMP threads that spin while a
-    reader holds their core slowed training twentyfold in measurements on 2 cores. The
-    ranks of one host share its cores.
-    """
-    if config.train.threads is not None:
-        return config.train.threads
-    ranks = env.local_world_size if env is not None else 1
-    cores = max(1, (os.cpu_count() or 1) // ranks)
-    return max(1, cores - config.train.num_workers)
-
-
-def seed_everything(seed: int, threads: int) -> None:
-    """Same seed, data and thread count -> bitwise-identical weights."""
-    torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(threads)
 
 
 def _features(
@@ -267,6 +253,23 @@ def train(
         if progress is not None:
             progress(record)
 
+    eval_loader = (
+        test_loader(config, spec, ids, env)[0] if config.train.eval_every is not None else None
+    )
+    last_eval: dict[str, float] = {}
+
+    def evaluate_now() -> None:
+        """Score the test day with the live model (every rank), log it, keep it for the
+        next checkpoint's manifest, where it decides which checkpoint is the best."""
+        scored = score(model, eval_loader, spec, env, config.eval.max_rows)
+        if scored is None:
+            return
+        last_eval.clear()
+        last_eval.update(click_metrics(*scored))
+        record = {"step": state["step"], "epoch": state["epoch"], **last_eval}
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def checkpoint(loader_state: dict) -> None:
         state["seconds"] = elapsed_before + time.perf_counter() - start_time
         save_checkpoint(
@@ -278,6 +281,7 @@ def train(
             progress=dict(state),
             loader_state=loader_state,
             plan=plan.to_dict() if plan is not None else None,
+            metrics=dict(last_eval),
         )
         if rank0:
             prune_checkpoints(run_dir, config.train.keep_checkpoints)
@@ -311,6 +315,8 @@ def train(
             window["rows"] += n
             if step % config.train.log_every == 0:
                 log_window()
+            if config.train.eval_every is not None and step % config.train.eval_every == 0:
+                evaluate_now()
             if save_now:
                 checkpoint(loader_state)
             if following is not None and not pipelined:

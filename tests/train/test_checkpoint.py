@@ -222,8 +222,6 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(
     assert load_checkpoint(tmp_path / "run").step == 4
 
 
-
-
 def test_a_killed_rank_ends_the_job_within_the_collective_timeout(
     tiny_dataset: str, tmp_path: Path
 ) -> None:

@@ -13,7 +13,7 @@ import yaml
 
 from dlrmflow.train.checkpoint import load_checkpoint
 from dlrmflow.train.evaluate import evaluate
-from dlrmflow.train.launch import TrainingFailed, launch_training
+from dlrmflow.train.launch import TrainingFailed, launch_evaluation, launch_training
 from tests.conftest import tiny_run_config
 
 
@@ -42,9 +42,15 @@ def test_two_ranks_from_the_cli_train_shard_and_evaluate(tiny_dataset: str, tmp_
     assert all(len(t["shards"]) == 2 for t in plan["tables"])
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [5, 10, 12]
-    # The sharded run leaves a whole-model checkpoint that one process evaluates.
+    # The sharded run's checkpoint evaluates in one process and on two ranks alike.
     assert load_checkpoint(tmp_path / "run").step == 12
-    assert 0.5 < evaluate(tmp_path / "run")["auc"] <= 1.0
+    alone = evaluate(tmp_path / "run")
+    assert 0.5 < alone["auc"] <= 1.0 and alone["rows"] == 6000
+    both = launch_evaluation(tmp_path / "run", 2)
+    assert both["world_size"] == 2 and both["rows"] == 6000
+    # Partial sums add up in another order on two ranks: equal to float rounding.
+    assert abs(both["auc"] - alone["auc"]) < 1e-4
+    assert abs(both["logloss"] - alone["logloss"]) < 1e-5
 
 
 def test_a_failing_job_raises_with_the_ranks_error(tmp_path: Path) -> None:

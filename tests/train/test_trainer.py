@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from dlrmflow.train.checkpoint import load_checkpoint
+from dlrmflow.train.checkpoint import list_checkpoints, load_checkpoint
 from dlrmflow.train.evaluate import evaluate
 from dlrmflow.train.trainer import train
 from tests.conftest import tiny_run_config
@@ -68,3 +68,25 @@ def test_multi_hot_data_trains_with_mean_pooling(tmp_path):
     result = train(cfg)
     assert result.rows == 2 * 2 * 6000
     assert evaluate(tmp_path / "run")["auc"] > 0.6
+
+
+def test_periodic_evaluation_logs_auc_and_keeps_the_best_checkpoint(tiny_dataset, tmp_path):
+    cfg = tiny_run_config(
+        tiny_dataset,
+        tmp_path / "run",
+        epochs=2,
+        eval_every=8,
+        checkpoint_every=8,
+        keep_checkpoints=1,
+    )
+    train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    evals = [r for r in records if "auc" in r]
+    assert [r["step"] for r in evals] == [8, 16, 24, 32, 40, 48]
+    assert all(0.5 < r["auc"] <= 1.0 for r in evals)
+    kept = list_checkpoints(tmp_path / "run")
+    best = max(evals[:-1], key=lambda r: r["auc"])  # the final checkpoint is kept anyway
+    steps = {c.step for c in kept}
+    assert 48 in steps and best["step"] in steps and len(steps) <= 2
+    for c in kept:
+        assert c.manifest["metrics"]["auc"] == next(r["auc"] for r in evals if r["step"] == c.step)
