@@ -264,6 +264,16 @@ class Batch:
     sparse: KeyedJaggedTensor
     labels: torch.Tensor  # float32 [B]
 
+    @classmethod
+    def empty(cls, n_dense: int, keys: list[str]) -> Batch:
+        """A batch of no rows (a sharded job's rank whose data ran out keeps stepping with
+        these, since every rank takes part in each step's exchanges)."""
+        return cls(
+            torch.zeros(0, n_dense),
+            KeyedJaggedTensor.from_one_hot(keys, torch.zeros(0, len(keys), dtype=torch.int64)),
+            torch.zeros(0),
+        )
+
     def __len__(self) -> int:
         return self.labels.shape[0]
 

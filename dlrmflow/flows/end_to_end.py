@@ -42,7 +42,6 @@ def build_summary(
         "auc_gap_to_bayes": None if bayes_auc is None else bayes_auc - metrics["auc"],
         "rows_generated": ingested["rows"],
         "rows_trained": trained["rows"],
-        "dropped_rows": trained["dropped_rows"],
         "rows_evaluated": metrics["rows"],
         "steps": trained["steps"],
         "train_seconds": trained["seconds"],

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlrmflow.config import build_config
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.train.checkpoint import (
@@ -57,17 +57,6 @@ def test_loader(config, spec: FeatureSpec, ids, env: DistEnv, data_url: str | No
     return loader, manifest.test_day
 
 
-def _empty_batch(spec: FeatureSpec) -> Batch:
-    """A batch of no rows, for a rank that ran out while others still score (the sharded
-    model's exchanges need every rank)."""
-    keys = spec.sparse_names
-    return Batch(
-        torch.zeros(0, len(spec.dense)),
-        KeyedJaggedTensor.from_one_hot(keys, torch.zeros(0, len(keys), dtype=torch.int64)),
-        torch.zeros(0),
-    )
-
-
 @torch.no_grad()
 def score(
     model: nn.Module,
@@ -95,7 +84,7 @@ def score(
             dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
             if not bool(anyone):
                 break
-            batch = batch if batch is not None else _empty_batch(spec)
+            batch = batch if batch is not None else Batch.empty(len(spec.dense), spec.sparse_names)
         elif batch is None:
             break
         take = len(batch) if limit is None else min(len(batch), limit - seen)

@@ -61,7 +61,6 @@ class TrainResult:
     final_loss: float
     checkpoint: str
     world_size: int = 1
-    dropped_rows: int = 0  # rows a rank still held when another rank's splits ran out
     data_wait_s: float = 0.0  # time the loop waited for the reader
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
     resumed_from_step: int | None = None
@@ -115,33 +114,38 @@ def dense_optimizer(parameters: list[nn.Parameter], config: RunConfig) -> torch.
 
 
 class _Batches:
-    """The loader's batches, with every rank stopping at the same step.
+    """The loader's batches, with every rank taking part in every step of the epoch.
 
-    Ranks read different splits, so one can run out a batch or two before another; a
-    collective on every step would then wait forever for it. Each fetch agrees, over all
-    ranks, whether everyone still has a batch; rows a rank holds when another ran out are
-    counted in ``dropped_rows`` (reported in the result, never silently lost).
+    Ranks read different splits, so one can run out a few batches before another, and a
+    rank missing from a step's collectives would hang the others. A rank whose splits
+    ended steps on with empty batches until every rank's have (the loss is a sum over the
+    global batch, so an empty batch adds nothing but still joins the exchanges): every row
+    of the epoch is trained, none dropped.
     """
 
-    def __init__(self, loader, env: DistEnv) -> None:
+    def __init__(self, loader, env: DistEnv, spec: FeatureSpec) -> None:
         self._iter = iter(loader)
         self._env = env
-        self.dropped_rows = 0
+        self._spec = spec
+        self._done = False
         self.exhausted = False  # the epoch's data ran out (not stopped at max_steps)
 
     def next(self) -> Batch | None:
-        batch = next(self._iter, None)
+        batch = None if self._done else next(self._iter, None)
+        self._done = batch is None
         if not self._env.distributed:
             self.exhausted = batch is None
             return batch
-        everyone = torch.tensor([int(batch is not None)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-        if bool(everyone):
-            return batch
-        for rest in [batch, *self._iter] if batch is not None else []:
-            self.dropped_rows += len(rest)
-        self.exhausted = True
-        return None
+        anyone = torch.tensor([int(batch is not None)])
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+        if not bool(anyone):
+            self.exhausted = True
+            return None
+        return (
+            batch
+            if batch is not None
+            else Batch.empty(len(self._spec.dense), self._spec.sparse_names)
+        )
 
 
 def _resume_point(config: RunConfig, run_dir: Path) -> CheckpointInfo | None:
@@ -190,12 +194,15 @@ def train(
     )
     model, parameters, stats, plan = _build_model(config, spec, env, run_dir)
     optimizer = dense_optimizer(parameters, config)
-    loss_fn = nn.BCEWithLogitsLoss()
+    # Summed, then divided by the global batch (all ranks' rows) and multiplied by the world
+    # size that DDP and the embeddings' backward divide by: the gradient of the mean loss
+    # over the global batch, however unevenly the ranks' batches are sized.
+    loss_fn = nn.BCEWithLogitsLoss(reduction="sum")
     sharded = isinstance(model, ShardedDLRM)
     pipelined = sharded and config.distributed.pipeline
 
     # Where the run stands; a checkpoint stores it, a resumed run continues it.
-    state = {"step": 0, "epoch": 0, "rows": 0, "dropped_rows": 0, "seconds": 0.0, "loss": None}
+    state = {"step": 0, "epoch": 0, "rows": 0, "seconds": 0.0, "loss": None}
     resume_from = _resume_point(config, run_dir)
     if resume_from is not None:
         loader_state = restore(resume_from, model, optimizer)
@@ -291,7 +298,7 @@ def train(
     model.train()
     while state["epoch"] < config.train.epochs and state["step"] < max_steps:
         loader.set_epoch(state["epoch"])
-        batches = _Batches(loader, env)
+        batches = _Batches(loader, env, spec)
         batch = batches.next()
         pending = start(batch) if batch is not None else None
         while batch is not None:
@@ -304,7 +311,7 @@ def train(
             following = batches.next() if step < max_steps else None
             following_pending = start(following) if pipelined and following else None
             logits, n = forward(batch, pending)
-            loss = loss_fn(logits, batch.labels)
+            loss = loss_fn(logits, batch.labels) * (env.world_size / n)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # also updates the touched embedding rows (fused optimizer)
             optimizer.step()
@@ -322,7 +329,6 @@ def train(
             if following is not None and not pipelined:
                 following_pending = start(following)
             batch, pending = following, following_pending
-        state["dropped_rows"] += _sum_over_ranks(batches.dropped_rows, env)
         if batches.exhausted:
             state["epoch"] += 1
     if window["steps"]:
@@ -343,7 +349,6 @@ def train(
         final_loss=state["loss"] if state["loss"] is not None else float("nan"),
         checkpoint=str(list_checkpoints(run_dir)[-1].path),
         world_size=env.world_size,
-        dropped_rows=state["dropped_rows"],
         data_wait_s=loader.wait_seconds,
         comm_bytes_per_step=(
             {k: n // max(state["step"], 1) for k, n in stats.snapshot().items()}
@@ -357,11 +362,3 @@ def train(
     if env.distributed:
         dist.barrier()
     return result
-
-
-def _sum_over_ranks(value: int, env: DistEnv) -> int:
-    if not env.distributed:
-        return value
-    total = torch.tensor([value])
-    dist.all_reduce(total)
-    return int(total)

@@ -1,0 +1,508 @@
+"""The benchmark report: every benchmark in one run, as ``report.json``, ``report.md`` and plots.
+
+``run_report(out_dir)`` runs the ingest, kernel and training benchmarks, the tiered-cache
+benchmark defined here, and the TorchRec comparison when TorchRec is installed (otherwise
+the report says so and skips it), then writes, under ``out_dir``:
+
+- ``report.json``: every benchmark's record as it returned it;
+- ``report.md``: one markdown table per benchmark, each figure next to its named baseline;
+- ``throughput_vs_world_size.png``, ``bytes_per_step_by_codec.png`` and
+  ``cache_hit_rate.png``.
+
+Tiered-cache benchmark: 26 Criteo-like one-hot tables (``dlrmflow.bench.kernels`` sizes
+and Zipf(1.1) IDs, hot rows fixed per table for the whole stream, as in real traffic)
+trained by the ``TieredEmbeddingBag`` with row-wise Adagrad at several cache sizes, each
+against the in-memory ``TableBatchedEmbeddingBag`` on the same batches (the baseline).
+A step is forward, backward of a fixed output gradient, and the fused update; after a
+warm-up the counters are reset and the next ``steps`` distinct batches are timed, in turn
+with the baseline, best of ``repeats``. Each size runs twice: plain LRU (its hit rate is
+the cache's) and with ``prefetch`` of the next batch (its hit rate is the share of rows
+that forward found already loaded). The file lives in the OS page cache unless memory is
+short, so the figures measure the cache's own cost, not SSD latency.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from dlrmflow.bench.ingest import run_ingest_benchmark
+from dlrmflow.bench.kernels import run_kernel_benchmark, table_sizes, zipf_ids
+from dlrmflow.bench.machine import describe_machine
+from dlrmflow.bench.torchrec_compare import MODES as TORCHREC_MODES
+from dlrmflow.bench.torchrec_compare import run_torchrec_comparison, torchrec_missing
+from dlrmflow.bench.train import CODECS, run_train_benchmark
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import SparseFeature
+from dlrmflow.kernels.tbe import RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
+from dlrmflow.train.sharding import SHARDING_TYPES
+
+TIERED_FULL = {"rows": 100_000, "dim": 64, "batch": 4096, "warmup": 8, "steps": 24, "repeats": 3}
+TIERED_QUICK = {"rows": 1_000, "dim": 8, "batch": 256, "warmup": 2, "steps": 4, "repeats": 1}
+# Cache sizes as shares of all rows; each is raised to hold two batches' rows (the batch in
+# flight and the prefetched one).
+CACHE_FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)
+TIERED_LR = 0.01
+INGEST_QUICK = {"rows": 20_000, "workers": (1,), "batch_size": 1024, "repeats": 1}
+NOISE_NOTE = (
+    "Timings come from a shared machine (other jobs may run beside the benchmark), so they "
+    "are noisy; every ratio divides two figures measured in the same run."
+)
+PLOTS = {
+    "throughput": "throughput_vs_world_size.png",
+    "bytes": "bytes_per_step_by_codec.png",
+    "cache": "cache_hit_rate.png",
+}
+
+
+# -- the tiered-cache benchmark -------------------------------------------------------------
+
+
+def _zipf_stream(sizes: Sequence[int], batch: int, count: int, seed: int = 0):
+    """``count`` one-hot batches; each table keeps one hot-row permutation for all of them."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([zipf_ids(rng, n, batch * count) for n in sizes], axis=1)
+    keys = [f"C{k + 1}" for k in range(len(sizes))]
+    return [
+        KeyedJaggedTensor.from_one_hot(keys, torch.from_numpy(part))
+        for part in np.split(ids, count)
+    ]
+
+
+def _time_stream(
+    step: Callable[[int], None], warmup: int, steps: int, at_start: Callable[[], None]
+) -> float:
+    for i in range(warmup):
+        step(i)
+    at_start()
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    return time.perf_counter() - start
+
+
+def _train_step(bag, stream, grad: torch.Tensor, prefetch: bool = False) -> Callable[[int], None]:
+    """Step ``i``: (prefetch batch ``i + 1``,) forward batch ``i``, backward ``grad``."""
+
+    def step(i: int) -> None:
+        if prefetch:
+            bag.prefetch(stream[i + 1])
+        bag(stream[i]).backward(grad)
+
+    return step
+
+
+def run_tiered_benchmark(quick: bool = False) -> dict:
+    """Hit rate and samples/s of the tiered bag at several cache sizes, against in-memory."""
+    size = TIERED_QUICK if quick else TIERED_FULL
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the trainer's one thread per rank; the prefetch thread aside
+    try:
+        return _tiered_record(size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tiered_record(size: dict) -> dict:
+    sizes = table_sizes(size["rows"])
+    tables = [SparseFeature(f"C{k + 1}", n, size["dim"]) for k, n in enumerate(sizes)]
+    optimizer = RowWiseAdagrad(TIERED_LR)
+    warmup, steps, batch = size["warmup"], size["steps"], size["batch"]
+    stream = _zipf_stream(sizes, batch, warmup + steps + 1)
+    grad = torch.randn(batch, len(tables) * size["dim"], generator=torch.Generator().manual_seed(0))
+    total = sum(sizes)
+    distinct = max(int(torch.unique(kjt.one_hot_rows + _starts(sizes)).numel()) for kjt in stream)
+    cache_sizes = sorted({min(total, max(int(f * total), 2 * distinct)) for f in CACHE_FRACTIONS})
+
+    memory = TableBatchedEmbeddingBag(tables, optimizer)
+    memory_step = _train_step(memory, stream, grad)
+    results: dict[str, dict] = {}
+    for rows in cache_sizes:
+        for prefetch in (False, True):
+            # Turn about, best of the repeats: a slow spell of a shared machine then hits
+            # both sides of a ratio alike.
+            memory_s = seconds = float("inf")
+            for _ in range(size["repeats"]):
+                memory_s = min(memory_s, _time_stream(memory_step, warmup, steps, lambda: None))
+                with tempfile.TemporaryDirectory(prefix="dlrmflow-tiered-") as tmp:
+                    bag = TieredEmbeddingBag(tables, optimizer, tmp, cache_rows=rows)
+                    step = _train_step(bag, stream, grad, prefetch)
+                    seconds = min(seconds, _time_stream(step, warmup, steps, bag.reset_stats))
+                    stats = bag.stats  # the same in every repeat: the bookkeeping is exact
+                    file_bytes = bag.path.stat().st_size
+                    bag.close()
+            results[f"cache_{rows}_{'prefetch' if prefetch else 'lru'}"] = {
+                "cache_rows": rows,
+                "cache_fraction": rows / total,
+                "prefetch": prefetch,
+                "samples_per_s": steps * batch / seconds,
+                "in_memory_samples_per_s": steps * batch / memory_s,
+                "step_s": seconds / steps,
+                "hit_rate": stats.hit_rate,
+                "evictions_per_step": stats.evictions / steps,
+                "prefetched_per_step": stats.prefetched / steps,
+                "stats": stats.to_dict(),
+                "file_bytes": file_bytes,
+            }
+    in_memory = [r["in_memory_samples_per_s"] for r in results.values()]
+    return {
+        "benchmark": "tiered",
+        "baseline": "in-memory TableBatchedEmbeddingBag (row-wise Adagrad) on the same batches, "
+        "timed in turn with each case, best of the repeats; ratios are tiered samples/s / that "
+        "in-memory samples/s (< 1: the cache's cost)",
+        "config": {
+            **size,
+            "tables": len(tables),
+            "table_rows": total,
+            "optimizer": "rowwise_adagrad",
+        },
+        "max_distinct_rows_per_batch": distinct,
+        "threads": 1,
+        "baseline_result": {"samples_per_s": float(np.median(in_memory)), "runs": in_memory},
+        "results": results,
+        "ratios": {
+            k: r["samples_per_s"] / r["in_memory_samples_per_s"] for k, r in results.items()
+        },
+        "machine": describe_machine(),
+    }
+
+
+def _starts(sizes: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), dtype=torch.int64)
+
+
+# -- markdown ------------------------------------------------------------------------------
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0 or 0.01 <= abs(value) < 1000:
+            return f"{value:.3g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.2e}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ingest_section(record: dict) -> str:
+    rows = []
+    for name, r in record["results"].items():
+        n = name.removeprefix("workers_")
+        rows.append(
+            [
+                n,
+                r["pyarrow_decode_rows_per_s"],
+                r["reader_transform_rows_per_s"],
+                r["reader_only_rows_per_s"],
+                r["reader_transform_no_shuffle_rows_per_s"],
+                record["ratios"][f"reader_transform_vs_pyarrow_decode_{n}w"],
+            ]
+        )
+    return "\n\n".join(
+        [
+            "## Ingest",
+            f"Baseline: {record['baseline']}. {record['rows']:,} rows in {record['splits']} "
+            "splits.",
+            markdown_table(
+                [
+                    "workers",
+                    "pyarrow decode rows/s",
+                    "reader + transform rows/s",
+                    "reader only rows/s",
+                    "no shuffle rows/s",
+                    "ratio (reader + transform / decode)",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
+def kernels_section(record: dict) -> str:
+    rows = [
+        [
+            key,
+            r["ours_s"] * 1e3,
+            r["baseline_s"] * 1e3,
+            record["ratios"][key],
+            r.get("ours_bandwidth_share", ""),
+        ]
+        for key, r in record["results"].items()
+    ]
+    return "\n\n".join(
+        [
+            "## Kernels",
+            f"Baseline: {record['baseline']}",
+            f"Batch {record['batch_size']}, dims {record['dims']}.",
+            markdown_table(
+                ["step", "ours ms", "baseline ms", "ratio (baseline / ours)", "bandwidth share"],
+                rows,
+            ),
+        ]
+    )
+
+
+def train_section(record: dict) -> str:
+    base = record["baseline_result"]
+    rows = [["single-process DLRM (baseline)", base["samples_per_s"], 1.0, "", "", "", ""]]
+    for name, r in record["results"].items():
+        sent = r["bytes_per_step"]
+        rows.append(
+            [
+                name,
+                r["samples_per_s"],
+                record["ratios"][name],
+                sent.get("input", 0),
+                sent.get("forward", 0),
+                sent.get("backward", 0),
+                sent.get("dense", 0),
+            ]
+        )
+    return "\n\n".join(
+        [
+            "## Training",
+            f"Baseline: {record['baseline']}. Config: {record['config']}, "
+            f"{record['threads_per_rank']} thread per rank.",
+            markdown_table(
+                [
+                    "mode",
+                    "samples/s",
+                    "ratio",
+                    "input B/step",
+                    "forward B/step",
+                    "backward B/step",
+                    "dense B/step",
+                ],
+                rows,
+            ),
+            f"![samples/s against world size]({PLOTS['throughput']})",
+            f"![bytes per step by codec]({PLOTS['bytes']})",
+        ]
+    )
+
+
+def tiered_section(record: dict) -> str:
+    base = record["baseline_result"]
+    rows = [["in-memory TBE (baseline, median)", "", "", "", base["samples_per_s"], 1.0, ""]]
+    for key, r in record["results"].items():
+        rows.append(
+            [
+                "prefetch" if r["prefetch"] else "LRU",
+                r["cache_rows"],
+                r["cache_fraction"],
+                r["hit_rate"],
+                r["samples_per_s"],
+                record["ratios"][key],
+                r["evictions_per_step"],
+            ]
+        )
+    config = record["config"]
+    return "\n\n".join(
+        [
+            "## Tiered embeddings (rows on disk, hot rows cached)",
+            f"Baseline: {record['baseline']}. {config['tables']} tables, "
+            f"{config['table_rows']:,} rows of dim {config['dim']}, batch {config['batch']}, "
+            f"{config['steps']} timed steps after {config['warmup']}; a batch touches up to "
+            f"{record['max_distinct_rows_per_batch']:,} distinct rows.",
+            markdown_table(
+                [
+                    "mode",
+                    "cache rows",
+                    "share of rows",
+                    "hit rate",
+                    "samples/s",
+                    "ratio",
+                    "evictions/step",
+                ],
+                rows,
+            ),
+            f"![cache hit rate against cache size]({PLOTS['cache']})",
+        ]
+    )
+
+
+def torchrec_section(record: dict | None, missing: str | None) -> str:
+    """The comparison's table, or the reason it was skipped."""
+    if record is None:
+        return "## TorchRec comparison\n\nSkipped: " + (missing or "not requested") + "."
+    rows = [
+        [
+            name,
+            r["ours"]["samples_per_s"],
+            r["torchrec"]["samples_per_s"],
+            record["ratios"][name],
+            ", ".join(r["torchrec"]["shardings"]),
+        ]
+        for name, r in record["results"].items()
+    ]
+    versions = ", ".join(f"{k} {v}" for k, v in record["versions"].items())
+    return "\n\n".join(
+        [
+            "## TorchRec comparison",
+            f"Baseline: {record['baseline']}. {versions}; best of {record['rounds']} rounds of "
+            f"{record['steps']} steps.",
+            markdown_table(
+                [
+                    "mode",
+                    "ours samples/s",
+                    "TorchRec samples/s",
+                    "ratio (ours / TorchRec)",
+                    "TorchRec sharding",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
+# -- plots ---------------------------------------------------------------------------------
+
+
+def plot_throughput(record: dict, path: Path, comparison: dict | None = None) -> None:
+    """Samples/s of every fp32 sharding type at each world size, the single-process
+    baseline, and TorchRec's DLRM when it was compared."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    worlds = {name: int(name[1 : name.index("_")]) for name in record["results"]}
+    for sharding in SHARDING_TYPES:
+        points = sorted(
+            (worlds[name], r["samples_per_s"])
+            for name, r in record["results"].items()
+            if name.endswith(f"_{sharding}_fp32")
+        )
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=sharding)
+    baseline = record["baseline_result"]["samples_per_s"]
+    ax.scatter([1], [baseline], marker="*", s=140, c="k", label="single-process DLRM", zorder=3)
+    if comparison is not None:
+        for name, r in comparison["results"].items():
+            world, sharding = TORCHREC_MODES[name]
+            ax.scatter(
+                [world],
+                [r["torchrec"]["samples_per_s"]],
+                marker="x",
+                s=80,
+                zorder=3,
+                label=f"TorchRec {sharding or 'table_wise'} (world {world})",
+            )
+    ax.set(xlabel="world size (ranks)", ylabel="samples/s", title="Training throughput")
+    ax.set_xticks(sorted(set(worlds.values())))
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+
+
+def plot_bytes_by_codec(record: dict, path: Path) -> None:
+    """Bytes one rank sends per step, by kind, for row-wise sharding at world size 2."""
+    codecs = ["fp32", *CODECS]
+    sent = [record["results"][f"w2_row_wise_{c}"]["bytes_per_step"] for c in codecs]
+    kinds = sorted({k for s in sent for k in s if any(x.get(k) for x in sent)})
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    bottom = np.zeros(len(codecs))
+    for kind in kinds:
+        values = np.array([s.get(kind, 0) for s in sent], dtype=np.float64)
+        ax.bar(codecs, values, bottom=bottom, label=kind)
+        bottom += values
+    ax.set(
+        xlabel="forward embedding codec",
+        ylabel="bytes per step (one rank)",
+        title="Communication per step, row-wise, 2 ranks",
+    )
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+
+
+def plot_cache(record: dict, path: Path) -> None:
+    """Hit rate, and samples/s over in-memory, against the cache's share of the rows."""
+    fig = Figure(figsize=(10, 4))
+    hit_ax, speed_ax = fig.subplots(1, 2)
+    for prefetch, label in ((False, "LRU"), (True, "LRU + prefetch")):
+        runs = sorted(
+            (r["cache_fraction"], r["hit_rate"], record["ratios"][k])
+            for k, r in record["results"].items()
+            if r["prefetch"] == prefetch
+        )
+        share, hits, ratios = zip(*runs, strict=True)
+        hit_ax.plot(share, hits, marker="o", label=label)
+        speed_ax.plot(share, ratios, marker="o", label=label)
+    hit_ax.set(
+        xlabel="cache size (share of all rows)",
+        ylabel="hit rate",
+        title="Cache hit rate",
+        ylim=(0, 1.02),
+    )
+    speed_ax.set(
+        xlabel="cache size (share of all rows)",
+        ylabel="samples/s / in-memory",
+        title="Throughput against all-in-memory",
+    )
+    speed_ax.axhline(1.0, color="k", linewidth=0.8)
+    for ax in (hit_ax, speed_ax):
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = True) -> dict:
+    """Run every benchmark, write ``report.json``, ``report.md`` and the plots under
+    ``out_dir``; return the JSON record. ``quick`` runs each benchmark at its tiny sizes
+    (checks the report, not speed); ``torchrec=False`` leaves the TorchRec comparison out."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    ingest = run_ingest_benchmark(**INGEST_QUICK) if quick else run_ingest_benchmark()
+    kernels = run_kernel_benchmark(quick=quick)
+    train = run_train_benchmark(quick=quick)
+    tiered = run_tiered_benchmark(quick=quick)
+    missing = torchrec_missing() if torchrec else "not requested (torchrec=False)"
+    comparison = run_torchrec_comparison(quick=quick) if missing is None else None
+    plot_throughput(train, out / PLOTS["throughput"], comparison)
+    plot_bytes_by_codec(train, out / PLOTS["bytes"])
+    plot_cache(tiered, out / PLOTS["cache"])
+    record = {
+        "quick": quick,
+        "seconds": time.perf_counter() - started,
+        "noise": NOISE_NOTE,
+        "ingest": ingest,
+        "kernels": kernels,
+        "train": train,
+        "tiered": tiered,
+        "torchrec": comparison if comparison is not None else {"skipped": missing},
+        "plots": sorted(PLOTS.values()),
+        "machine": describe_machine(),
+    }
+    (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
+    machine = record["machine"]
+    header = "\n\n".join(
+        [
+            "# dlrmflow benchmark report" + (" (quick: tiny sizes, not speed)" if quick else ""),
+            f"{machine['cpu']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, "
+            f"Python {machine['python']}. {NOISE_NOTE}",
+        ]
+    )
+    sections = [
+        header,
+        ingest_section(ingest),
+        kernels_section(kernels),
+        train_section(train),
+        tiered_section(tiered),
+        torchrec_section(comparison, missing),
+    ]
+    (out / "report.md").write_text("\n\n".join(sections) + "\n")
+    return record

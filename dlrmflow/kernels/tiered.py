@@ -1,0 +1,723 @@
+"""Embedding tables larger than memory: rows on disk, a cache of hot rows in memory.
+
+``TieredEmbeddingBag`` keeps every row of its tables, with the row's optimizer state, in
+one memory-mapped file per bag (the "ssd" tier of ``dlrmflow.train.sharding.Shard``), and
+``cache_rows`` of them in memory. A batch's rows are made resident (least recently used
+rows are evicted, dirty ones written back first), copied into a small dense *working set*
+that is itself a ``TableBatchedEmbeddingBag`` over just those rows, and looked up and
+updated there by the unchanged TBE code; backward then copies the updated rows and state
+back into the cache. ``flush`` writes every dirty row to the file.
+
+Why a working set rather than a second implementation of the lookup: the pooled outputs
+and the fused optimizer update are then those of ``TableBatchedEmbeddingBag`` by
+construction, bit for bit. The working set numbers a batch's rows in the order of their
+global rows (table, then row), so the TBE's stable sort by ID, its CSR gradient reduction
+and its update see the same structure and values as the in-memory bag does: a model whose
+tables exceed the cache trains to weights identical to all-in-memory training.
+
+``prefetch(kjt)`` makes a later batch's rows resident ahead of its forward: the cache's
+bookkeeping (which row goes in which slot, what is evicted) is decided at once in the
+calling thread, in call order, so counters and weights never depend on timing; only the
+disk reads and write-backs run in one background thread, in submission order. The rows a
+prefetch loads stay pinned until that batch's forward, and a batch's rows stay pinned from
+its forward to its backward, so neither is evicted while it is needed. The intended order
+per step is the train pipeline's: ``prefetch(next)``, ``forward(this)``, ``backward``.
+
+Memory: the cached records plus a row-to-slot map of 4 bytes per stored row (a direct map:
+one vectorized gather per batch instead of a hash table). One LRU serves every table; a
+slot is as wide as the widest record, so tables of smaller dims waste the difference.
+
+The file holds a 4 KiB JSON header (layout, optimizer, step count) and then, per run of
+same-dim tables, one record per row: the weights followed by the optimizer state
+(row-wise Adagrad: one float; Adam: the two moments), so that a row and its state are one
+contiguous read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import SparseFeature
+from dlrmflow.kernels.tbe import (
+    INIT_BLOCK_ROWS,
+    Adam,
+    Optimizer,
+    RowWiseAdagrad,
+    TableBatchedEmbeddingBag,
+    init_table_rows,
+)
+
+__all__ = ["CacheStats", "TieredEmbeddingBag"]
+
+HEADER_BYTES = 4096
+MAGIC = "dlrmflow-tiered-embeddings"
+FORMAT_VERSION = 1
+FILE_SUFFIX = ".tiered"
+# Rows initialised per write: whole init blocks, so that no block is drawn twice.
+INIT_CHUNK_ROWS = 8 * INIT_BLOCK_ROWS
+NEVER_USED = -1
+UNUSABLE = torch.iinfo(torch.int64).max
+
+
+@dataclass
+class CacheStats:
+    """Counters of one bag since its creation or ``reset_stats``.
+
+    ``lookups`` counts the distinct rows each forward needed and ``hits`` those already in
+    memory (kept from earlier batches or loaded by ``prefetch``); the others were read from
+    disk while the forward waited. ``prefetched`` rows were read ahead of their batch;
+    ``prefetch_skipped`` ones were not, every slot being pinned.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    prefetched: int = 0
+    prefetch_skipped: int = 0
+    evictions: int = 0
+    writebacks: int = 0  # dirty rows written to the file, on eviction or flush
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The records of global rows ``[start, end)`` in the file: ``[end - start, width]``."""
+
+    start: int
+    end: int
+    records: np.ndarray
+
+
+@dataclass
+class _Transfer:
+    """The disk I/O of one placement: write the evicted dirty rows, then read the new ones."""
+
+    write_rows: torch.Tensor
+    write_slots: torch.Tensor
+    read_rows: torch.Tensor
+    read_slots: torch.Tensor
+
+    @property
+    def empty(self) -> bool:
+        return not (self.write_rows.numel() or self.read_rows.numel())
+
+
+class _RowCache:
+    """``capacity`` slots in memory over the rows of ``regions``, LRU, with pins.
+
+    A slot holds one row's record (weights then optimizer state). Every placement advances
+    a tick; a slot used at the current tick or pinned (by a prefetched batch not yet looked
+    up, or by a batch between forward and backward) is never evicted. Only the calling
+    thread changes the bookkeeping; ``run`` (the data) may run in another.
+    """
+
+    def __init__(self, regions: list[_Region], capacity: int) -> None:
+        self.regions = regions
+        width = max(r.records.shape[1] for r in regions)
+        self.records = torch.zeros(capacity, width)
+        self.slot_row = torch.full((capacity,), -1, dtype=torch.int64)
+        self.row_slot = torch.full((regions[-1].end,), -1, dtype=torch.int32)
+        self.last_used = torch.full((capacity,), NEVER_USED, dtype=torch.int64)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.pins = torch.zeros(capacity, dtype=torch.int32)
+        # The background job that fills each slot (0: none pending).
+        self.ready = torch.zeros(capacity, dtype=torch.int64)
+
+    @property
+    def capacity(self) -> int:
+        return self.records.shape[0]
+
+    def lookup(self, rows: torch.Tensor, tick: int) -> torch.Tensor:
+        """Slots of ``rows`` (-1: not cached); the cached ones count as used at ``tick``, so
+        that this placement does not evict them."""
+        slots = self.row_slot.index_select(0, rows).long()
+        self.last_used.index_fill_(0, slots[slots >= 0], tick)
+        return slots
+
+    def available(self, tick: int) -> int:
+        return int(((self.pins == 0) & (self.last_used < tick)).sum())
+
+    def place(self, rows: torch.Tensor, slots: torch.Tensor, tick: int) -> tuple[_Transfer, int]:
+        """Give the uncached ``rows`` (``slots`` -1) slots, in order, as many as are
+        available; fills ``slots`` in place. Returns the I/O that makes them resident and
+        how many cached rows were evicted for them."""
+        missing = (slots < 0).nonzero().squeeze(1)
+        victims = self._victims(missing.numel(), tick)
+        missing = missing[: victims.numel()]
+        new_rows = rows.index_select(0, missing)
+        old_rows = self.slot_row.index_select(0, victims)
+        dirty = self.dirty.index_select(0, victims)  # only occupied slots are ever dirty
+        evicted = old_rows[old_rows >= 0]
+        self.row_slot.index_fill_(0, evicted, -1)
+        self.row_slot.index_copy_(0, new_rows, victims.int())
+        self.slot_row.index_copy_(0, victims, new_rows)
+        self.last_used.index_fill_(0, victims, tick)
+        self.dirty.index_fill_(0, victims, False)
+        slots.index_copy_(0, missing, victims)
+        return _Transfer(old_rows[dirty], victims[dirty], new_rows, victims), evicted.numel()
+
+    def _victims(self, count: int, tick: int) -> torch.Tensor:
+        """``count`` slots (fewer if fewer are available): never-used ones first, then the
+        least recently used, ties by slot number, so every run chooses the same."""
+        usable = (self.pins == 0) & (self.last_used < tick)
+        take = min(count, int(usable.sum()))
+        if take == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        key = self.last_used.masked_fill(~usable, UNUSABLE)
+        threshold = torch.kthvalue(key, take).values
+        below = (key < threshold).nonzero().squeeze(1)
+        equal = (key == threshold).nonzero().squeeze(1)[: take - below.numel()]
+        return torch.cat([below, equal])
+
+    def pin(self, slots: torch.Tensor, by: int) -> None:
+        self.pins.index_add_(0, slots, torch.full_like(slots, by, dtype=torch.int32))
+
+    def run(self, transfer: _Transfer) -> None:
+        # Writes first: a victim slot's old row must reach the file before the new row
+        # overwrites the slot.
+        if transfer.write_rows.numel():
+            self._write(transfer.write_rows, self.records.index_select(0, transfer.write_slots))
+        if transfer.read_rows.numel():
+            self.records.index_copy_(0, transfer.read_slots, self._read(transfer.read_rows))
+
+    def write_dirty(self) -> int:
+        """Write every dirty slot's record to the file; returns how many."""
+        slots = self.dirty.nonzero().squeeze(1)
+        if slots.numel():
+            self._write(self.slot_row.index_select(0, slots), self.records.index_select(0, slots))
+            self.dirty.index_fill_(0, slots, False)
+        return slots.numel()
+
+    def _write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        for r in self.regions:
+            inside = (rows >= r.start) & (rows < r.end)
+            if bool(inside.any()):
+                width = r.records.shape[1]
+                r.records[(rows[inside] - r.start).numpy()] = records[inside, :width].numpy()
+
+    def _read(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rows.numel(), self.records.shape[1])
+        for r in self.regions:
+            inside = (rows >= r.start) & (rows < r.end)
+            if bool(inside.any()):
+                values = r.records[(rows[inside] - r.start).numpy()]
+                out[inside, : values.shape[1]] = torch.from_numpy(values)
+        return out
+
+    def read_range(self, start: int, end: int, columns: slice) -> torch.Tensor:
+        """Record ``columns`` of rows ``[start, end)`` of one region, a copy, taken from the
+        cache where the row is cached."""
+        region = next(r for r in self.regions if r.start <= start < r.end)
+        records = region.records[start - region.start : end - region.start, columns]
+        out = torch.from_numpy(np.array(records))  # a copy: never write into the file here
+        cached = ((self.slot_row >= start) & (self.slot_row < end)).nonzero().squeeze(1)
+        rows = self.slot_row.index_select(0, cached) - start
+        out.index_copy_(0, rows, self.records.index_select(0, cached)[:, columns])
+        return out
+
+
+@dataclass
+class _Prefetched:
+    """A batch whose rows ``prefetch`` pinned (slot -1: left on disk), and its distinct
+    rows, which its forward reuses."""
+
+    kjt: KeyedJaggedTensor
+    slots: torch.Tensor
+    unique: torch.Tensor
+    inverse: torch.Tensor
+
+
+@dataclass
+class _InFlight:
+    """A training forward whose backward has not run yet."""
+
+    slots: torch.Tensor  # the cache slot of each of the batch's distinct rows
+    ws_rows: list[torch.Tensor]  # per group, the working-set rows of those rows, in order
+    superseded: bool = False
+
+
+@dataclass
+class _Jobs:
+    """Background transfers, run one at a time in submission order."""
+
+    executor: ThreadPoolExecutor | None = None
+    pending: list[tuple[int, Future]] = field(default_factory=list)
+    last: int = 0
+
+    def submit(self, cache: _RowCache, transfer: _Transfer) -> int:
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="tiered-prefetch")
+        self.last += 1
+        self.pending.append((self.last, self.executor.submit(cache.run, transfer)))
+        return self.last
+
+    def wait(self, job: int | None = None) -> None:
+        """Wait for the jobs up to ``job`` (all when None), re-raising their errors."""
+        while self.pending and (job is None or self.pending[0][0] <= job):
+            _, future = self.pending.pop(0)
+            future.result()
+
+    def shutdown(self) -> None:
+        self.wait()
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+
+
+class _WorkingSet(TableBatchedEmbeddingBag):
+    """One batch's rows as a table-batched bag of their own; after the inherited fused
+    update, ``on_update`` hands them back to the cache."""
+
+    def __init__(self, tables: Sequence[SparseFeature], optimizer: Optimizer) -> None:
+        super().__init__(tables, optimizer, init=lambda _k, rows: rows.zero_())
+        self.on_update: Callable[[_WorkingSet], None] | None = None
+
+    def _apply_gradient(self, grad_out: torch.Tensor, lookups: list) -> None:
+        super()._apply_gradient(grad_out, lookups)
+        if self.on_update is not None:
+            self.on_update(self)
+
+    def record_views(self, g: int) -> list[torch.Tensor]:
+        """2-D views of group ``g``'s weights and optimizer state, in record column order."""
+        group = self.groups[g]
+        views = [self._view(self.weight, group)]
+        if isinstance(self.optimizer, RowWiseAdagrad):
+            views.append(self.sum_squares[group.first_row : group.first_row + group.num_rows, None])
+        elif isinstance(self.optimizer, Adam):
+            views += [self._view(self.momentum1, group), self._view(self.momentum2, group)]
+        return views
+
+
+def _record_width(optimizer: Optimizer, dim: int) -> int:
+    """Floats per row in the file: the weights, then the optimizer state."""
+    if isinstance(optimizer, RowWiseAdagrad):
+        return dim + 1
+    if isinstance(optimizer, Adam):
+        return 3 * dim
+    return dim
+
+
+class TieredEmbeddingBag(nn.Module):
+    """A ``TableBatchedEmbeddingBag`` whose rows live in a file, ``cache_rows`` in memory.
+
+    ``forward(kjt)`` and its backward compute exactly what the in-memory bag computes for
+    the same tables, optimizer and seed. The file is ``directory/name.tiered``: a new bag
+    creates it (rows drawn by ``init_table_rows``) and refuses to overwrite one;
+    ``resume=True`` opens the file an earlier bag flushed. The cache must hold at least
+    the distinct rows of one batch. Unlike the TBE, it has no gradient or square-sum
+    hooks (it holds no replicated or column-sharded tables), and ``state_dict`` does not
+    hold the rows: the flushed file does.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[SparseFeature],
+        optimizer: Optimizer,
+        directory: str | Path,
+        *,
+        cache_rows: int,
+        name: str = "embeddings",
+        seed: int = 0,
+        resume: bool = False,
+    ) -> None:
+        super().__init__()
+        if "://" in str(directory):
+            raise ValueError(f"{directory}: tiered embeddings need a local directory to mmap")
+        if cache_rows < 1:
+            raise ValueError(f"cache_rows must be >= 1, got {cache_rows}")
+        # A one-row TBE of the same tables checks them and the optimizer, and its groups
+        # (runs of same-dim tables) are the file's regions.
+        layout = _WorkingSet(
+            [SparseFeature(t.name, 1, t.embedding_dim, t.pooling) for t in tables], optimizer
+        )
+        self.tables = list(tables)
+        self.optimizer = optimizer
+        self.lr = optimizer.lr
+        self.path = Path(directory) / f"{name}{FILE_SUFFIX}"
+        self._sizes = torch.tensor([t.num_embeddings for t in self.tables])
+        self._starts = torch.zeros(len(self.tables) + 1, dtype=torch.int64)
+        torch.cumsum(self._sizes, 0, out=self._starts[1:])
+        self._group_keys = [(g.first_key, g.end_key) for g in layout.groups]
+        self.step = 0  # Adam's global step count, as the TBE keeps it
+        self._memmap = self._open() if resume else self._create(seed)
+        total_rows = int(self._starts[-1])
+        self._cache = _RowCache(self._regions(), min(cache_rows, total_rows))
+        self._stats = CacheStats()
+        self._tick = 0
+        self._jobs = _Jobs()
+        self._prefetched: list[_Prefetched] = []
+        self._in_flight: _InFlight | None = None
+
+    # -- the file -------------------------------------------------------------------------
+
+    def _region_shapes(self) -> list[tuple[int, int, int]]:
+        """(first global row, rows, record width) of each group's region."""
+        return [
+            (
+                int(self._starts[first]),
+                int(self._starts[end] - self._starts[first]),
+                _record_width(self.optimizer, self.tables[first].embedding_dim),
+            )
+            for first, end in self._group_keys
+        ]
+
+    def _regions(self, memmap: np.memmap | None = None) -> list[_Region]:
+        memmap = self._memmap if memmap is None else memmap
+        regions, offset = [], 0
+        for start, rows, width in self._region_shapes():
+            records = memmap[offset : offset + rows * width].reshape(rows, width)
+            regions.append(_Region(start, start + rows, records))
+            offset += rows * width
+        return regions
+
+    def _header(self) -> dict:
+        return {
+            "magic": MAGIC,
+            "format": FORMAT_VERSION,
+            "tables": [[t.name, t.num_embeddings, t.embedding_dim] for t in self.tables],
+            "optimizer": type(self.optimizer).__name__,
+            "step": self.step,
+        }
+
+    def _file_bytes(self) -> int:
+        return HEADER_BYTES + 4 * sum(rows * width for _, rows, width in self._region_shapes())
+
+    def _write_header(self) -> None:
+        raw = json.dumps(self._header()).encode()
+        if len(raw) > HEADER_BYTES:
+            raise ValueError(f"{self.path}: {len(self.tables)} tables overflow the file header")
+        with self.path.open("r+b") as f:
+            f.write(raw.ljust(HEADER_BYTES, b" "))
+
+    def _create(self, seed: int) -> np.memmap:
+        if self.path.exists():
+            raise FileExistsError(
+                f"{self.path}: already exists; pass resume=True to train on from it, or "
+                "delete it to start over"
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("wb") as f:
+            # Sparse where the file system allows: the zeros are the initial optimizer state.
+            f.truncate(self._file_bytes())
+        self._write_header()
+        memmap = np.memmap(self.path, np.float32, "r+", offset=HEADER_BYTES)
+        for region, (first, end) in zip(self._regions(memmap), self._group_keys, strict=True):
+            for k in range(first, end):
+                t = self.tables[k]
+                row = int(self._starts[k]) - region.start
+                for start in range(0, t.num_embeddings, INIT_CHUNK_ROWS):
+                    rows = min(INIT_CHUNK_ROWS, t.num_embeddings - start)
+                    chunk = torch.empty(rows, t.embedding_dim)
+                    init_table_rows(
+                        chunk, t.name, seed, table_rows=t.num_embeddings, row_start=start
+                    )
+                    region.records[row + start : row + start + rows, : t.embedding_dim] = (
+                        chunk.numpy()
+                    )
+        memmap.flush()
+        return memmap
+
+    def _open(self) -> np.memmap:
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no tiered embedding file to resume from")
+        with self.path.open("rb") as f:
+            raw = f.read(HEADER_BYTES)
+        try:
+            header = json.loads(raw.decode().rstrip())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{self.path}: not a tiered embedding file ({e})") from None
+        if not isinstance(header, dict) or header.get("magic") != MAGIC:
+            raise ValueError(f"{self.path}: not a tiered embedding file (no {MAGIC} header)")
+        wanted = self._header()
+        for key in ("format", "tables", "optimizer"):
+            if header.get(key) != wanted[key]:
+                raise ValueError(
+                    f"{self.path}: header field {key!r} is {header.get(key)!r}, but this bag "
+                    f"needs {wanted[key]!r}"
+                )
+        size, expected = self.path.stat().st_size, self._file_bytes()
+        if size != expected:
+            raise ValueError(
+                f"{self.path}: {size} bytes, but the layout in its header needs {expected} "
+                "(truncated or damaged)"
+            )
+        self.step = int(header["step"])
+        return np.memmap(self.path, np.float32, "r+", offset=HEADER_BYTES)
+
+    def flush(self) -> None:
+        """Write every updated row and its state, and the step count, to the file."""
+        self._jobs.wait()
+        self._stats.writebacks += self._cache.write_dirty()
+        self._memmap.flush()
+        self._write_header()
+
+    def close(self) -> None:
+        """Flush, stop the prefetch thread and unmap the file; the bag is unusable after."""
+        self.flush()
+        self._jobs.shutdown()
+        del self._memmap, self._cache
+
+    # -- what the in-memory bag offers ----------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tables]
+
+    @property
+    def output_dim(self) -> int:
+        return sum(t.embedding_dim for t in self.tables)
+
+    @property
+    def cache_rows(self) -> int:
+        return self._cache.capacity
+
+    @property
+    def stats(self) -> CacheStats:
+        """A copy of the counters."""
+        return CacheStats(**asdict(self._stats))
+
+    def reset_stats(self) -> None:
+        self._stats = CacheStats()
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next updates (a scheduler calls this each step)."""
+        if not lr >= 0:
+            raise ValueError(f"TieredEmbeddingBag: learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def table(self, name: str) -> torch.Tensor:
+        """A copy of one table's ``[num_embeddings, dim]`` rows as they are now."""
+        return self._read_table(name, lambda dim: slice(0, dim))
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        """Copies of one table's optimizer state, keyed and shaped as the TBE's ``state``."""
+        if isinstance(self.optimizer, RowWiseAdagrad):
+            return {"sum_squares": self._read_table(name, lambda dim: slice(dim, dim + 1))[:, 0]}
+        if isinstance(self.optimizer, Adam):
+            return {
+                "momentum1": self._read_table(name, lambda dim: slice(dim, 2 * dim)),
+                "momentum2": self._read_table(name, lambda dim: slice(2 * dim, 3 * dim)),
+            }
+        return {}
+
+    def _read_table(self, name: str, columns: Callable[[int], slice]) -> torch.Tensor:
+        """Record columns ``columns(dim)`` of every row of one table, as they are now."""
+        k = self.names.index(name)
+        self._jobs.wait()
+        start, end = int(self._starts[k]), int(self._starts[k + 1])
+        return self._cache.read_range(start, end, columns(self.tables[k].embedding_dim))
+
+    # -- batches --------------------------------------------------------------------------
+
+    def _distinct_rows(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's distinct global rows (each ID plus its table's first row), sorted,
+        and each ID's index among them, shaped as the IDs (one-hot: ``[B, n_keys]``, with
+        -1 for an empty bag). Out-of-range IDs fail, naming the feature."""
+        if kjt.keys != self.names:
+            raise ValueError(f"batch keys {kjt.keys} differ from the tables {self.names}")
+        rows = kjt.one_hot_rows
+        if rows is not None:
+            rows = rows.long()
+            bad = (rows < -1) | (rows >= self._sizes)
+            if bool(bad.any()):
+                sample, key = (int(i) for i in bad.nonzero()[0])
+                raise IndexError(
+                    f"feature {self.names[key]!r}: ID {int(rows[sample, key])} of sample "
+                    f"{sample} is outside its table's [0, {int(self._sizes[key])}) rows"
+                )
+            absent = rows < 0
+            ids = (rows + self._starts[:-1]).masked_fill_(absent, -1)
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            if bool(absent.any()):  # -1 sorted first: drop it, and empty bags index -1
+                unique, inverse = unique[1:], inverse.sub_(1)
+            return unique, inverse
+        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
+        n = kjt.values.numel()
+        bad = (kjt.values < 0) | (
+            kjt.values >= self._sizes.repeat_interleave(per_key, output_size=n)
+        )
+        if bool(bad.any()):
+            position = int(bad.nonzero()[0, 0])
+            key = int(torch.searchsorted(per_key.cumsum(0), position, right=True))
+            raise IndexError(
+                f"feature {self.names[key]!r}: ID {int(kjt.values[position])} is outside its "
+                f"table's [0, {int(self._sizes[key])}) rows"
+            )
+        ids = kjt.values + self._starts[:-1].repeat_interleave(per_key, output_size=n)
+        return torch.unique(ids, return_inverse=True)
+
+    def _place(self, rows: torch.Tensor, *, partial: bool) -> tuple[torch.Tensor, _Transfer, int]:
+        """Make ``rows`` resident (``partial``: as many as fit). Returns their slots (-1:
+        left on disk), the I/O to run, and how many were already cached."""
+        self._tick += 1
+        slots = self._cache.lookup(rows, self._tick)
+        hits = int((slots >= 0).sum())
+        need = rows.numel() - hits
+        if not partial and need and need > self._cache.available(self._tick):
+            # A forward takes precedence over batches prefetched after it: drop their pins.
+            self._release_prefetched(len(self._prefetched))
+            if need > self._cache.available(self._tick):
+                raise RuntimeError(
+                    f"{self.path}: a batch needs {rows.numel()} distinct rows but the cache "
+                    f"holds {self._cache.capacity} ({int((self._cache.pins > 0).sum())} of "
+                    "them pinned by another batch); raise cache_rows"
+                )
+        transfer, evicted = self._cache.place(rows, slots, self._tick)
+        self._stats.evictions += evicted
+        self._stats.writebacks += transfer.write_rows.numel()
+        return slots, transfer, hits
+
+    def _release_prefetched(self, count: int) -> None:
+        """Unpin the first ``count`` prefetched batches."""
+        for record in self._prefetched[:count]:
+            self._cache.pin(record.slots[record.slots >= 0], -1)
+        del self._prefetched[:count]
+
+    @torch.no_grad()
+    def prefetch(self, kjt: KeyedJaggedTensor) -> None:
+        """Start reading the rows of a batch whose forward comes later (the next one).
+
+        They stay pinned in the cache until that batch's forward; rows that find no
+        unpinned slot are left for the forward to read (``stats.prefetch_skipped``).
+        """
+        unique, inverse = self._distinct_rows(kjt)
+        slots, transfer, _ = self._place(unique, partial=True)
+        if not transfer.empty:
+            self._cache.ready.index_fill_(
+                0, transfer.read_slots, self._jobs.submit(self._cache, transfer)
+            )
+        self._cache.pin(slots[slots >= 0], 1)
+        self._stats.prefetched += transfer.read_rows.numel()
+        self._stats.prefetch_skipped += int((slots < 0).sum())
+        self._prefetched.append(_Prefetched(kjt, slots, unique, inverse))
+
+    def _consume_prefetched(self, kjt: KeyedJaggedTensor) -> _Prefetched | None:
+        """The prefetch of ``kjt``, unpinned with those of the batches prefetched before it
+        (never looked up); None, unpinning nothing, when ``kjt`` was not prefetched."""
+        for i, record in enumerate(self._prefetched):
+            if record.kjt is kjt:
+                self._release_prefetched(i + 1)
+                return record
+        return None
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """Pooled embeddings ``[B, sum of dims]``, each table's columns in config order."""
+        prefetched = self._consume_prefetched(kjt)
+        if prefetched is None:
+            unique, inverse = self._distinct_rows(kjt)
+        else:
+            unique, inverse = prefetched.unique, prefetched.inverse
+        training = self.training and torch.is_grad_enabled()
+        if training and self._in_flight is not None:
+            # Its backward never ran (and will be refused): its rows need no pin.
+            self._in_flight.superseded = True
+            self._cache.pin(self._in_flight.slots, -1)
+            self._in_flight = None
+        with torch.no_grad():
+            slots, transfer, hits = self._place(unique, partial=False)
+            self._stats.lookups += unique.numel()
+            self._stats.hits += hits
+            if transfer.empty:
+                # Only the jobs filling this batch's slots (its prefetch) must be done.
+                ready = self._cache.ready.index_select(0, slots)
+                self._jobs.wait(int(ready.max()) if ready.numel() else 0)
+            else:
+                # Queued write-backs may hold rows this reads: all jobs first.
+                self._jobs.wait()
+                self._cache.run(transfer)
+            ws, ws_kjt, ws_rows = self._working_set(kjt, unique, inverse, slots)
+        ws.train(self.training)
+        if training:
+            in_flight = _InFlight(slots, ws_rows)
+            self._cache.pin(slots, 1)
+            ws.on_update = lambda updated: self._write_back(in_flight, updated)
+            self._in_flight = in_flight
+        return ws(ws_kjt)
+
+    def _working_set(
+        self,
+        kjt: KeyedJaggedTensor,
+        unique: torch.Tensor,
+        inverse: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> tuple[_WorkingSet, KeyedJaggedTensor, list[torch.Tensor]]:
+        """A TBE whose table ``k`` holds the batch's distinct rows of table ``k`` in order
+        (at least one row: an unused one is never read), filled from the cache; the batch
+        renumbered into it; and per group, the working-set row of each distinct row."""
+        bounds = torch.searchsorted(unique, self._starts)  # each table's first distinct row
+        counts = bounds.diff()
+        ws_sizes = counts.clamp(min=1)
+        ws = _WorkingSet(
+            [
+                SparseFeature(t.name, n, t.embedding_dim, t.pooling)
+                for t, n in zip(self.tables, ws_sizes.tolist(), strict=True)
+            ],
+            self.optimizer,
+        )
+        ws.lr = self.lr
+        if isinstance(self.optimizer, Adam):
+            ws.step.fill_(self.step)
+        ws_starts = torch.zeros_like(self._starts)
+        torch.cumsum(ws_sizes, 0, out=ws_starts[1:])
+        table_of = torch.repeat_interleave(torch.arange(len(self.tables)), counts)
+        ws_row = torch.arange(unique.numel()) + (ws_starts - bounds)[:-1].index_select(0, table_of)
+        records = self._cache.records.index_select(0, slots)
+        ws_rows = []
+        for g, (first, end) in enumerate(self._group_keys):
+            part = slice(int(bounds[first]), int(bounds[end]))
+            local = ws_row[part] - ws.groups[g].first_row
+            column = 0
+            for view in ws.record_views(g):
+                view.index_copy_(0, local, records[part, column : column + view.shape[1]])
+                column += view.shape[1]
+            ws_rows.append(local)
+        rows = kjt.one_hot_rows
+        if rows is not None:
+            ws_ids = (inverse - bounds[:-1]).masked_fill_(rows < 0, -1)
+            return ws, KeyedJaggedTensor.from_one_hot(kjt.keys, ws_ids), ws_rows
+        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
+        ws_ids = inverse - bounds[:-1].repeat_interleave(per_key, output_size=inverse.numel())
+        return ws, KeyedJaggedTensor(kjt.keys, ws_ids, kjt.lengths, kjt.weights), ws_rows
+
+    @torch.no_grad()
+    def _write_back(self, in_flight: _InFlight, ws: _WorkingSet) -> None:
+        """After the working set's fused update: its rows and state back into the cache."""
+        if in_flight.superseded:
+            raise RuntimeError(
+                f"{self.path}: backward of a forward that a later forward superseded; a "
+                "tiered bag applies each batch's update before the next batch's forward"
+            )
+        records = torch.zeros(in_flight.slots.numel(), self._cache.records.shape[1])
+        row = 0
+        for g, local in enumerate(in_flight.ws_rows):
+            column = 0
+            for view in ws.record_views(g):
+                width = view.shape[1]
+                records[row : row + local.numel(), column : column + width] = view.index_select(
+                    0, local
+                )
+                column += width
+            row += local.numel()
+        self._cache.records.index_copy_(0, in_flight.slots, records)
+        self._cache.dirty.index_fill_(0, in_flight.slots, True)
+        self._cache.pin(in_flight.slots, -1)
+        if isinstance(self.optimizer, Adam):
+            self.step = int(ws.step)
+        self._in_flight = None
+
+    def extra_repr(self) -> str:
+        return f"path={str(self.path)!r}, tables={len(self.tables)}, cache_rows={self.cache_rows}"

@@ -1,0 +1,260 @@
+"""The tiered bag against the in-memory TBE: bitwise-equal training, LRU, files, errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from dlrmflow.config import ModelConfig
+from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
+from dlrmflow.train.model import DLRM
+
+# Three groups of dims (4, 2, 4) and a mean-pooled table, as in the TBE's tests.
+TABLES = [
+    SparseFeature("a", 60, 4),
+    SparseFeature("b", 40, 4, "mean"),
+    SparseFeature("c", 25, 2),
+    SparseFeature("d", 50, 4),
+]
+SPEC = FeatureSpec(
+    dense=("I1", "I2", "I3"), sparse=tuple(SparseFeature(f"C{k}", 80, 4) for k in range(4))
+)
+MODEL = ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8])
+BATCH = 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tensors are tiny: a second OpenMP thread only waits on the first, which on a
+    busy two-core machine measured 50x slower per kernel call."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _jagged(seed: int, tables=TABLES, batch=BATCH, max_len=3, weighted=False):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (len(tables) * batch,), generator=gen)
+    per_key = lengths.view(len(tables), batch).sum(1).tolist()
+    values = torch.cat(
+        [
+            torch.randint(0, t.num_embeddings, (n,), generator=gen)
+            for t, n in zip(tables, per_key, strict=True)
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor([t.name for t in tables], values, lengths.to(torch.int32), weights)
+
+
+def _one_hot(seed: int, tables=TABLES, batch=BATCH):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.stack(
+        [torch.randint(0, t.num_embeddings, (batch,), generator=gen) for t in tables], 1
+    )
+    rows[torch.rand(rows.shape, generator=gen) < 0.2] = -1
+    return KeyedJaggedTensor.from_one_hot([t.name for t in tables], rows)
+
+
+def _distinct_rows(kjt: KeyedJaggedTensor) -> int:
+    return sum(values.unique().numel() for values in kjt.values.split(kjt.length_per_key()))
+
+
+def _train_pair(ref, tiered, batches, prefetch: bool):
+    """The same fixed output gradients through both bags, in the train pipeline's order."""
+    for step, kjt in enumerate(batches):
+        if prefetch and step + 1 < len(batches):
+            tiered.prefetch(batches[step + 1])
+        grad = torch.randn(
+            kjt.stride, ref.output_dim, generator=torch.Generator().manual_seed(step)
+        )
+        out_ref, out_tiered = ref(kjt), tiered(kjt)
+        assert torch.equal(out_ref, out_tiered), step
+        out_ref.backward(grad)
+        out_tiered.backward(grad)
+
+
+def _assert_same_tables(ref, tiered):
+    for t in ref.tables:
+        assert torch.equal(ref.table(t.name), tiered.table(t.name)), t.name
+        ref_state, tiered_state = ref.state(t.name), tiered.state(t.name)
+        assert ref_state.keys() == tiered_state.keys()
+        for key, value in ref_state.items():
+            assert torch.equal(value, tiered_state[key]), (t.name, key)
+
+
+def _dlrm_batches(multi_hot: bool, steps: int):
+    gen = torch.Generator().manual_seed(11)
+    keys = [f.name for f in SPEC.sparse]
+    out = []
+    for _ in range(steps):
+        dense = torch.rand(BATCH, len(SPEC.dense), generator=gen)
+        labels = (torch.rand(BATCH, generator=gen) < 0.3).float()
+        if multi_hot:
+            lengths = torch.randint(0, 5, (len(keys) * BATCH,), generator=gen).int()
+            values = torch.randint(0, 80, (int(lengths.sum()),), generator=gen)
+            sparse = KeyedJaggedTensor(keys, values, lengths)
+        else:
+            sparse = KeyedJaggedTensor.from_one_hot(
+                keys, torch.randint(0, 80, (BATCH, len(keys)), generator=gen)
+            )
+        out.append((dense, sparse, labels))
+    return out
+
+
+def _train_dlrm(model: DLRM, batches, prefetch) -> None:
+    optimizer = torch.optim.Adagrad(model.dense_arch.parameters(), lr=0.05)
+    loss_fn = nn.BCEWithLogitsLoss()
+    for step, (dense, sparse, labels) in enumerate(batches):
+        if prefetch and step + 1 < len(batches):
+            model.embeddings.prefetch(batches[step + 1][1])
+        loss = loss_fn(model(dense, sparse), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("multi_hot", [False, True], ids=["onehot", "multihot"])
+@pytest.mark.parametrize(
+    "optimizer", [SGD(lr=0.3), RowWiseAdagrad(lr=0.3)], ids=["sgd", "rowwise_adagrad"]
+)
+def test_dlrm_trains_to_bitwise_identical_weights_with_a_small_cache(
+    tmp_path, optimizer, multi_hot
+):
+    batches = _dlrm_batches(multi_hot, steps=12)
+    torch.manual_seed(0)
+    reference = DLRM(SPEC, MODEL, optimizer, seed=5)
+    tiered_bag = TieredEmbeddingBag(SPEC.sparse, optimizer, tmp_path, cache_rows=200, seed=5)
+    torch.manual_seed(0)
+    tiered = DLRM(SPEC, MODEL, embeddings=tiered_bag)
+    _train_dlrm(reference, batches, prefetch=False)
+    _train_dlrm(tiered, batches, prefetch=True)
+
+    touched = {
+        (key, int(v))
+        for _, sparse, _ in batches
+        for key, (values, _) in sparse.split_by_key().items()
+        for v in values
+    }
+    assert len(touched) > tiered_bag.cache_rows == 200  # the working set exceeds the cache
+    _assert_same_tables(reference.embeddings, tiered_bag)
+    for a, b in zip(reference.dense_arch.parameters(), tiered.dense_arch.parameters(), strict=True):
+        assert torch.equal(a, b)
+    stats = tiered_bag.stats
+    assert stats.lookups == sum(_distinct_rows(s) for _, s, _ in batches)
+    assert stats.evictions > 0 and stats.prefetched > 0
+    assert 0 < stats.hits < stats.lookups and stats.hit_rate == stats.hits / stats.lookups
+    # Every loaded row evicted another, once the cache had filled: loads = cache + evictions.
+    forward_misses = stats.lookups - stats.hits
+    assert stats.prefetched + forward_misses == tiered_bag.cache_rows + stats.evictions
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [SGD(lr=0.2, weight_decay=0.01), RowWiseAdagrad(lr=0.2), Adam(lr=0.05, weight_decay=0.01)],
+    ids=["sgd", "rowwise_adagrad", "adam"],
+)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no_prefetch", "prefetch"])
+def test_mixed_dims_and_mean_pooling_match_the_tbe(tmp_path, optimizer, prefetch):
+    ref = TableBatchedEmbeddingBag(TABLES, optimizer, seed=3)
+    tiered = TieredEmbeddingBag(TABLES, optimizer, tmp_path, cache_rows=120, seed=3)
+    batches = [_jagged(s) if s % 2 else _one_hot(s) for s in range(10)]
+    _train_pair(ref, tiered, batches, prefetch)
+    _assert_same_tables(ref, tiered)
+    assert tiered.stats.evictions > 0
+    tiered.eval()
+    with torch.no_grad():
+        assert torch.equal(ref.eval()(batches[0]), tiered(batches[0]))
+
+
+def test_per_sample_weights_match_the_tbe(tmp_path):
+    tables = [SparseFeature("a", 60, 4), SparseFeature("c", 25, 2)]
+    ref = TableBatchedEmbeddingBag(tables, RowWiseAdagrad(lr=0.1))
+    tiered = TieredEmbeddingBag(tables, RowWiseAdagrad(lr=0.1), tmp_path, cache_rows=50)
+    _train_pair(ref, tiered, [_jagged(s, tables, weighted=True) for s in range(6)], True)
+    _assert_same_tables(ref, tiered)
+
+
+def test_same_run_twice_gives_the_same_counters(tmp_path):
+    batches = [_one_hot(s) for s in range(8)]
+    runs = []
+    for run in range(2):
+        tiered = TieredEmbeddingBag(TABLES, SGD(lr=0.1), tmp_path / str(run), cache_rows=70)
+        _train_pair(TableBatchedEmbeddingBag(TABLES, SGD(lr=0.1)), tiered, batches, True)
+        runs.append((tiered.stats, tiered.table("a")))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_lru_evicts_the_least_recently_used_row(tmp_path):
+    table = [SparseFeature("t", 10, 2)]
+    tiered = TieredEmbeddingBag(table, SGD(lr=0.1), tmp_path, cache_rows=4)
+
+    def look_up(*rows: int) -> tuple[int, int]:
+        before = tiered.stats
+        tiered(
+            KeyedJaggedTensor.from_one_hot(["t"], torch.tensor([[r] for r in rows]))
+        ).sum().backward()
+        after = tiered.stats
+        return after.hits - before.hits, after.evictions - before.evictions
+
+    assert look_up(0, 1) == (0, 0)
+    assert look_up(2, 3) == (0, 0)  # the cache is now full: 0, 1, 2, 3
+    assert look_up(0, 4) == (1, 1)  # 0 was used last step; 1 is the least recent: evicted
+    assert look_up(0, 2, 3, 4) == (4, 0)
+    assert look_up(1) == (0, 1)
+    assert tiered.stats.writebacks == 2  # the two evicted rows had been updated
+
+
+def test_flush_writes_rows_and_state_that_a_resumed_bag_trains_on(tmp_path):
+    optimizer = Adam(lr=0.05)  # its global step count must survive the reopen too
+    ref = TableBatchedEmbeddingBag(TABLES, optimizer, seed=1)
+    tiered = TieredEmbeddingBag(TABLES, optimizer, tmp_path, cache_rows=100, seed=1, name="bag")
+    batches = [_jagged(s) for s in range(8)]
+    _train_pair(ref, tiered, batches[:4], prefetch=True)
+    assert tiered.stats.writebacks > 0
+    tiered.close()
+    assert (tmp_path / "bag.tiered").is_file()
+    resumed = TieredEmbeddingBag(
+        TABLES, optimizer, tmp_path, cache_rows=100, name="bag", resume=True
+    )
+    assert resumed.stats.lookups == 0  # a cold cache: everything below comes from the file
+    _assert_same_tables(ref, resumed)
+    _train_pair(ref, resumed, batches[4:], prefetch=False)
+    _assert_same_tables(ref, resumed)
+
+
+def test_bad_files_and_inputs_fail_with_the_file_or_feature_named(tmp_path):
+    tiered = TieredEmbeddingBag(TABLES, RowWiseAdagrad(lr=0.1), tmp_path, cache_rows=100)
+    path = str(tiered.path)
+    tiered.close()
+    with pytest.raises(FileExistsError, match=path):
+        TieredEmbeddingBag(TABLES, RowWiseAdagrad(lr=0.1), tmp_path, cache_rows=100)
+    with pytest.raises(FileNotFoundError, match="other.tiered"):
+        TieredEmbeddingBag(TABLES, SGD(lr=0.1), tmp_path, cache_rows=9, name="other", resume=True)
+    with pytest.raises(ValueError, match=f"{path}.*'optimizer'"):
+        TieredEmbeddingBag(TABLES, SGD(lr=0.1), tmp_path, cache_rows=100, resume=True)
+    bigger = [*TABLES[:3], SparseFeature("d", 51, 4)]
+    with pytest.raises(ValueError, match=f"{path}.*'tables'"):
+        TieredEmbeddingBag(bigger, RowWiseAdagrad(lr=0.1), tmp_path, cache_rows=100, resume=True)
+    with open(path, "r+b") as f:
+        f.truncate(5000)
+    with pytest.raises(ValueError, match=f"{path}.*truncated"):
+        TieredEmbeddingBag(TABLES, RowWiseAdagrad(lr=0.1), tmp_path, cache_rows=100, resume=True)
+
+    fresh = TieredEmbeddingBag(TABLES, SGD(lr=0.1), tmp_path / "new", cache_rows=8)
+    bad = _one_hot(0)
+    bad.one_hot_rows[3, 2] = 25
+    with pytest.raises(IndexError, match="feature 'c': ID 25 of sample 3"):
+        fresh(bad)
+    with pytest.raises(RuntimeError, match="distinct rows.*raise cache_rows"):
+        fresh(_one_hot(1))
+
+
+def test_backward_of_a_superseded_forward_is_refused(tmp_path):
+    tiered = TieredEmbeddingBag(TABLES, SGD(lr=0.1), tmp_path, cache_rows=175)
+    first = tiered(_one_hot(0))
+    tiered(_one_hot(1)).sum().backward()
+    with pytest.raises(RuntimeError, match="superseded"):
+        first.sum().backward()

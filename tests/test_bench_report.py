@@ -1,0 +1,109 @@
+"""The benchmark report at quick size: files, tables, plots and records; never speed."""
+
+import importlib.util
+import json
+
+import matplotlib.image
+import pytest
+
+from dlrmflow.bench.report import PLOTS, run_report, torchrec_section
+from dlrmflow.bench.torchrec_compare import MODES, torchrec_missing
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TORCHREC_INSTALLED = importlib.util.find_spec("torchrec") is not None
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One quick report for every test here (it runs each benchmark once: ~40 s)."""
+    out = tmp_path_factory.mktemp("report")
+    return out, run_report(out, quick=True)
+
+
+def test_report_writes_json_markdown_and_valid_plots(report):
+    out, record = report
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(record))
+    assert record["quick"] is True and record["plots"] == sorted(PLOTS.values())
+    for name in PLOTS.values():
+        path = out / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert height > 200 and width > 300, name
+    markdown = (out / "report.md").read_text()
+    for section in ("## Ingest", "## Kernels", "## Training", "## Tiered", "## TorchRec"):
+        assert section in markdown
+    for name in PLOTS.values():
+        assert f"]({name})" in markdown  # every plot is shown in the report
+
+
+def test_markdown_tables_hold_every_result(report):
+    out, record = report
+    lines = (out / "report.md").read_text().splitlines()
+    table_rows = [line for line in lines if line.startswith("| ")]
+    for benchmark in ("kernels", "train"):
+        for name in record[benchmark]["results"]:
+            assert any(line.startswith(f"| {name} |") for line in table_rows), name
+    tiered = record["tiered"]["results"]
+    tiered_rows = [line for line in table_rows if line.startswith(("| LRU |", "| prefetch |"))]
+    assert len(tiered_rows) == len(tiered) >= 4
+    base = record["train"]["baseline_result"]["samples_per_s"]
+    assert any(
+        line.startswith(f"| single-process DLRM (baseline) | {base:,.0f} | 1 |") for line in lines
+    )
+
+
+def test_tiered_record_has_sane_hit_rates(report):
+    tiered = report[1]["tiered"]
+    runs = tiered["results"].values()
+    need = 2 * tiered["max_distinct_rows_per_batch"]
+    assert all(need <= r["cache_rows"] <= tiered["config"]["table_rows"] for r in runs)
+    assert all(0 < r["hit_rate"] <= 1 and r["samples_per_s"] > 0 for r in runs)
+    for r in runs:
+        if r["prefetch"]:
+            # Every timed batch was prefetched whole: its forward found all its rows.
+            assert r["hit_rate"] == 1.0 and r["prefetched_per_step"] > 0
+    lru = sorted(
+        (r["cache_rows"], r["hit_rate"], r["evictions_per_step"]) for r in runs if not r["prefetch"]
+    )
+    # The cache that holds every row only misses rows never seen: no smaller one does better.
+    assert lru[-1][2] == 0 and all(hit <= lru[-1][1] for _, hit, _ in lru)
+    assert lru[0][2] > 0  # the smallest cache does evict
+    assert set(tiered["ratios"]) == set(tiered["results"])
+
+
+def test_skipped_comparison_says_why():
+    section = torchrec_section(None, "ModuleNotFoundError: No module named 'torchrec'")
+    assert section.startswith("## TorchRec comparison")
+    assert "Skipped: ModuleNotFoundError: No module named 'torchrec'." in section
+    assert "|" not in section
+
+
+def test_torchrec_section_matches_the_environment(report):
+    out, record = report
+    markdown = (out / "report.md").read_text()
+    missing = torchrec_missing()
+    if missing is not None:
+        assert record["torchrec"] == {"skipped": missing}
+        assert f"Skipped: {missing}." in markdown
+    else:
+        assert "Skipped" not in markdown.split("## TorchRec comparison")[1]
+
+
+@pytest.mark.skipif(not TORCHREC_INSTALLED, reason="the optional torchrec extra is not installed")
+def test_torchrec_comparison_record(report):
+    comparison = report[1]["torchrec"]
+    assert set(comparison["ratios"]) == set(MODES)
+    for name, (world, sharding) in MODES.items():
+        r = comparison["results"][name]
+        assert r["torchrec"]["shardings"] == [sharding or "table_wise"]
+        assert r["ours"]["samples_per_s"] > 0 and r["torchrec"]["samples_per_s"] > 0
+        assert (
+            comparison["ratios"][name]
+            == r["ours"]["samples_per_s"] / r["torchrec"]["samples_per_s"]
+        )
+        if world > 1:
+            assert r["ours"]["shardings"] == [sharding]
+    assert comparison["versions"]["torchrec"]
+    markdown = (report[0] / "report.md").read_text()
+    for name in MODES:
+        assert f"| {name} |" in markdown
