@@ -60,6 +60,14 @@ def _echo_json(data: dict[str, Any]) -> None:
     typer.echo(json.dumps(data, indent=2))
 
 
+def _emit_benchmark(result: dict[str, Any], json_out: Path | None) -> None:
+    """Print a benchmark's record, and also write it to ``json_out`` when given."""
+    _echo_json(result)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 @app.command()
 def config(
     config: ConfigOpt = None,
@@ -321,6 +329,12 @@ def demo(
         overrides["data.url"] = str(Path(run_dir) / "data")
     if "nproc" not in base.distributed.model_fields_set:
         overrides["distributed.nproc"] = DEMO_RANKS
+    nproc = overrides.get("distributed.nproc", base.distributed.nproc)
+    if "batch_size" not in base.train.model_fields_set:
+        # train.batch_size is per rank: split the demo's global batch over its ranks, so
+        # that it takes as many steps (and reaches the same AUC) as one process would.
+        global_batch = overrides.get("train.batch_size", base.train.batch_size)
+        overrides["train.batch_size"] = max(1, global_batch // nproc)
     cfg = apply_overrides(base, overrides)
     # A new demo, not the continuation of the last one (the train task still resumes from
     # this run's own checkpoints when Prefect retries it).
@@ -353,10 +367,7 @@ def bench_ingest(
     from dlrmflow.bench.ingest import run_ingest_benchmark
 
     result = run_ingest_benchmark(rows=rows, data_url=data)
-    _echo_json(result)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    _emit_benchmark(result, json_out)
 
 
 @bench_app.command("kernels")
@@ -372,10 +383,7 @@ def bench_kernels(
     from dlrmflow.bench.kernels import run_kernel_benchmark
 
     result = run_kernel_benchmark(quick=quick)
-    _echo_json(result)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    _emit_benchmark(result, json_out)
 
 
 @app.command("serve")
@@ -449,10 +457,7 @@ def bench_readers(
     from dlrmflow.bench.readers import run_readers_benchmark
 
     result = run_readers_benchmark(rows=rows)
-    _echo_json(result)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    _emit_benchmark(result, json_out)
 
 
 @bench_app.command("train")
@@ -469,10 +474,7 @@ def bench_train(
     from dlrmflow.bench.train import run_train_benchmark
 
     result = run_train_benchmark(quick=quick, steps=steps)
-    _echo_json(result)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    _emit_benchmark(result, json_out)
 
 
 def main() -> None:

@@ -116,13 +116,19 @@ def _manifest_summary(manifest: Manifest, seconds: float) -> dict[str, Any]:
     }
 
 
+# Ingest tasks: results persisted (so the cache can skip them), one retry, none on bad input.
+CACHED_RETRIED_ONCE: dict[str, Any] = {
+    "persist_result": True,
+    "retries": 1,
+    "retry_delay_seconds": 10,
+    "retry_condition_fn": retry_unless_bad_input,
+}
+
+
 @task(
     name="generate",
     cache_key_fn=generate_cache_key,
-    persist_result=True,
-    retries=1,
-    retry_delay_seconds=10,
-    retry_condition_fn=retry_unless_bad_input,
+    **CACHED_RETRIED_ONCE,
     timeout_seconds=INGEST_TIMEOUT_S,
 )
 def generate_task(data: DataConfig) -> dict[str, Any]:
@@ -139,10 +145,7 @@ def generate_task(data: DataConfig) -> dict[str, Any]:
 @task(
     name="convert",
     cache_key_fn=convert_cache_key,
-    persist_result=True,
-    retries=1,
-    retry_delay_seconds=10,
-    retry_condition_fn=retry_unless_bad_input,
+    **CACHED_RETRIED_ONCE,
     timeout_seconds=INGEST_TIMEOUT_S,
 )
 def convert_task(
@@ -172,10 +175,7 @@ def convert_task(
 @task(
     name="stats",
     cache_key_fn=stats_cache_key,
-    persist_result=True,
-    retries=1,
-    retry_delay_seconds=10,
-    retry_condition_fn=retry_unless_bad_input,
+    **CACHED_RETRIED_ONCE,
     timeout_seconds=STATS_TIMEOUT_S,
 )
 def stats_task(url: str) -> dict[str, Any]:

@@ -136,6 +136,9 @@ class _RowCache:
         self.pins = torch.zeros(capacity, dtype=torch.int32)
         # The background job that fills each slot (0: none pending).
         self.ready = torch.zeros(capacity, dtype=torch.int64)
+        # Slots are first used in order, so the never-used ones are ``[filled, capacity)``:
+        # while the cache fills, a placement takes them without scanning every slot.
+        self.filled = 0
 
     @property
     def capacity(self) -> int:
@@ -148,8 +151,15 @@ class _RowCache:
         self.last_used.index_fill_(0, slots[slots >= 0], tick)
         return slots
 
+    @property
+    def never_used(self) -> int:
+        return self.capacity - self.filled
+
     def available(self, tick: int) -> int:
-        return int(((self.pins == 0) & (self.last_used < tick)).sum())
+        """Slots a placement at ``tick`` may take: never used, or unpinned and not used at
+        ``tick``."""
+        used = slice(0, self.filled)
+        return self.never_used + int(((self.pins[used] == 0) & (self.last_used[used] < tick)).sum())
 
     def place(self, rows: torch.Tensor, slots: torch.Tensor, tick: int) -> tuple[_Transfer, int]:
         """Give the uncached ``rows`` (``slots`` -1) slots, in order, as many as are
@@ -173,15 +183,19 @@ class _RowCache:
     def _victims(self, count: int, tick: int) -> torch.Tensor:
         """``count`` slots (fewer if fewer are available): never-used ones first, then the
         least recently used, ties by slot number, so every run chooses the same."""
-        usable = (self.pins == 0) & (self.last_used < tick)
-        take = min(count, int(usable.sum()))
+        used = self.filled
+        fresh = torch.arange(used, used + min(count, self.never_used))
+        self.filled += fresh.numel()
+        count -= fresh.numel()
+        usable = (self.pins[:used] == 0) & (self.last_used[:used] < tick)
+        take = min(count, int(usable.sum())) if count else 0
         if take == 0:
-            return torch.zeros(0, dtype=torch.int64)
-        key = self.last_used.masked_fill(~usable, UNUSABLE)
+            return fresh
+        key = self.last_used[:used].masked_fill(~usable, UNUSABLE)
         threshold = torch.kthvalue(key, take).values
         below = (key < threshold).nonzero().squeeze(1)
         equal = (key == threshold).nonzero().squeeze(1)[: take - below.numel()]
-        return torch.cat([below, equal])
+        return torch.cat([fresh, below, equal])
 
     def pin(self, slots: torch.Tensor, by: int) -> None:
         self.pins.index_add_(0, slots, torch.full_like(slots, by, dtype=torch.int32))
@@ -320,7 +334,8 @@ class TieredEmbeddingBag(nn.Module):
     ``resume=True`` opens the file an earlier bag flushed. The cache must hold at least
     the distinct rows of one batch. Unlike the TBE, it has no gradient or square-sum
     hooks (it holds no replicated or column-sharded tables), and ``state_dict`` does not
-    hold the rows: the flushed file does.
+    hold the rows: the flushed file does. Rows updated since the last ``flush`` (or
+    ``close``) exist only in memory, so a checkpoint must flush first.
     """
 
     def __init__(
@@ -567,7 +582,11 @@ class TieredEmbeddingBag(nn.Module):
         slots = self._cache.lookup(rows, self._tick)
         hits = int((slots >= 0).sum())
         need = rows.numel() - hits
-        if not partial and need and need > self._cache.available(self._tick):
+        if (
+            not partial
+            and need > self._cache.never_used
+            and need > self._cache.available(self._tick)
+        ):
             # A forward takes precedence over batches prefetched after it: drop their pins.
             self._release_prefetched(len(self._prefetched))
             if need > self._cache.available(self._tick):

@@ -80,6 +80,7 @@ class DenseArch(nn.Module):
         dim = config.embedding_dim
         self.arch = config.arch
         self.n_sparse = n_sparse
+        self.dim = dim
         self.bottom = mlp([len(spec.dense), *config.bottom_mlp], last_relu=True)
         if config.arch == "dlrm":
             self.interaction: nn.Module = DotInteraction()
@@ -93,7 +94,7 @@ class DenseArch(nn.Module):
         """Click logits ``[B]`` from dense features and the pooled embeddings ``[B, n * dim]``."""
         dense_out = self.bottom(dense)
         if self.arch == "dlrm":
-            features = self.interaction(dense_out, pooled.view(dense.shape[0], self.n_sparse, -1))
+            features = self.interaction(dense_out, pooled.view(dense.shape[0], self.n_sparse, self.dim))
         else:
             features = self.interaction(torch.cat([dense_out, pooled], dim=1))
         return self.top(features).squeeze(1)

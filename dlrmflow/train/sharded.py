@@ -298,8 +298,7 @@ class ShardedEmbeddingCollection(nn.Module):
         batch = kjt.stride
         values = kjt.values
         lengths = kjt.lengths.view(len(self.names), batch)
-        offsets = kjt.offsets()
-        key_start = offsets[::batch].tolist()
+        key_start = _key_starts(kjt)
         weights = kjt.weights
         send_lengths, send_values, send_weights = [], [], []
         for routes in self.routes:
@@ -328,35 +327,23 @@ class ShardedEmbeddingCollection(nn.Module):
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.input_group)
         recv_counts_list = recv_counts.tolist()
+
+        def exchange(parts: list[torch.Tensor], recv_rows: list[int]) -> PendingAllToAll:
+            return all_to_all(
+                parts,
+                recv_rows,
+                self.input_group,
+                kind="input",
+                stats=self.stats,
+                async_op=async_op,
+            )
+
         pending = [
-            all_to_all(
-                send_lengths,
-                [b * n_local for b in batch_sizes],
-                self.input_group,
-                kind="input",
-                stats=self.stats,
-                async_op=async_op,
-            ),
-            all_to_all(
-                send_values,
-                recv_counts_list,
-                self.input_group,
-                kind="input",
-                stats=self.stats,
-                async_op=async_op,
-            ),
+            exchange(send_lengths, [b * n_local for b in batch_sizes]),
+            exchange(send_values, recv_counts_list),
         ]
         if weights is not None:
-            pending.append(
-                all_to_all(
-                    send_weights,
-                    recv_counts_list,
-                    self.input_group,
-                    kind="input",
-                    stats=self.stats,
-                    async_op=async_op,
-                )
-            )
+            pending.append(exchange(send_weights, recv_counts_list))
 
         def finish() -> KeyedJaggedTensor | None:
             received = [p.wait() for p in pending]
@@ -415,34 +402,33 @@ class ShardedEmbeddingCollection(nn.Module):
         return scale
 
     def _encode(self, codec: Codec, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        width = self._codec_width or max(x.shape[1], 1)
-        if x.shape[1] == 0:
-            return torch.zeros(rows, 0, dtype=torch.uint8)
-        return codec.encode(x.reshape(-1, width)).data.reshape(rows, -1)
+        """``x`` [rows, dim] as the codec's bytes, flat (rows of ``_codec_width`` values)."""
+        if x.numel() == 0:
+            return torch.zeros(0, dtype=torch.uint8)
+        width = self._codec_width or x.shape[1]
+        return codec.encode(x.reshape(-1, width)).data.reshape(-1)
 
-    def _decode(self, codec: Codec, data: torch.Tensor, dim: int) -> torch.Tensor:
-        rows = data.shape[0]
-        if dim == 0:
-            return torch.zeros(rows, 0)
+    def _decode(self, codec: Codec, data: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
+        """The ``[rows, dim]`` floats of flat bytes from ``_encode``."""
+        if rows == 0 or dim == 0:
+            return torch.zeros(rows, dim)
         width = self._codec_width or dim
-        decoded = codec.decode(Encoded(data.reshape(-1, codec.row_nbytes(width)), width))
-        return decoded.reshape(rows, dim)
+        encoded = Encoded(data.view(rows * (dim // width), codec.row_nbytes(width)), width)
+        return codec.decode(encoded).view(rows, dim)
 
     def _exchange(
         self, codec: Codec, parts: list[torch.Tensor], recv: list[tuple[int, int]], kind: str
     ) -> list[torch.Tensor]:
         """Encode ``parts[r]`` for rank r, all-to-all, decode: ``recv[s]`` = (rows, dim) of
-        what rank s sends."""
-        encoded = [self._encode(codec, p) for p in parts]
-        # Pieces must share a row width; a flat byte stream per rank does whatever the dims.
-        flat = [e.reshape(-1) for e in encoded]
-        recv_bytes = [rows * (self._row_bytes(codec, dim)) for rows, dim in recv]
+        what rank s sends. Each rank's piece travels as one flat byte stream, whatever its
+        dims (any of them may be empty: a rank with no batch or no shards)."""
+        flat = [self._encode(codec, p) for p in parts]
+        recv_bytes = [rows * self._row_bytes(codec, dim) for rows, dim in recv]
         pending: PendingAllToAll = all_to_all(
             flat, recv_bytes, self.group, kind=kind, stats=self.stats
         )
         return [
-            self._decode(codec, data.view(rows, -1), dim)
+            self._decode(codec, data, rows, dim)
             for data, (rows, dim) in zip(pending.wait(), recv, strict=True)
         ]
 
@@ -614,6 +600,13 @@ def _sharded(
     )
 
 
+def _key_starts(kjt: KeyedJaggedTensor) -> list[int]:
+    """Where each key's values start in ``kjt.values`` (and where the last ends)."""
+    if kjt.stride == 0:
+        return [0] * (len(kjt.keys) + 1)
+    return kjt.offsets()[:: kjt.stride].tolist()
+
+
 def _select_keys(kjt: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:
     """The bags of ``keys`` only (in that order), keeping the one-hot form."""
     index = [kjt.keys.index(k) for k in keys]
@@ -621,7 +614,7 @@ def _select_keys(kjt: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:
     if rows is not None:
         return KeyedJaggedTensor.from_one_hot(keys, rows[:, index])
     batch = kjt.stride
-    starts = kjt.offsets()[::batch].tolist()
+    starts = _key_starts(kjt)
     lengths = kjt.lengths.view(len(kjt.keys), batch)
     values = torch.cat([kjt.values[starts[k] : starts[k + 1]] for k in index])
     weights = (

@@ -309,7 +309,7 @@ def train(
             loader_state = loader.state_dict() if save_now else None
             # The next batch's input exchange runs while this one computes (pipelined).
             following = batches.next() if step < max_steps else None
-            following_pending = start(following) if pipelined and following else None
+            following_pending = start(following) if pipelined and following is not None else None
             logits, n = forward(batch, pending)
             loss = loss_fn(logits, batch.labels) * (env.world_size / n)
             optimizer.zero_grad(set_to_none=True)

@@ -79,8 +79,16 @@ def global_batch(step: int, world: int, multi_hot: bool) -> Batch:
     return Batch(dense, sparse, labels)
 
 
-def local_batch(batch: Batch, rank: int) -> Batch:
-    return batch.take(torch.arange(rank * BATCH, (rank + 1) * BATCH))
+def local_batch(batch: Batch, rank: int, world: int, step: int, uneven: bool) -> Batch:
+    """Rank ``rank``'s share of the global batch. ``uneven``: in the last 5 steps the last
+    rank has no rows and the one before it takes its share too (as when a rank's splits
+    run out first); the global batch, in rank order, stays the same."""
+    start, end = rank, rank + 1
+    if uneven and step >= STEPS - 5:
+        start, end = {world - 2: (world - 2, world), world - 1: (world, world)}.get(
+            rank, (start, end)
+        )
+    return batch.take(torch.arange(start * BATCH, end * BATCH))
 
 
 def _train_sharded(
@@ -95,16 +103,23 @@ def _train_sharded(
     stats = CommStats()
     model = ShardedDLRM(SPEC, config, plan, RowWiseAdagrad(lr=LR), stats=stats)
     optimizer = torch.optim.Adagrad(model.dense_parameters(), lr=LR)
-    loss_fn = nn.BCEWithLogitsLoss()
+    # As the trainer does: the sum over the global batch, times the world size that DDP and
+    # the embeddings' backward divide by, over the global batch's rows.
+    loss_fn = nn.BCEWithLogitsLoss(reduction="sum")
     pipelined = "pipelined" in _repeat
-    batches = [local_batch(global_batch(step, world, multi_hot), rank) for step in range(STEPS)]
+    uneven = "uneven" in _repeat
+    batches = [
+        local_batch(global_batch(step, world, multi_hot), rank, world, step, uneven)
+        for step in range(STEPS)
+    ]
     pending = model.start_input_dist(batches[0].sparse, async_op=pipelined)
     for step, batch in enumerate(batches):
         received = pending.wait()
         if step + 1 < STEPS and pipelined:
             # The next batch's input all-to-all runs in the background during this step.
             pending = model.start_input_dist(batches[step + 1].sparse, async_op=True)
-        loss = loss_fn(model.forward_received(batch.dense, received), batch.labels)
+        logits = model.forward_received(batch.dense, received)
+        loss = loss_fn(logits, batch.labels) * world / sum(received.batch_sizes)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -183,6 +198,8 @@ LOW_PRECISION = [
 # measured 1.6e-4 (fp16), 1.4e-2 (bf16), 2.7e-3 (int8) and 0.11 (fp8); README documents
 # these bounds.
 PIPELINED = [("row_wise", "fp32", True, "pipelined"), ("column_wise", "fp32", False, "pipelined")]
+# A rank with an empty batch still takes part in every exchange (the trainer's epoch end).
+UNEVEN = [(s, "fp32", mh, "uneven") for s, mh in (("data_parallel", False), ("row_wise", True))]
 LOW_PRECISION_ATOL = {"fp16": 1e-3, "bf16": 3e-2, "int8": 1e-2, "fp8": 0.25}
 
 
@@ -191,7 +208,7 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """World size 2: every fp32 case twice (determinism) and the reduced-precision cases."""
     tmp = tmp_path_factory.mktemp("world2")
     again = [(s, c, mh, "again") for s, c, mh in CASES if not mh]
-    cases = CASES + again + LOW_PRECISION + PIPELINED
+    cases = CASES + again + LOW_PRECISION + PIPELINED + UNEVEN
     return run_sharded(tmp, 2, cases)
 
 
@@ -218,6 +235,12 @@ def test_same_seed_gives_bitwise_identical_weights(world2: dict) -> None:
         first, second = world2[case]["state"], world2[(*case, "again")]["state"]
         for key in first:
             assert torch.equal(first[key], second[key]), (case, key)
+
+
+def test_uneven_and_empty_rank_batches_train_as_one_process(world2: dict) -> None:
+    references = {mh: train_reference(2, mh) for mh in (False, True)}
+    for case in UNEVEN:
+        assert_state_close(world2[case]["state"], references[case[2]], 2e-5, case)
 
 
 def test_pipelining_the_input_exchange_changes_nothing(world2: dict) -> None:
