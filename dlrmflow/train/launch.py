@@ -10,6 +10,7 @@ the output's tail). Rank 0 prints its result as one ``result`` JSON line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,6 +57,36 @@ def launch_command(config_path: Path | None, nproc: int, port: int, *args: str) 
     ]
 
 
+def ranks_of(pid: int) -> list[int]:
+    """The child processes of torchrun: its ranks (each in a session of its own)."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    return children
+
+
+def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a torchrun job and every rank: SIGTERM, then SIGKILL after ``grace_s``.
+
+    The ranks are signalled directly too: one blocked inside a collective does not run
+    torchrun's forwarded SIGTERM handler, and would outlive a killed torchrun.
+    """
+    ranks = ranks_of(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _run_job(
     command: list[str],
     nproc: int,
@@ -95,11 +126,7 @@ def _run_job(
         code = proc.wait()
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_job(proc)
     if code != 0 or result is None:
         lines = "\n".join(errors or [line for line in tail if not line.startswith("metrics ")])
         raise TrainingFailed(f"{what} with {nproc} ranks failed (exit {code}):\n{lines}")

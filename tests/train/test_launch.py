@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,15 @@ import yaml
 
 from dlrmflow.train.checkpoint import load_checkpoint
 from dlrmflow.train.evaluate import evaluate
-from dlrmflow.train.launch import TrainingFailed, launch_evaluation, launch_training
+from dlrmflow.train.launch import (
+    TrainingFailed,
+    free_port,
+    launch_command,
+    launch_evaluation,
+    launch_training,
+    ranks_of,
+    stop_job,
+)
 from tests.conftest import tiny_run_config
 
 
@@ -58,3 +67,31 @@ def test_a_failing_job_raises_with_the_ranks_error(tmp_path: Path) -> None:
     cfg.distributed.nproc = 2
     with pytest.raises(TrainingFailed, match="no-such-data"):
         launch_training(cfg)
+
+
+def test_stopping_a_job_takes_every_rank_down(tiny_dataset: str, tmp_path: Path) -> None:
+    cfg = tiny_run_config(tiny_dataset, tmp_path / "run", epochs=1000)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump()))
+    job = subprocess.Popen(
+        launch_command(run_dir / "config.json", 2, free_port()),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").is_file():
+        assert time.monotonic() < deadline and job.poll() is None, "training never started"
+        time.sleep(0.05)
+    ranks = ranks_of(job.pid)
+    assert len(ranks) == 2
+    stop_job(job, grace_s=5)
+    time.sleep(0.5)
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), pid
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (Z: a zombie, already dead)."""
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
