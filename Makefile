@@ -8,8 +8,13 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 RUN_DIR ?= runs/demo
 PYTEST_ARGS ?=
+# TorchRec for `dlrmflow bench report`'s side-by-side comparison: a set that runs with the
+# CPU torch above. Installed without dependencies, since torchrec's metadata would pull the
+# GPU build of FBGEMM and an old torchmetrics.
+TORCHREC_PKGS := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
+	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.2.0
 
-.PHONY: demo test lint bench-ingest clean
+.PHONY: demo test lint bench-ingest bench-report clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +26,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	  || $(PIP) install --no-deps --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
 	  $(PIP) install torch==$(TORCH_VERSION); fi
 	$(PIP) install -c constraints.txt -e '.[dev]'
+	$(PIP) install --no-deps $(TORCHREC_PKGS)
 	touch $@
 
 demo: $(VENV)/.installed
@@ -35,6 +41,9 @@ lint: $(VENV)/.installed
 
 bench-ingest: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench ingest --json bench-results/ingest.json
+
+bench-report: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow bench report --out bench-results/report
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

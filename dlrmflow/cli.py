@@ -460,6 +460,24 @@ def bench_readers(
     _emit_benchmark(result, json_out)
 
 
+@bench_app.command("report")
+def bench_report(
+    out: Annotated[Path, typer.Option(help="Directory for report.md, report.json and plots.")],
+    quick: Annotated[
+        bool, typer.Option(help="Tiny sizes: checks the report end to end, in a minute.")
+    ] = False,
+    torchrec: Annotated[
+        bool, typer.Option("--torchrec/--no-torchrec", help="Also train TorchRec's DLRM.")
+    ] = True,
+) -> None:
+    """Every benchmark in one markdown report with plots, side by side with TorchRec."""
+    from dlrmflow.bench.report import run_report
+
+    record = run_report(out, quick=quick, torchrec=torchrec)
+    typer.echo((out / "report.md").read_text())
+    typer.echo(f"report: {out / 'report.md'}, plots: {', '.join(record['plots'])}")
+
+
 @bench_app.command("train")
 def bench_train(
     json_out: Annotated[

@@ -27,6 +27,7 @@ def test_every_command_has_help():
         ["bench", "kernels"],
         ["bench", "train"],
         ["bench", "readers"],
+        ["bench", "report"],
         ["plan"],
         ["export"],
         ["readers", "serve"],

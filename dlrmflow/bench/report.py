@@ -391,13 +391,15 @@ def plot_throughput(record: dict, path: Path, comparison: dict | None = None) ->
     if comparison is not None:
         for name, r in comparison["results"].items():
             world, sharding = TORCHREC_MODES[name]
+            sharding = sharding or "table_wise"
             ax.scatter(
                 [world],
                 [r["torchrec"]["samples_per_s"]],
-                marker="x",
+                marker="x" if sharding == "table_wise" else "+",
+                color="k",  # apart from our lines' colours
                 s=80,
                 zorder=3,
-                label=f"TorchRec {sharding or 'table_wise'} (world {world})",
+                label=f"TorchRec {sharding} (world {world})",
             )
     ax.set(xlabel="world size (ranks)", ylabel="samples/s", title="Training throughput")
     ax.set_xticks(sorted(set(worlds.values())))

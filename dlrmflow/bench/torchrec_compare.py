@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dlrmflow.bench.machine import describe_machine
-from dlrmflow.bench.train import FULL, QUICK, _sharded_mode, make_batches, run_baseline
+from dlrmflow.bench.train import FULL, QUICK, make_batches, run_baseline, run_sharded_mode
 from dlrmflow.features.batch import Batch
 from dlrmflow.ingest.schema import DENSE, SPARSE
 
@@ -187,7 +187,7 @@ def _ours(size: dict, sharding: str | None, warmup: int, steps: int) -> dict:
     if sharding is None:
         return run_baseline(size, warmup, steps)
     mode = {"name": sharding, "sharding": sharding, "comms": "fp32", "pipeline": True}
-    return _sharded_mode(size, mode, warmup, steps)
+    return run_sharded_mode(size, mode, warmup, steps)
 
 
 def _worker(rank: int, world: int, store: str, out: str, size: dict, modes, warmup, steps, rounds):

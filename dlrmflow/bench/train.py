@@ -111,7 +111,7 @@ def run_baseline(size: dict, warmup: int, steps: int) -> dict:
     return {"samples_per_s": steps * size["batch"] / seconds, "step_s": seconds / steps}
 
 
-def _sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
+def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
     """One mode on the current job (every rank calls this): global samples/s, bytes/step."""
     from dlrmflow.train.distributed import ShardedDLRM
     from dlrmflow.train.planner import plan_for_config
@@ -163,7 +163,7 @@ def _worker(rank: int, world: int, store: str, out: str, size: dict, modes: list
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results = {}
     for mode in modes:
-        results[mode["name"]] = _sharded_mode(size, mode, warmup, steps)
+        results[mode["name"]] = run_sharded_mode(size, mode, warmup, steps)
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

@@ -94,7 +94,9 @@ class DenseArch(nn.Module):
         """Click logits ``[B]`` from dense features and the pooled embeddings ``[B, n * dim]``."""
         dense_out = self.bottom(dense)
         if self.arch == "dlrm":
-            features = self.interaction(dense_out, pooled.view(dense.shape[0], self.n_sparse, self.dim))
+            features = self.interaction(
+                dense_out, pooled.view(dense.shape[0], self.n_sparse, self.dim)
+            )
         else:
             features = self.interaction(torch.cat([dense_out, pooled], dim=1))
         return self.top(features).squeeze(1)
