@@ -244,6 +244,18 @@ class ShardedEmbeddingCollection(nn.Module):
             }
         )
         self._widths = [int(c.numel()) for c in self._out_columns]
+        # Without partial sums every output column comes from exactly one block (a rank's, or
+        # the replicated tables'): the output is then their concatenation, permuted into
+        # feature order (or as is, when that order is already the features'), not a sum.
+        self._permutation: torch.Tensor | None = None
+        self._concatenated_in_order = False
+        if not any(r.partial for routes in self.routes for r in routes):
+            order = torch.cat([*self._out_columns, self._replicated_columns])
+            if torch.equal(order, torch.arange(self.output_dim)):
+                self._concatenated_in_order = True
+            else:
+                self._permutation = torch.empty_like(order)
+                self._permutation[order] = torch.arange(order.numel())
         # The quantization row: one table's vector when every shard has the same width (row-wise
         # codecs then scale each embedding on its own), else one sample's block.
         widths = {r.shard.cols for routes in self.routes for r in routes}
@@ -376,18 +388,23 @@ class ShardedEmbeddingCollection(nn.Module):
             pooled = torch.zeros(total, 0)
         training = self.training and torch.is_grad_enabled()
         trigger = torch.empty(0, requires_grad=training)
-        blocks = _OutputDist.apply(trigger, pooled, self, received.batch_sizes)
+        blocks = list(_OutputDist.apply(trigger, pooled, self, received.batch_sizes))
+        if self.replicated is not None:
+            keys = [self.names[k] for k in self._replicated_features]
+            blocks.append(self.replicated(_select_keys(received.source, keys)))
+        if self._concatenated_in_order:
+            return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if self._permutation is not None:
+            return torch.cat(blocks, dim=1).index_select(1, self._permutation)
         batch = received.batch_sizes[self.rank]
         out = torch.zeros(batch, self.output_dim)
         # Rank order: partial sums of row-wise tables always add up the same way.
-        for columns, block in zip(self._out_columns, blocks, strict=True):
-            if columns.numel():
-                out = out.index_add(1, columns, block)
+        columns = list(self._out_columns)
         if self.replicated is not None:
-            keys = [self.names[k] for k in self._replicated_features]
-            out = out.index_add(
-                1, self._replicated_columns, self.replicated(_select_keys(received.source, keys))
-            )
+            columns.append(self._replicated_columns)
+        for cols, block in zip(columns, blocks, strict=True):
+            if cols.numel():
+                out = out.index_add(1, cols, block)
         if self._mean_partial:
             out = out * self._mean_scale(received.source)
         return out
@@ -422,14 +439,24 @@ class ShardedEmbeddingCollection(nn.Module):
         """Encode ``parts[r]`` for rank r, all-to-all, decode: ``recv[s]`` = (rows, dim) of
         what rank s sends. Each rank's piece travels as one flat byte stream, whatever its
         dims (any of them may be empty: a rank with no batch or no shards)."""
-        flat = [self._encode(codec, p) for p in parts]
-        recv_bytes = [rows * self._row_bytes(codec, dim) for rows, dim in recv]
+        # The piece a rank keeps never travels: it skips the codec and the collective.
+        me = self.rank
+        flat = [
+            torch.zeros(0, dtype=torch.uint8) if r == me else self._encode(codec, p)
+            for r, p in enumerate(parts)
+        ]
+        recv_bytes = [
+            0 if s == me else rows * self._row_bytes(codec, dim)
+            for s, (rows, dim) in enumerate(recv)
+        ]
+        if self.world_size == 1:
+            return [parts[me]]
         pending: PendingAllToAll = all_to_all(
             flat, recv_bytes, self.group, kind=kind, stats=self.stats
         )
         return [
-            self._decode(codec, data, rows, dim)
-            for data, (rows, dim) in zip(pending.wait(), recv, strict=True)
+            parts[me] if s == me else self._decode(codec, data, rows, dim)
+            for s, (data, (rows, dim)) in enumerate(zip(pending.wait(), recv, strict=True))
         ]
 
     def _row_bytes(self, codec: Codec, dim: int) -> int:
@@ -562,9 +589,11 @@ class _OutputDist(torch.autograd.Function):
         module = ctx.module
         scale = 1.0 / module.world_size
         parts = [
-            (g if g is not None else torch.zeros(ctx.batch_sizes[module.rank], w)) * scale
+            g if g is not None else torch.zeros(ctx.batch_sizes[module.rank], w)
             for g, w in zip(grads, module._widths, strict=True)
         ]
+        if module.world_size > 1:
+            parts = [p * scale for p in parts]
         recv = [(rows, ctx.local_width) for rows in ctx.batch_sizes]
         received = module._exchange(module.backward_codec, parts, recv, "backward")
         return None, torch.cat(received), None, None
