@@ -108,6 +108,12 @@ class TrainConfig(_Section):
         None, ge=1, description="steps between checkpoints (default: only at the end)"
     )
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (plus the best)")
+    embedding_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="memory for embedding rows and their optimizer state; tables beyond it "
+        "live on disk (RUN_DIR/embeddings) behind a cache of hot rows this size (one process)",
+    )
     resume: str = Field(
         "auto",
         description='"auto": continue from the run dir\'s newest checkpoint; "never"; or a path',

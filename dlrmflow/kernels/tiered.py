@@ -316,7 +316,7 @@ class _WorkingSet(TableBatchedEmbeddingBag):
         return views
 
 
-def _record_width(optimizer: Optimizer, dim: int) -> int:
+def record_width(optimizer: Optimizer, dim: int) -> int:
     """Floats per row in the file: the weights, then the optimizer state."""
     if isinstance(optimizer, RowWiseAdagrad):
         return dim + 1
@@ -385,7 +385,7 @@ class TieredEmbeddingBag(nn.Module):
             (
                 int(self._starts[first]),
                 int(self._starts[end] - self._starts[first]),
-                _record_width(self.optimizer, self.tables[first].embedding_dim),
+                record_width(self.optimizer, self.tables[first].embedding_dim),
             )
             for first, end in self._group_keys
         ]
@@ -528,6 +528,36 @@ class TieredEmbeddingBag(nn.Module):
                 "momentum2": self._read_table(name, lambda dim: slice(2 * dim, 3 * dim)),
             }
         return {}
+
+    def load_table(
+        self, name: str, weight: torch.Tensor, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Overwrite one table's rows and optimizer state in the file (a checkpoint being
+        restored); ``state`` is keyed and shaped as ``state(name)`` returns it. Cached copies
+        are dropped, so the next batches read the new rows."""
+        k = self.names.index(name)
+        table = self.tables[k]
+        state = state or {}
+        if isinstance(self.optimizer, RowWiseAdagrad):
+            parts = [weight, state["sum_squares"][:, None]]
+        elif isinstance(self.optimizer, Adam):
+            parts = [weight, state["momentum1"], state["momentum2"]]
+        else:
+            parts = [weight]
+        record = torch.cat([p.to(torch.float32) for p in parts], dim=1)
+        expected = (table.num_embeddings, record_width(self.optimizer, table.embedding_dim))
+        if tuple(record.shape) != expected:
+            raise ValueError(
+                f"table {name!r}: rows and state make {tuple(record.shape)}, the file holds "
+                f"{expected}"
+            )
+        self.flush()
+        start, end = int(self._starts[k]), int(self._starts[k + 1])
+        for region in self._cache.regions:
+            if region.start <= start < region.end:
+                region.records[start - region.start : end - region.start] = record.numpy()
+        self._memmap.flush()
+        self._cache = _RowCache(self._regions(), self._cache.records.shape[0])
 
     def _read_table(self, name: str, columns: Callable[[int], slice]) -> torch.Tensor:
         """Record columns ``columns(dim)`` of every row of one table, as they are now."""

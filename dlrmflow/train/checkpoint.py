@@ -33,6 +33,8 @@ import torch.distributed.checkpoint as dcp
 
 from dlrmflow.config import RunConfig, build_config
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.kernels.tbe import Adam
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.train.model import DLRM, embedding_optimizer
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -113,7 +115,7 @@ def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
             embedding_state[f"{name}.weight"] = bag.table(name)
             for key, value in bag.state(name).items():
                 embedding_state[f"{name}.{key}"] = value
-        if hasattr(bag, "step"):
+        if isinstance(bag.optimizer, Adam):
             embedding_state["adam_step"] = bag.step
     state.update({f"emb.{k}": v for k, v in embedding_state.items()})
     dense = model.dense_arch
@@ -286,6 +288,14 @@ def restore(
         dcp.load(state, checkpoint_id=str(info.path))
     if isinstance(model, ShardedDLRM):
         model.embeddings.after_checkpoint_load()
+    elif isinstance(model.embeddings, TieredEmbeddingBag):
+        # Its tables are copies read from the file: write what was loaded back into it.
+        bag = model.embeddings
+        for name in bag.names:
+            keys = bag.state(name).keys()
+            bag.load_table(
+                name, state[f"emb.{name}.weight"], {k: state[f"emb.{name}.{k}"] for k in keys}
+            )
     if not same_world:
         return None
     torch.set_rng_state(state[f"rank{rank}.rng"])

@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlrmflow.config import RunConfig
+from dlrmflow.config import ConfigError, RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, read_manifest
+from dlrmflow.kernels.tiered import FILE_SUFFIX as TIERED_SUFFIX
+from dlrmflow.kernels.tiered import TieredEmbeddingBag, record_width
 from dlrmflow.train.checkpoint import (
     MANIFEST_FILE,
     CheckpointInfo,
@@ -64,6 +66,7 @@ class TrainResult:
     data_wait_s: float = 0.0  # time the loop waited for the reader
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
     resumed_from_step: int | None = None
+    embedding_cache: dict[str, float] = field(default_factory=dict)  # on-disk tables only
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,8 +97,14 @@ def _build_model(
     rank 0 writes to ``RUN_DIR/plan.json`` for the report and for resharding."""
     optimizer = embedding_optimizer(config.train)
     if not env.distributed:
-        model = DLRM(spec, config.model, optimizer, seed=config.train.seed)
+        embeddings = _tiered_embeddings(config, spec, optimizer, run_dir)
+        model = DLRM(spec, config.model, optimizer, seed=config.train.seed, embeddings=embeddings)
         return model, list(model.parameters()), None, None
+    if config.train.embedding_memory_bytes is not None:
+        raise ConfigError(
+            "train.embedding_memory_bytes: embeddings on disk run in one process for now "
+            f"(distributed.nproc is {env.world_size})"
+        )
     ranks_per_host = config.distributed.ranks_per_host or env.local_world_size
     plan = plan_for_config(config, spec, env.world_size, ranks_per_host)
     if env.rank == 0:
@@ -103,6 +112,37 @@ def _build_model(
     stats = CommStats()
     model = ShardedDLRM(spec, config, plan, optimizer, stats=stats)
     return model, model.dense_parameters(), stats, plan
+
+
+TIERED_DIR = "embeddings"
+
+
+def _tiered_embeddings(
+    config: RunConfig, spec: FeatureSpec, optimizer, run_dir: Path
+) -> TieredEmbeddingBag | None:
+    """The embeddings on disk behind a cache of hot rows, when their rows and optimizer state
+    exceed ``train.embedding_memory_bytes`` (the cache gets that memory); else None.
+
+    The file starts afresh from the seed's rows; a resumed run then writes the checkpoint's
+    rows into it, so only the checkpoint, never a half-written file, decides the weights.
+    """
+    budget = config.train.embedding_memory_bytes
+    if budget is None:
+        return None
+    widths = [record_width(optimizer, f.embedding_dim) for f in spec.sparse]
+    needed = 4 * sum(f.num_embeddings * w for f, w in zip(spec.sparse, widths, strict=True))
+    if needed <= budget:
+        return None
+    directory = run_dir / TIERED_DIR
+    path = directory / f"embeddings{TIERED_SUFFIX}"
+    path.unlink(missing_ok=True)
+    return TieredEmbeddingBag(
+        spec.sparse,
+        optimizer,
+        directory,
+        cache_rows=max(1, budget // (4 * max(widths))),
+        seed=config.train.seed,
+    )
 
 
 def dense_optimizer(parameters: list[nn.Parameter], config: RunConfig) -> torch.optim.Optimizer:
@@ -200,6 +240,7 @@ def train(
     loss_fn = nn.BCEWithLogitsLoss(reduction="sum")
     sharded = isinstance(model, ShardedDLRM)
     pipelined = sharded and config.distributed.pipeline
+    tiered = isinstance(getattr(model, "embeddings", None), TieredEmbeddingBag)
 
     # Where the run stands; a checkpoint stores it, a resumed run continues it.
     state = {"step": 0, "epoch": 0, "rows": 0, "seconds": 0.0, "loss": None}
@@ -310,6 +351,9 @@ def train(
             # The next batch's input exchange runs while this one computes (pipelined).
             following = batches.next() if step < max_steps else None
             following_pending = start(following) if pipelined and following is not None else None
+            if tiered and following is not None:
+                # The next batch's rows load from disk into the cache while this one computes.
+                model.embeddings.prefetch(following.sparse)
             logits, n = forward(batch, pending)
             loss = loss_fn(logits, batch.labels) * (env.world_size / n)
             optimizer.zero_grad(set_to_none=True)
@@ -334,6 +378,8 @@ def train(
     if window["steps"]:
         log_window()
     loader.close()
+    if tiered:
+        model.embeddings.flush()
     if state["step"] == 0:
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
     latest = list_checkpoints(run_dir)
@@ -356,6 +402,7 @@ def train(
             else {}
         ),
         resumed_from_step=resume_from.step if resume_from else None,
+        embedding_cache=model.embeddings.stats.to_dict() if tiered else {},
     )
     if rank0:
         (run_dir / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))

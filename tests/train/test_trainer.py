@@ -90,3 +90,30 @@ def test_periodic_evaluation_logs_auc_and_keeps_the_best_checkpoint(tiny_dataset
     assert 48 in steps and best["step"] in steps and len(steps) <= 2
     for c in kept:
         assert c.manifest["metrics"]["auc"] == next(r["auc"] for r in evals if r["step"] == c.step)
+
+
+def test_embeddings_beyond_the_memory_budget_train_from_disk_to_the_same_weights(
+    tiny_dataset, tmp_path
+):
+    """Tables bigger than train.embedding_memory_bytes live on disk behind a cache smaller
+    than a step's rows... and train, resume and checkpoint exactly as in memory."""
+    in_memory = tiny_run_config(tiny_dataset, tmp_path / "memory", max_steps=8)
+    train(in_memory)
+    budget = 60_000  # bytes: ~1.7k rows of dim 8 + state, of the ~13k rows the tables hold
+    on_disk = tiny_run_config(
+        tiny_dataset,
+        tmp_path / "disk",
+        max_steps=4,
+        checkpoint_every=4,
+        embedding_memory_bytes=budget,
+    )
+    train(on_disk)  # stops at step 4, checkpoint written
+    assert (tmp_path / "disk" / "embeddings" / "embeddings.tiered").is_file()
+    resumed = on_disk.model_copy(deep=True)
+    resumed.train.max_steps = 8
+    result = train(resumed)  # a new process would do the same: rows come from the checkpoint
+    assert result.resumed_from_step == 4 and result.steps == 8
+    cache = result.embedding_cache
+    assert cache["evictions"] > 0 and 0 < cache["hit_rate"] < 1  # the cache really was small
+    got, want = _weights(tmp_path / "disk"), _weights(tmp_path / "memory")
+    assert all(torch.equal(got[k], want[k]) for k in want)
