@@ -123,11 +123,14 @@ def plot_training_curve(records: list[dict[str, Any]], path: str | Path) -> Path
     Uses matplotlib's Agg canvas through ``Figure`` rather than pyplot: no global figure
     state, so concurrent tasks cannot draw into each other's figures.
     """
-    if not records:
+    # The trainer writes training records (with "loss") and, with train.eval_every,
+    # evaluation records (with "auc") into the same metrics.jsonl.
+    trained = [r for r in records if "loss" in r]
+    if not trained:
         raise ValueError(f"{path}: no training records to plot")
     figure = Figure(figsize=(7, 3.5), layout="constrained")
     loss_axes = figure.add_subplot()
-    loss_axes.plot([r["step"] for r in records], [r["loss"] for r in records], color="tab:blue")
+    loss_axes.plot([r["step"] for r in trained], [r["loss"] for r in trained], color="tab:blue")
     loss_axes.set_xlabel("step")
     loss_axes.set_ylabel("training loss", color="tab:blue")
     loss_axes.grid(alpha=0.3)

@@ -85,6 +85,10 @@ def test_training_curve_png_with_and_without_auc(tmp_path):
     with_auc = plot_training_curve(records, tmp_path / "b.png")
     assert with_auc.read_bytes() != loss_only.read_bytes()  # the AUC axis is drawn
     assert plot_training_curve(records, tmp_path / "c.png").read_bytes() == with_auc.read_bytes()
+    # The trainer's own evaluation records carry the AUC but no training loss.
+    evaluations = [{"step": 25, "auc": 0.70, "logloss": 0.5}, {"step": 50, "auc": 0.74}]
+    mixed = [{k: v for k, v in r.items() if k != "auc"} for r in records] + evaluations
+    assert plot_training_curve(mixed, tmp_path / "d.png").read_bytes() == with_auc.read_bytes()
 
     markdown = curve_markdown(with_auc)
     encoded = markdown.split("data:image/png;base64,")[1].split(")")[0]
