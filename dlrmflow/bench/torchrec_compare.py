@@ -36,9 +36,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dlrmflow.bench.machine import describe_machine
-from dlrmflow.bench.train import FULL, QUICK, make_batches, run_baseline, run_sharded_mode
+from dlrmflow.bench.train import (
+    COLLECTIVE_TIMEOUT,
+    FULL,
+    QUICK,
+    make_batches,
+    run_baseline,
+    run_sharded_mode,
+)
 from dlrmflow.features.batch import Batch
 from dlrmflow.ingest.schema import DENSE, SPARSE
+from dlrmflow.train.distributed import exit_without_teardown
 
 LR = 0.01  # the training benchmark's (bench_config)
 EPS = 1e-8  # our RowWiseAdagrad's default
@@ -195,7 +203,13 @@ def _worker(rank: int, world: int, store: str, out: str, size: dict, modes, warm
     torch.set_num_threads(1)
     # The planner's advice on topologies and dry runs is for GPU fleets; keep the JSON clean.
     logging.getLogger("torchrec").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
     results: dict[str, dict] = {}
     for _ in range(rounds):
         for name, sharding in modes:
@@ -209,7 +223,7 @@ def _worker(rank: int, world: int, store: str, out: str, size: dict, modes, warm
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
-    dist.destroy_process_group()
+    exit_without_teardown()
 
 
 def run_torchrec_comparison(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.schema import DENSE, SPARSE
+from dlrmflow.train.distributed import exit_without_teardown
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.sharding import SHARDING_TYPES
 
@@ -42,6 +44,8 @@ FULL = {"rows": 100_000, "dim": 64, "bottom": [512, 256, 64], "top": [512, 256],
 QUICK = {"rows": 1_000, "dim": 8, "bottom": [16, 8], "top": [16], "batch": 128}
 CODECS = ("fp16", "bf16", "fp8", "int8")
 DISTINCT_BATCHES = 3
+# A rank stuck in a collective fails the benchmark after this, rather than hanging it.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def bench_config(size: dict, sharding: str | None, comms: str, pipeline: bool) -> RunConfig:
@@ -160,14 +164,20 @@ def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
 def _worker(rank: int, world: int, store: str, out: str, size: dict, modes: list, warmup, steps):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
     results = {}
     for mode in modes:
         results[mode["name"]] = run_sharded_mode(size, mode, warmup, steps)
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
-    dist.destroy_process_group()
+    exit_without_teardown()
 
 
 def _run_job(world: int, size: dict, modes: list[dict], warmup: int, steps: int) -> dict:

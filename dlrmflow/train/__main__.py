@@ -69,4 +69,9 @@ def _run(stage) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from dlrmflow.train.distributed import exit_without_teardown
+
+        exit_without_teardown(code)
+    sys.exit(code)

@@ -160,11 +160,18 @@ class ShardedEmbeddingCollection(nn.Module):
         # Row-wise Adagrad keeps one value per row, the mean of the squared gradient over
         # the row's columns: the shards of a column-wise table sum their columns' squares
         # over the table's ranks so that every shard keeps the whole row's value.
-        self._column_groups = {
-            t.name: dist.new_group(ranks=list(t.ranks), backend=dist.get_backend(group))
-            for t in plan.tables
-            if t.sharding == "column_wise" and len(t.shards) > 1
-        }
+        # One process group per set of ranks (not per table): every rank creates them in
+        # the same order, and few groups keep start-up cheap.
+        by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._column_groups = {}
+        for t in plan.tables:
+            if t.sharding == "column_wise" and len(t.shards) > 1:
+                ranks = tuple(sorted(t.ranks))
+                if ranks not in by_ranks:
+                    by_ranks[ranks] = dist.new_group(
+                        ranks=list(ranks), backend=dist.get_backend(group)
+                    )
+                self._column_groups[t.name] = by_ranks[ranks]
         if self.local is not None and any(r.table.name in self._column_groups for r in local):
             self.local.square_sum_hook = self._column_square_means
         self._replicated_features = [

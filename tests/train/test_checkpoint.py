@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,13 @@ from dlrmflow.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
+from dlrmflow.train.distributed import exit_without_teardown
 from dlrmflow.train.launch import free_port, launch_command, launch_training
 from dlrmflow.train.trainer import train
 from tests.conftest import tiny_run_config
+
+# A rank stuck in a collective fails its test after this instead of hanging the suite.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 STEPS = 40
 EVERY = 4
@@ -122,7 +127,13 @@ def _predict_worker(rank: int, world: int, store: str, run_dir: str, sharding, o
     from dlrmflow.train.model import embedding_optimizer
     from dlrmflow.train.planner import plan_for_config
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
     torch.set_num_threads(1)
     info = latest_checkpoint(Path(run_dir))
     ckpt = load_checkpoint(info.path)
@@ -142,7 +153,7 @@ def _predict_worker(rank: int, world: int, store: str, run_dir: str, sharding, o
     if rank == 0:
         torch.save({"logits": torch.cat(gathered), "plan": plan.to_dict()}, out)
     dist.barrier()
-    dist.destroy_process_group()
+    exit_without_teardown()
 
 
 @pytest.mark.parametrize(("world", "sharding"), [(3, None), (3, "row_wise"), (2, "column_wise")])

@@ -12,6 +12,7 @@ batches, i.e. the ranks' batches concatenated in rank order.
 from __future__ import annotations
 
 import itertools
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,13 @@ from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
 from dlrmflow.train.checkpoint import model_state
 from dlrmflow.train.comms import CommStats
+from dlrmflow.train.distributed import exit_without_teardown
 from dlrmflow.train.model import DLRM
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
 from dlrmflow.train.sharding import SHARDING_TYPES, ShardingPlan
+
+# A rank stuck in a collective fails its test after this instead of hanging the suite.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 STEPS = 20
 BATCH = 6  # per rank
@@ -132,14 +137,20 @@ def _train_sharded(
 
 
 def _worker(rank: int, world: int, store: str, out: str, cases: list) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     results = {case: _train_sharded(rank, world, str(Path(out).parent), *case) for case in cases}
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
-    dist.destroy_process_group()
+    exit_without_teardown()
 
 
 def run_sharded(tmp_path: Path, world: int, cases: list) -> dict:
