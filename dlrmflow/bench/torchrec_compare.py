@@ -46,7 +46,7 @@ from dlrmflow.bench.train import (
 )
 from dlrmflow.features.batch import Batch
 from dlrmflow.ingest.schema import DENSE, SPARSE
-from dlrmflow.train.distributed import exit_without_teardown
+from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 
 LR = 0.01  # the training benchmark's (bench_config)
 EPS = 1e-8  # our RowWiseAdagrad's default
@@ -203,13 +203,7 @@ def _worker(rank: int, world: int, store: str, out: str, size: dict, modes, warm
     torch.set_num_threads(1)
     # The planner's advice on topologies and dry runs is for GPU fleets; keep the JSON clean.
     logging.getLogger("torchrec").setLevel(logging.ERROR)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
     results: dict[str, dict] = {}
     for _ in range(rounds):
         for name, sharding in modes:

@@ -35,7 +35,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.schema import DENSE, SPARSE
-from dlrmflow.train.distributed import exit_without_teardown
+from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.sharding import SHARDING_TYPES
 
@@ -164,13 +164,7 @@ def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
 def _worker(rank: int, world: int, store: str, out: str, size: dict, modes: list, warmup, steps):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
     results = {}
     for mode in modes:
         results[mode["name"]] = run_sharded_mode(size, mode, warmup, steps)

@@ -68,6 +68,17 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+def join_spawned_job(
+    store: str, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=10)
+) -> None:
+    """Join a gloo job of processes spawned on this host (``torch.multiprocessing``), which
+    meet through the file ``store``; a rank stuck in a collective fails after ``timeout``.
+    Benchmarks and tests start jobs this way, without torchrun's start-up cost."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout
+    )
+
+
 def init_distributed(config: RunConfig, topology: DistEnv) -> None:
     """Join the process group torchrun set up (env:// rendezvous), once per process."""
     if dist.is_initialized() or not topology.distributed:

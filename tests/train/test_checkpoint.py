@@ -26,7 +26,7 @@ from dlrmflow.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
-from dlrmflow.train.distributed import exit_without_teardown
+from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 from dlrmflow.train.launch import free_port, launch_command, launch_training
 from dlrmflow.train.trainer import train
 from tests.conftest import tiny_run_config
@@ -127,13 +127,7 @@ def _predict_worker(rank: int, world: int, store: str, run_dir: str, sharding, o
     from dlrmflow.train.model import embedding_optimizer
     from dlrmflow.train.planner import plan_for_config
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
     torch.set_num_threads(1)
     info = latest_checkpoint(Path(run_dir))
     ckpt = load_checkpoint(info.path)

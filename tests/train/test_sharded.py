@@ -28,7 +28,7 @@ from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
 from dlrmflow.train.checkpoint import model_state
 from dlrmflow.train.comms import CommStats
-from dlrmflow.train.distributed import exit_without_teardown
+from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 from dlrmflow.train.model import DLRM
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
 from dlrmflow.train.sharding import SHARDING_TYPES, ShardingPlan
@@ -137,13 +137,7 @@ def _train_sharded(
 
 
 def _worker(rank: int, world: int, store: str, out: str, cases: list) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     results = {case: _train_sharded(rank, world, str(Path(out).parent), *case) for case in cases}
