@@ -31,6 +31,10 @@ app.add_typer(readers_app, name="readers")
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML, JSON or TOML run configuration.")
 ]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the JSON result here.")]
+QuickOpt = Annotated[
+    bool, typer.Option(help="Tiny tables and batch: checks the benchmark runs, in seconds.")
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config key, e.g. --set train.lr=0.1."),
@@ -357,9 +361,7 @@ def demo(
 
 @bench_app.command("ingest")
 def bench_ingest(
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Also write the JSON result here.")
-    ] = None,
+    json_out: JsonOpt = None,
     rows: Annotated[int, typer.Option(help="Rows in the benchmark dataset.")] = 1_000_000,
     data: Annotated[str | None, typer.Option(help="Existing dataset URL to use.")] = None,
 ) -> None:
@@ -372,12 +374,8 @@ def bench_ingest(
 
 @bench_app.command("kernels")
 def bench_kernels(
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Also write the JSON result here.")
-    ] = None,
-    quick: Annotated[
-        bool, typer.Option(help="Tiny tables and batch: checks the benchmark runs, in seconds.")
-    ] = False,
+    json_out: JsonOpt = None,
+    quick: QuickOpt = False,
 ) -> None:
     """TBE training steps and the fused interaction against plain torch ops and optimizers."""
     from dlrmflow.bench.kernels import run_kernel_benchmark
@@ -448,9 +446,7 @@ def readers_serve(
 
 @bench_app.command("readers")
 def bench_readers(
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Also write the JSON result here.")
-    ] = None,
+    json_out: JsonOpt = None,
     rows: Annotated[int, typer.Option(help="Rows in the benchmark dataset.")] = 400_000,
 ) -> None:
     """Trainer samples/s and data-wait share: local readers against 1 and 2 reader servers."""
@@ -480,12 +476,8 @@ def bench_report(
 
 @bench_app.command("train")
 def bench_train(
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Also write the JSON result here.")
-    ] = None,
-    quick: Annotated[
-        bool, typer.Option(help="Tiny tables and batch: checks the benchmark runs, in seconds.")
-    ] = False,
+    json_out: JsonOpt = None,
+    quick: QuickOpt = False,
     steps: Annotated[int | None, typer.Option(help="Timed steps per mode.")] = None,
 ) -> None:
     """Sharded training samples/s per sharding type and codec, at world sizes 1 and 2."""

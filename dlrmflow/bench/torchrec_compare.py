@@ -26,23 +26,22 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.bench.train import (
     COLLECTIVE_TIMEOUT,
     FULL,
     QUICK,
+    comparison_config,
     make_batches,
     run_baseline,
     run_sharded_mode,
+    run_spawned_job,
 )
 from dlrmflow.features.batch import Batch
 from dlrmflow.ingest.schema import DENSE, SPARSE
@@ -238,33 +237,11 @@ def run_torchrec_comparison(
     results: dict[str, dict] = {}
     for world in sorted({w for w, _ in MODES.values()}):
         modes = [(name, sharding) for name, (w, sharding) in MODES.items() if w == world]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "results.pt"
-            mp.spawn(
-                _worker,
-                args=(
-                    world,
-                    str(Path(tmp) / "store"),
-                    str(out),
-                    size,
-                    modes,
-                    warmup,
-                    steps,
-                    rounds,
-                ),
-                nprocs=world,
-                join=True,
-            )
-            results.update(torch.load(out, weights_only=False))
+        results.update(run_spawned_job(_worker, world, size, modes, warmup, steps, rounds))
     return {
         "benchmark": "torchrec",
         "baseline": BASELINE,
-        "config": {
-            **size,
-            "tables": len(SPARSE),
-            "dense": len(DENSE),
-            "optimizer": "rowwise_adagrad",
-        },
+        "config": comparison_config(size),
         "steps": steps,
         "rounds": rounds,
         "threads_per_rank": 1,

@@ -174,16 +174,25 @@ def _worker(rank: int, world: int, store: str, out: str, size: dict, modes: list
     exit_without_teardown()
 
 
-def _run_job(world: int, size: dict, modes: list[dict], warmup: int, steps: int) -> dict:
+def run_spawned_job(worker, world: int, *args) -> object:
+    """Run ``worker(rank, world, store, out, *args)`` in ``world`` spawned processes on
+    this host (they meet through the file ``store``; see ``join_spawned_job``) and return
+    what rank 0 saved to ``out`` with ``torch.save``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.pt"
         mp.spawn(
-            _worker,
-            args=(world, str(Path(tmp) / "store"), str(out), size, modes, warmup, steps),
-            nprocs=world,
-            join=True,
+            worker, args=(world, str(Path(tmp) / "store"), str(out), *args), nprocs=world, join=True
         )
         return torch.load(out, weights_only=False)
+
+
+def _run_job(world: int, size: dict, modes: list[dict], warmup: int, steps: int) -> dict:
+    return run_spawned_job(_worker, world, size, modes, warmup, steps)
+
+
+def comparison_config(size: dict) -> dict:
+    """The benchmark config as its records show it."""
+    return {**size, "tables": len(SPARSE), "dense": len(DENSE), "optimizer": "rowwise_adagrad"}
 
 
 def benchmark_modes(world: int) -> list[dict]:
@@ -221,12 +230,7 @@ def run_train_benchmark(quick: bool = False, steps: int | None = None) -> dict:
     return {
         "benchmark": "train",
         "baseline": BASELINE,
-        "config": {
-            **size,
-            "tables": len(SPARSE),
-            "dense": len(DENSE),
-            "optimizer": "rowwise_adagrad",
-        },
+        "config": comparison_config(size),
         "steps": steps,
         "threads_per_rank": 1,
         "baseline_result": baseline,

@@ -319,24 +319,31 @@ def prune_checkpoints(run_dir: Path, keep: int, metric: str = "auc") -> None:
         shutil.rmtree(info.path, ignore_errors=True)
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """The model of a checkpoint in this one process (whatever world size wrote it).
-
-    ``path`` is a checkpoint directory or a run directory (its newest intact checkpoint).
-    """
+def find_checkpoint(path: str | Path) -> CheckpointInfo:
+    """The checkpoint ``path`` names: a checkpoint directory (verified against its
+    checksums), or a run directory (its newest intact checkpoint)."""
     path = Path(path)
     if (path / MANIFEST_FILE).is_file():
         info = CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
         problem = verify(info)
         if problem is not None:
             raise ValueError(f"{path}: corrupt checkpoint ({problem})")
-    else:
-        info = latest_checkpoint(path)
-        if info is None:
-            raise FileNotFoundError(
-                f"{path}: no complete checkpoint under {CHECKPOINTS_DIR}/; train first "
-                "(`dlrmflow train`)"
-            )
+        return info
+    info = latest_checkpoint(path)
+    if info is None:
+        raise FileNotFoundError(
+            f"{path}: no complete checkpoint under {CHECKPOINTS_DIR}/; train first "
+            "(`dlrmflow train`)"
+        )
+    return info
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """The model of a checkpoint in this one process (whatever world size wrote it).
+
+    ``path`` is a checkpoint directory or a run directory (its newest intact checkpoint).
+    """
+    info = find_checkpoint(path)
     try:
         config = build_config(info.manifest["config"])
         spec = FeatureSpec.from_dict(info.manifest["spec"])

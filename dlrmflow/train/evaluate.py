@@ -24,12 +24,9 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.train.checkpoint import (
-    MANIFEST_FILE,
-    CheckpointInfo,
-    latest_checkpoint,
+    find_checkpoint,
     load_checkpoint,
     restore,
-    verify,
 )
 from dlrmflow.train.data import batch_loader, load_ids
 from dlrmflow.train.distributed import DistEnv, ShardedDLRM, compute_threads, init_distributed
@@ -109,22 +106,6 @@ def score(
     return out_probs, out_labels
 
 
-def _checkpoint_info(run_dir: Path, checkpoint: str | Path | None) -> CheckpointInfo:
-    if checkpoint is not None:
-        path = Path(checkpoint)
-        info = CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
-        problem = verify(info)
-        if problem is not None:
-            raise ValueError(f"{path}: corrupt checkpoint ({problem})")
-        return info
-    info = latest_checkpoint(run_dir)
-    if info is None:
-        raise FileNotFoundError(
-            f"{run_dir}: no complete checkpoint; train first (`dlrmflow train`)"
-        )
-    return info
-
-
 def evaluate(
     run_dir: str | Path,
     *,
@@ -144,7 +125,7 @@ def evaluate(
     run_dir = Path(run_dir)
     env = DistEnv.from_env()
     if env.distributed:
-        info = _checkpoint_info(run_dir, checkpoint)
+        info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
         config = build_config(info.manifest["config"])
         init_distributed(config, env)
         spec = FeatureSpec.from_dict(info.manifest["spec"])

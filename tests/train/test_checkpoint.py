@@ -27,7 +27,7 @@ from dlrmflow.train.checkpoint import (
     load_checkpoint,
 )
 from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
-from dlrmflow.train.launch import free_port, launch_command, launch_training
+from dlrmflow.train.launch import free_port, launch_command, launch_training, ranks_of
 from dlrmflow.train.trainer import train
 from tests.conftest import tiny_run_config
 
@@ -73,17 +73,9 @@ def _start_job(cfg: RunConfig) -> subprocess.Popen:
     )
 
 
-def _children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (torchrun's ranks run in sessions of their own)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
 def _kill_tree(job: subprocess.Popen) -> None:
     """SIGKILL torchrun and every rank at once, as a lost machine would."""
-    ranks = _children(job.pid)
+    ranks = ranks_of(job.pid)
     os.killpg(job.pid, signal.SIGKILL)
     for pid in ranks:
         with contextlib.suppress(ProcessLookupError):
@@ -240,7 +232,7 @@ def test_a_killed_rank_ends_the_job_within_the_collective_timeout(
         while not (Path(cfg.run_dir) / "metrics.jsonl").is_file():
             assert time.monotonic() < deadline and job.poll() is None, "training never started"
             time.sleep(0.05)
-        ranks = _children(job.pid)
+        ranks = ranks_of(job.pid)
         assert len(ranks) == 2
         killed = time.monotonic()
         os.kill(ranks[1], signal.SIGKILL)
