@@ -192,6 +192,25 @@ class KeyedJaggedTensor:
         out._bags_of_one = self._bags_of_one  # a subset of bags of one is bags of one
         return out
 
+    def slice(self, start: int, stop: int) -> KeyedJaggedTensor:
+        """Samples ``start`` to ``stop`` (a view in the one-hot form, a copy otherwise)."""
+        start, stop, _ = slice(start, stop).indices(self.stride)
+        stop = max(start, stop)
+        if self._rows is not None:
+            return KeyedJaggedTensor.from_one_hot(self.keys, self._rows[start:stop])
+        n_keys, stride = len(self.keys), self.stride
+        lengths = self.lengths.view(n_keys, stride)[:, start:stop].reshape(-1)
+        offsets = self.offsets()
+        at = [k * stride for k in range(n_keys)]
+        cuts = [(int(offsets[k + start]), int(offsets[k + stop])) for k in at]
+        values = torch.cat([self.values[a:b] for a, b in cuts]) if cuts else self.values[:0]
+        weights = None
+        if self.weights is not None:
+            weights = torch.cat([self.weights[a:b] for a, b in cuts]) if cuts else self.weights[:0]
+        out = KeyedJaggedTensor(self.keys, values, lengths.clone(), weights)
+        out._bags_of_one = self._bags_of_one
+        return out
+
     def _all_bags_of_one(self) -> bool:
         if self._bags_of_one is None:
             lengths = self.lengths
@@ -284,6 +303,16 @@ class Batch:
             dense=self.dense.index_select(0, idx),
             sparse=self.sparse.take(idx),
             labels=self.labels.index_select(0, idx),
+        )
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Rows ``start`` to ``stop``: views where the layout allows (the one-hot form)."""
+        start, stop, _ = slice(start, stop).indices(len(self))
+        stop = max(start, stop)
+        return Batch(
+            dense=self.dense[start:stop],
+            sparse=self.sparse.slice(start, stop),
+            labels=self.labels[start:stop],
         )
 
     @classmethod

@@ -28,6 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dlrmflow.features import jit
+
 if TYPE_CHECKING:
     from dlrmflow.features.spec import FeatureSpec
 
@@ -35,7 +37,7 @@ _MASK64 = (1 << 64) - 1
 _M1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
 _M2 = np.uint64(0x94D049BB133111EB)
 _S32 = np.uint64(32)
-# IDs per pass of the hash: a chunk (256 KiB) stays in L2 cache across the hash's ten
+# IDs per pass of ``stable_hash``: a chunk (256 KiB) stays in L2 cache across the hash's
 # numpy calls, and the scratch stays below glibc's mmap threshold, so it is reused from
 # the heap instead of being mapped and page-faulted afresh for every call.
 _CHUNK = 32768
@@ -142,7 +144,8 @@ class HashIds:
     ~2.6 ns per ID in numpy, more than the whole hash, multiply-shift ~0.7 ns. It uses the
     hash's top 32 bits, the best mixed, and gives every row floor or ceil of ``2**32 / n``
     hash values, the bias of a modulo of a 32-bit hash; tables are limited to ``2**32`` rows.
-    The hash's final fold only changes its low 32 bits, so it is skipped here.
+    The hash's final fold only changes its low 32 bits, so it is skipped here. The loop is
+    compiled (``jit``): ~1.3 ns per ID where the same steps as numpy calls took ~5 ns.
     """
 
     def __init__(self, num_embeddings: Mapping[str, int], *, seed: int = 0) -> None:
@@ -170,24 +173,37 @@ class HashIds:
 
     def map_keyed(self, names: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
         parts = [_as_bits(part, f"feature {name}") for name, part in zip(names, ids, strict=True)]
-        out = np.empty(sum(len(bits) for bits in parts), np.uint64)
-        scratch = np.empty(min(len(out), _CHUNK), np.uint64)
+        out = np.empty(sum(len(bits) for bits in parts), np.int64)
         start = 0
         for name, bits in zip(names, parts, strict=True):
             salt, rows = self._salts[self._known(name)], np.uint64(self._rows[name])
-            # Every step runs on one chunk while it is in cache, so the whole hash costs
-            # one read of the IDs and one write of the rows (a pass per step over a row
-            # group's IDs measured ~25% slower).
-            for first in range(0, len(bits), _CHUNK):
-                chunk = bits[first : first + _CHUNK]
-                z = out[start + first : start + first + len(chunk)]
-                np.add(chunk, salt, out=z)
-                _mix(z, scratch[: len(z)])
-                np.right_shift(z, _S32, out=z)
-                np.multiply(z, rows, out=z)
-                np.right_shift(z, _S32, out=z)
+            jit.hash_rows(bits, salt, rows, out[start : start + len(bits)])
             start += len(bits)
-        return out.view(np.int64)
+        return out
+
+    def map_one_hot(
+        self,
+        names: Sequence[str],
+        ids: Sequence[np.ndarray],
+        valid: Sequence[np.ndarray | None],
+        out: np.ndarray,
+        dest: np.ndarray,
+    ) -> None:
+        """Write ``names[k]``'s row of ``ids[k][i]`` into ``out[dest[i], k]``.
+
+        ``out`` is the sample-major [B, keys] one-hot form (int32 or int64); a slot whose
+        ``valid[k]`` entry is False (an empty bag) gets -1. All ``ids`` and ``dest``
+        (int64, distinct rows of ``out``) have one length. The transform's transpose,
+        shuffle, narrowing and null marking happen in the hash's one pass.
+        """
+        keys = [self._known(name) for name in names]
+        _check_scatter(ids, valid, out, dest)
+        bits = tuple(
+            jit.frozen(_as_bits(part, f"feature {k}")) for k, part in zip(keys, ids, strict=True)
+        )
+        salts = np.array([self._salts[k] for k in keys], np.uint64)
+        rows = np.array([self._rows[k] for k in keys], np.uint64)
+        jit.one_hot_rows(bits, jit.masks(valid), salts, rows, out, dest)
 
     def _known(self, name: str) -> str:
         if name not in self._rows:
@@ -196,6 +212,22 @@ class HashIds:
 
     def __repr__(self) -> str:
         return f"HashIds(seed={self.seed}, tables={self._rows})"
+
+
+def _check_scatter(
+    ids: Sequence[np.ndarray],
+    valid: Sequence[np.ndarray | None],
+    out: np.ndarray,
+    dest: np.ndarray,
+) -> None:
+    """Refuse what would make the compiled scatter read or write out of bounds."""
+    n = len(dest)
+    if out.ndim != 2 or out.shape[1] != len(ids) or not ids:
+        raise ValueError(f"map_one_hot: out must be [B, {len(ids)}], got {out.shape}")
+    if any(len(part) != n for part in ids) or any(v is not None and len(v) != n for v in valid):
+        raise ValueError("map_one_hot: ids, valid and dest must have one length")
+    if n and (int(dest.min()) < 0 or int(dest.max()) >= len(out)):
+        raise IndexError(f"map_one_hot: dest must lie in [0, {len(out)})")
 
 
 def _home_hash(ids: np.ndarray) -> np.ndarray:

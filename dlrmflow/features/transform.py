@@ -28,6 +28,7 @@ their own dictionary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from dlrmflow.features import jit
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.ids import IdMapper
 from dlrmflow.features.spec import FeatureSpec
@@ -67,6 +69,18 @@ def _id_type_ok(t: pa.DataType) -> bool:
 
 def _chunks(column: pa.Array | pa.ChunkedArray) -> list[pa.Array]:
     return column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+
+
+def _aligned(columns: list[list[pa.Array]]) -> list[int] | None:
+    """The chunk lengths every column shares (a row group, or a concatenation of row
+    groups, has them), or None when they differ or there are no columns."""
+    if not columns:
+        return None
+    lengths = [len(a) for a in columns[0]]
+    for col in columns[1:]:
+        if [len(a) for a in col] != lengths:
+            return None
+    return lengths
 
 
 def _valid(arr: pa.Array) -> np.ndarray | None:
@@ -203,8 +217,12 @@ class _Layout:
     label: int
     dense: tuple[int, ...]
     sparse: tuple[int, ...]
+    used: tuple[int, ...]  # every column above
     one_hot: bool  # no sparse column is a list: the sample-major one-hot form
     dense_one_type: bool  # dense columns can be concatenated into one array
+    # The compiled path applies: one-hot plain int64 IDs, a mapper with ``map_one_hot``
+    # (``HashIds``) and dense columns of one type numba handles (not float16).
+    compiled: bool
 
 
 class BatchTransform:
@@ -259,13 +277,14 @@ class BatchTransform:
         Types are checked here too (once per schema), so unvalidated input can give wrong
         values but never a crash deep in numpy or a row outside its table.
         """
-        layout = self._layout
-        if layout is None or not data.schema.equals(layout.schema):
-            layout = self._layout = self._plan(data.schema)
+        layout = self._layout_of(data.schema)
         n = data.num_rows
         if n == 0:
             return self._empty()
         columns = [_chunks(c) for c in data.columns]  # one call; a lookup by name costs ~1 us
+        lengths = _aligned([columns[i] for i in layout.used])
+        if layout.compiled and lengths is not None:
+            return self._compiled(columns, layout, lengths, np.arange(n))
         sparse_columns = [columns[i] for i in layout.sparse]
         if layout.one_hot:
             rows = self._one_hot(sparse_columns, n)
@@ -281,17 +300,97 @@ class BatchTransform:
             labels=torch.from_numpy(self._labels(columns[layout.label])),
         )
 
+    def window(self, tables: Sequence[pa.Table], order: np.ndarray) -> Batch:
+        """``Batch.concat([self(t) for t in tables]).take(order)``, in one pass where it can.
+
+        The reader's shuffle: row ``j`` of the result is row ``order[j]`` of the tables
+        one after another (``order`` is a permutation of their rows). On the compiled path
+        every row is written straight to its place, so neither the concatenation nor the
+        gather costs a pass of its own, and the batches cut from the result are views.
+        """
+        order = np.asarray(order, dtype=np.int64)
+        n = sum(t.num_rows for t in tables)
+        if order.ndim != 1 or len(order) != n:
+            raise ValueError(f"window: order must hold {n} rows, got shape {order.shape}")
+        dest = np.full(n, -1, np.int64)
+        if n:
+            if int(order.min()) < 0:
+                raise ValueError("window: order must be a permutation of the rows")
+            dest[order] = np.arange(n)
+            if int(dest.min()) < 0:  # a row missing, hence another repeated
+                raise ValueError("window: order must be a permutation of the rows")
+        try:
+            table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        except pa.ArrowInvalid:  # schemas differ: transformed one by one below
+            table = None
+        if table is not None and n:
+            layout = self._layout_of(table.schema)
+            columns = [_chunks(c) for c in table.columns]
+            lengths = _aligned([columns[i] for i in layout.used])
+            if layout.compiled and lengths is not None:
+                return self._compiled(columns, layout, lengths, dest)
+        return Batch.concat([self(t) for t in tables]).take(order)
+
+    def _layout_of(self, schema: pa.Schema) -> _Layout:
+        layout = self._layout
+        if layout is None or not schema.equals(layout.schema):
+            layout = self._layout = self._plan(schema)
+        return layout
+
+    def _compiled(
+        self, columns: list[list[pa.Array]], layout: _Layout, lengths: list[int], dest: np.ndarray
+    ) -> Batch:
+        """The compiled path: each chunk's row ``i`` goes to row ``dest[i]`` of the batch.
+
+        The sparse IDs are hashed, the dense values clamped and the rows placed in one pass
+        per output (the log follows in torch); see ``jit``.
+        """
+        n = len(dest)
+        rows = np.empty((n, len(layout.sparse)), self._row_dtype)
+        dense = np.empty((n, len(layout.dense)), np.float32)
+        labels = np.empty(n, np.float32)
+        start = 0
+        for c, size in enumerate(lengths):
+            at = dest[start : start + size]
+            start += size
+            ids = [columns[i][c] for i in layout.sparse]
+            valid = [_valid(a) for a in ids]
+            self.ids.map_one_hot(self._names, [_primitive(a) for a in ids], valid, rows, at)
+            values = [columns[i][c] for i in layout.dense]
+            frozen = tuple(jit.frozen(_primitive(a)) for a in values)
+            jit.dense_rows(frozen, jit.masks([_valid(a) for a in values]), dense, at)
+            labels[at] = self._labels([columns[layout.label][c]])
+        return Batch(
+            dense=torch.from_numpy(dense).log1p_(),  # torch's log1p is vectorized
+            sparse=KeyedJaggedTensor.from_one_hot(list(self._names), torch.from_numpy(rows)),
+            labels=torch.from_numpy(labels),
+        )
+
     def _plan(self, schema: pa.Schema) -> _Layout:
         self._check_types(schema)
+        label = schema.get_field_index(self.spec.label)
         dense = tuple(schema.get_field_index(name) for name in self.spec.dense)
         sparse = tuple(schema.get_field_index(name) for name in self._names)
+        one_hot = not any(_is_list(schema.field(i).type) for i in sparse)
+        dense_types = {schema.field(i).type for i in dense}
+        compiled = (
+            one_hot
+            and hasattr(self.ids, "map_one_hot")
+            and bool(dense)
+            and bool(sparse)
+            and not any(pa.types.is_dictionary(schema.field(i).type) for i in sparse)
+            and len(dense_types) == 1
+            and not pa.types.is_float16(next(iter(dense_types)))
+        )
         return _Layout(
             schema=schema,
-            label=schema.get_field_index(self.spec.label),
+            label=label,
             dense=dense,
             sparse=sparse,
-            one_hot=not any(_is_list(schema.field(i).type) for i in sparse),
-            dense_one_type=len({schema.field(i).type for i in dense}) == 1,
+            used=(label, *dense, *sparse),
+            one_hot=one_hot,
+            dense_one_type=len(dense_types) == 1,
+            compiled=compiled,
         )
 
     def _empty(self) -> Batch:
@@ -308,8 +407,8 @@ class BatchTransform:
     @staticmethod
     def _dense(columns: list[list[pa.Array]], n: int, one_type: bool) -> torch.Tensor:
         # Feature-major so each column is written contiguously; one transpose at the end is
-        # cheaper than strided writes. When all columns share a type (Criteo: int32), one
-        # C++ concatenation replaces a round of numpy calls per column and chunk.
+        # cheaper than strided writes. When all columns share a type, one C++
+        # concatenation replaces a round of numpy calls per column and chunk.
         out = np.empty((len(columns), n), np.float32)
         if one_type:
             blocks = [(out.reshape(-1), pa.concat_arrays([a for col in columns for a in col]))]
@@ -330,8 +429,8 @@ class BatchTransform:
     def _one_hot(self, columns: list[list[pa.Array]], n: int) -> np.ndarray:
         """Rows [n, n_keys] of one-hot columns, sample-major, -1 where the ID is null.
 
-        Every slot is mapped, nulls included (their garbage is overwritten): dropping them
-        first and scattering back would cost more than it saves.
+        Every slot is mapped, nulls included (their garbage is overwritten: dropping them
+        first and scattering back would cost more than it saves).
         """
         segments, nulls = [], []
         for k, (name, chunks) in enumerate(zip(self._names, columns, strict=True)):

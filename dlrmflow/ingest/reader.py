@@ -3,11 +3,11 @@
 The unit of work is a *split*: one row group of one file. Every epoch the global split list
 is shuffled by ``(seed, epoch)`` and dealt round-robin to the ``world_size * num_workers``
 readers, so each row is read exactly once per epoch. A reader works through its splits
-``shuffle_window`` at a time. Each split is decoded, validated and transformed whole, because
-vectorized work on a row group costs far less per row than the same work on a batch; the
-window's blocks are concatenated, permuted together (a bounded shuffle: cheap, yet it mixes
-rows across files) and cut into batches. Rows left over carry into the next window, so every
-batch except a reader's last is full.
+``shuffle_window`` at a time. Each split is decoded and validated whole, and a window of
+them is transformed and permuted together (a bounded shuffle: cheap, yet it mixes rows
+across files), because vectorized or compiled work on row groups costs far less per row
+than the same work on a batch; the window is then cut into batches. Rows left over carry
+into the next window, so every batch except a reader's last is full.
 
 Readers are threads, not processes: pyarrow, numpy and torch release the GIL, so readers
 run in parallel with training and a batch reaches the consumer without an inter-process
@@ -20,8 +20,11 @@ once, so they must be thread-safe.
 
 ``transform(table)`` turns a row group into a *block*, anything that implements ``Block``
 (``take``, ``concat``, ``len``) row-wise, so the batches hold the same rows in the same
-order as without a transform. Without one, blocks are Arrow tables and batches Arrow record
-batches.
+order as without a transform: the window's blocks are concatenated and batches gathered
+from them. A transform that also has ``window(tables, order)`` (``BatchTransform``) builds
+the whole window already permuted, and the batches are ``slice``s of it: the compiled
+transform writes each row straight to its shuffled place, so the shuffle costs no pass of
+its own. Without a transform, blocks are Arrow tables and batches Arrow record batches.
 
 Resumption is a few integers per reader: ``(epoch, window, offset)``, the position of the
 next row not yet emitted. Because a window's content and permutation depend only on the
@@ -321,7 +324,9 @@ class _Plan:
         self.windows = [splits[i : i + size] for i in range(0, len(splits), size)]
         self.window_rows = [sum(s.num_rows for s in window) for window in self.windows]
         transform = dataset.transform
-        self._blocks = _ArrowBlocks() if transform is None else _TransformedBlocks(transform)
+        self._blocks: _ArrowBlocks | _TransformedBlocks = (
+            _ArrowBlocks() if transform is None else _TransformedBlocks(transform)
+        )
         self._decoder = _SplitDecoder(dataset)
 
     def batches(self, start_window: int, start_offset: int) -> Iterator[tuple[Any, _Cursor]]:
@@ -384,12 +389,11 @@ class _Plan:
         They are cut so that the first one completes the ``held`` rows carried over from
         earlier windows; every one after it has ``batch_size`` rows but the last.
         """
-        window, blocks = self.windows[w], self._blocks
-        block = blocks.join_splits([blocks.make(s, t) for s, t in zip(window, tables, strict=True)])
-        rows = len(block) - start
+        rows = sum(t.num_rows for t in tables) - start
         bounds = _bounds(rows, min(self._dataset.batch_size - held, rows), self._dataset.batch_size)
-        order = self._order(w, len(block))[start:]
-        return blocks.cut(block, [order[a:b] for a, b in itertools.pairwise(bounds)])
+        order = self._order(w, rows + start)
+        pieces = [(start + a, start + b) for a, b in itertools.pairwise(bounds)]
+        return self._blocks.cut(self.windows[w], tables, order, pieces)
 
     def _order(self, window: int, rows: int) -> np.ndarray:
         """The emission order of the window's rows."""
@@ -401,10 +405,16 @@ class _Plan:
 
 
 class _TransformedBlocks:
-    """How splits become batches when ``transform`` makes blocks: the ``Block`` protocol."""
+    """How splits become batches when ``transform`` makes blocks: the ``Block`` protocol.
+
+    A transform with a ``window(tables, order)`` method (``BatchTransform``) builds the
+    window's rows already in emission ``order``, as a block with ``slice(start, stop)``:
+    the batches are then slices of it, and the shuffle costs no gather of its own.
+    """
 
     def __init__(self, transform: Callable[[pa.Table], Block]) -> None:
         self.transform = transform
+        self.window = getattr(transform, "window", None)
 
     def make(self, split: Split, table: pa.Table) -> Block:
         try:
@@ -419,26 +429,38 @@ class _TransformedBlocks:
         return block
 
     @staticmethod
-    def join_splits(blocks: list[Block]) -> Block:
-        return blocks[0] if len(blocks) == 1 else type(blocks[0]).concat(blocks)
+    def join_batches(blocks: list[Block]) -> Block:
+        return type(blocks[0]).concat(blocks)
 
-    join_batches = join_splits
-
-    @staticmethod
-    def cut(block: Block, pieces: list[np.ndarray]) -> list[Block]:
-        return [block.take(indices) for indices in pieces]
+    def cut(
+        self,
+        splits: list[Split],
+        tables: list[pa.Table],
+        order: np.ndarray,
+        pieces: list[tuple[int, int]],
+    ) -> list[Block]:
+        if self.window is None:
+            blocks = [self.make(s, t) for s, t in zip(splits, tables, strict=True)]
+            block = blocks[0] if len(blocks) == 1 else type(blocks[0]).concat(blocks)
+            return [block.take(order[a:b]) for a, b in pieces]
+        try:
+            block = self.window(tables, order)
+        except Exception as e:
+            # Name the row group at fault: transforming them one by one raises for it.
+            for split, table in zip(splits, tables, strict=True):
+                self.make(split, table)
+            where = "; ".join(_where(s) for s in splits)
+            raise DataError(f"{where}: transform failed: {type(e).__name__}: {e}") from e
+        if len(block) != len(order):
+            raise ValueError(
+                f"transform returned {len(block)} rows for the {len(order)} of "
+                f"{'; '.join(_where(s) for s in splits)}; it must map each row to one row"
+            )
+        return [block.slice(a, b) for a, b in pieces]
 
 
 class _ArrowBlocks:
     """How splits become batches without a transform: Arrow tables in, record batches out."""
-
-    @staticmethod
-    def make(split: Split, table: pa.Table) -> pa.Table:
-        return table
-
-    @staticmethod
-    def join_splits(tables: list[pa.Table]) -> pa.Table:
-        return pa.concat_tables(tables)  # zero-copy: one chunk per split
 
     @staticmethod
     def join_batches(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
@@ -448,10 +470,17 @@ class _ArrowBlocks:
         return pa.RecordBatch.from_arrays(arrays, schema=table.schema)
 
     @staticmethod
-    def cut(table: pa.Table, pieces: list[np.ndarray]) -> list[pa.RecordBatch]:
+    def cut(
+        splits: list[Split],
+        tables: list[pa.Table],
+        order: np.ndarray,
+        pieces: list[tuple[int, int]],
+    ) -> list[pa.RecordBatch]:
+        table = pa.concat_tables(tables)  # zero-copy: one chunk per split
         # One gather for the window; chunked indices give one output chunk per batch. A take
         # per batch costs about twice as much: Arrow's per-call cost on every column adds up.
-        return table.take(pa.chunked_array(pieces, type=pa.int64())).to_batches()
+        indices = pa.chunked_array([order[a:b] for a, b in pieces], type=pa.int64())
+        return table.take(indices).to_batches()
 
 
 def _where(split: Split) -> str:

@@ -1,0 +1,207 @@
+"""The compiled (numba) transform path against the vectorized one it replaces.
+
+``BatchTransform`` takes the compiled path for one-hot plain int64 IDs hashed by
+``HashIds`` with dense columns of one type; everything else takes the vectorized path.
+Both must give bitwise the same batch, and ``window`` must equal concatenating the
+transformed tables and gathering ``order`` from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.ids import HashIds, Vocabulary
+from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.features.transform import BatchTransform
+
+SPEC = FeatureSpec(
+    dense=("I1", "I2", "I3"),
+    sparse=(SparseFeature("C1", 1000, 4), SparseFeature("C2", 7, 4), SparseFeature("C3", 1, 4)),
+    label="label",
+)
+
+
+class KeyedOnly:
+    """``HashIds`` without ``map_one_hot``: forces the vectorized path, same rows."""
+
+    def __init__(self, ids: HashIds) -> None:
+        self._ids = ids
+
+    def num_embeddings(self, name: str) -> int:
+        return self._ids.num_embeddings(name)
+
+    def map(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return self._ids.map(name, ids)
+
+    def map_keyed(self, names: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
+        return self._ids.map_keyed(names, ids)
+
+
+def table(n: int, seed: int, dense_type: pa.DataType | None = None) -> pa.Table:
+    dense_type = dense_type or pa.int32()
+    rng = np.random.default_rng(seed)
+
+    def dense() -> pa.Array:
+        values = rng.integers(-5, 10_000, n)
+        if pa.types.is_floating(dense_type):
+            values = values.astype(np.float64)
+            values[rng.random(n) < 0.1] = np.nan
+        return pa.array(values, dense_type, mask=rng.random(n) < 0.2)
+
+    def ids(null_share: float) -> pa.Array:
+        raw = rng.integers(-(2**62), 2**62, n)
+        return pa.array(raw, pa.int64(), mask=rng.random(n) < null_share)
+
+    return pa.table(
+        {
+            "label": pa.array(rng.integers(0, 2, n), pa.int8()),
+            "I1": dense(),
+            "I2": dense(),
+            "I3": dense(),
+            "C1": ids(0.3),
+            "C2": ids(0.0),
+            "C3": ids(1.0),
+        }
+    )
+
+
+def chunked(t: pa.Table, cuts: Sequence[int]) -> pa.Table:
+    """``t`` with every column cut into the same chunks (as a window of row groups is)."""
+    bounds = [0, *cuts, t.num_rows]
+    return pa.concat_tables(t.slice(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False))
+
+
+def assert_same_batch(a: Batch, b: Batch) -> None:
+    assert torch.equal(a.dense, b.dense)
+    assert torch.equal(a.labels, b.labels)
+    assert a.sparse.keys == b.sparse.keys
+    assert torch.equal(a.sparse.values, b.sparse.values)
+    assert torch.equal(a.sparse.lengths, b.sparse.lengths)
+
+
+def transforms(spec: FeatureSpec = SPEC) -> tuple[BatchTransform, BatchTransform]:
+    ids = HashIds.from_spec(spec, seed=3)
+    return BatchTransform(spec, ids), BatchTransform(spec, KeyedOnly(ids))
+
+
+@pytest.mark.parametrize("dense_type", [pa.int32(), pa.int64(), pa.float32(), pa.float64()])
+@pytest.mark.parametrize("cuts", [(), (1,), (100, 101, 400)])
+def test_compiled_path_gives_the_vectorized_batch_bitwise(dense_type, cuts):
+    compiled, vectorized = transforms()
+    data = chunked(table(777, seed=1, dense_type=dense_type), cuts)
+    out, reference = compiled(data), vectorized(data)
+    assert compiled._layout is not None and compiled._layout.compiled
+    assert vectorized._layout is not None and not vectorized._layout.compiled
+    assert out.sparse.one_hot_rows is not None and out.sparse.one_hot_rows.dtype == torch.int32
+    assert_same_batch(out, reference)
+    rows = out.sparse.one_hot_rows
+    assert (rows[:, 2] == -1).all()  # the all-null key: every bag empty
+    assert rows[:, 1].min() >= 0 and rows[:, 1].max() < 7  # no null, in range
+
+
+def test_columns_chunked_differently_take_the_vectorized_path_with_the_same_result():
+    compiled, vectorized = transforms()
+    data = table(300, seed=2)
+    # One column cut elsewhere than the others: the compiled path needs aligned chunks.
+    at_50, at_17 = chunked(data, (50,)), chunked(data, (17,))
+    mixed = pa.Table.from_arrays(
+        [(at_17 if name == "I2" else at_50)[name] for name in data.column_names],
+        names=data.column_names,
+    )
+    assert_same_batch(compiled(mixed), vectorized(data))
+
+
+@pytest.mark.parametrize("kind", ["compiled", "vectorized", "vocabulary", "multi-hot"])
+def test_window_is_the_concatenation_gathered_in_order(kind):
+    compiled, vectorized = transforms()
+    tables = [table(n, seed=s) for s, n in enumerate([120, 1, 64])]
+    transform = {"compiled": compiled, "vectorized": vectorized}.get(kind)
+    if kind == "vocabulary":
+        ones = np.ones(3)
+        vocab = {name: np.array([1, 2, 3]) for name in SPEC.sparse_names}
+        spec = FeatureSpec(
+            dense=SPEC.dense,
+            sparse=tuple(SparseFeature(f.name, 4, 4) for f in SPEC.sparse),
+            label="label",
+        )
+        transform = BatchTransform(spec, Vocabulary(vocab, {k: ones for k in vocab}, min_count=1))
+    if kind == "multi-hot":
+        transform = compiled
+
+        def listed(t: pa.Table) -> pa.Table:
+            c1 = pa.array([[v] if v is not None else None for v in t["C1"].to_pylist()])
+            return t.set_column(t.schema.get_field_index("C1"), "C1", c1)
+
+        tables = [listed(t) for t in tables]
+    assert transform is not None
+    order = np.random.default_rng(7).permutation(185)
+    window = transform.window(tables, order)
+    expected = Batch.concat([transform(t) for t in tables]).take(order)
+    assert_same_batch(window, expected)
+    for start, stop in [(0, 64), (64, 128), (128, 185), (5, 5)]:
+        assert_same_batch(window.slice(start, stop), expected.take(np.arange(start, stop)))
+
+
+@pytest.mark.parametrize(
+    "order", [np.arange(9), np.array([0, 1, 2, 3, 4, 5, 6, 7, 7, 9]), np.arange(-1, 9)]
+)
+def test_window_refuses_an_order_that_is_not_a_permutation(order):
+    compiled, _ = transforms()
+    with pytest.raises(ValueError, match="order"):
+        compiled.window([table(10, seed=0)], order)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_map_one_hot_places_rows_and_marks_nulls(dtype):
+    ids = HashIds({"a": 50, "b": 2**32}, seed=1)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(-(2**63), 2**63 - 1, 40), rng.integers(0, 100, 40)
+    valid_b = rng.random(40) < 0.5
+    dest = rng.permutation(60)[:40]
+    out = np.full((60, 2), 7, dtype)
+    if dtype is np.int32:
+        ids = HashIds({"a": 50, "b": 2**31}, seed=1)
+    ids.map_one_hot(["a", "b"], [a, b], [None, valid_b], out, dest)
+    np.testing.assert_array_equal(out[dest, 0], ids.map("a", a))
+    np.testing.assert_array_equal(out[dest, 1], np.where(valid_b, ids.map("b", b), -1))
+    untouched = np.setdiff1d(np.arange(60), dest)
+    assert (out[untouched] == 7).all()
+
+
+def test_map_one_hot_refuses_what_would_go_out_of_bounds():
+    ids = HashIds({"a": 5}, seed=0)
+    out = np.zeros((4, 1), np.int64)
+    with pytest.raises(IndexError, match="dest"):
+        ids.map_one_hot(["a"], [np.arange(2)], [None], out, np.array([0, 4]))
+    with pytest.raises(IndexError, match="dest"):
+        ids.map_one_hot(["a"], [np.arange(2)], [None], out, np.array([-1, 0]))
+    with pytest.raises(ValueError, match="one length"):
+        ids.map_one_hot(["a"], [np.arange(3)], [None], out, np.array([0, 1]))
+    with pytest.raises(ValueError, match="out must be"):
+        ids.map_one_hot(["a"], [np.arange(2)], [None], np.zeros((4, 2)), np.array([0, 1]))
+
+
+def test_slice_of_the_one_hot_form_is_a_view_and_of_the_jagged_form_a_gather():
+    rows = torch.tensor([[1, -1], [2, 3], [-1, 4], [5, 6]], dtype=torch.int32)
+    one_hot = KeyedJaggedTensor.from_one_hot(["a", "b"], rows)
+    part = one_hot.slice(1, 3)
+    assert part.one_hot_rows is not None
+    assert part.one_hot_rows.data_ptr() == rows[1].data_ptr()
+    jagged = KeyedJaggedTensor(
+        ["a", "b"],
+        torch.tensor([1, 2, 2, 9, 3, 4, 5]),
+        torch.tensor([1, 2, 0, 1, 0, 1, 1, 1], dtype=torch.int32),
+        weights=torch.arange(7, dtype=torch.float32),
+    )
+    for start, stop in [(1, 3), (0, 4), (2, 2), (3, 9)]:
+        got, want = jagged.slice(start, stop), jagged.take(np.arange(start, min(stop, 4)))
+        assert torch.equal(got.values, want.values)
+        assert torch.equal(got.lengths, want.lengths)
+        assert got.weights is not None and want.weights is not None
+        assert torch.equal(got.weights, want.weights)
