@@ -45,6 +45,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
+from dlrmflow.kernels import cpu_tbe
 
 # The CSR product is stable API in practice; torch still prints a beta notice on first use.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -222,6 +223,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         # of squared gradients over this shard's columns); returns the mean over the whole
         # row's columns, which the shards holding the other columns contribute to.
         self.square_sum_hook: SquareSumHook | None = None
+        self._scratch: cpu_tbe.Scratch | None = None  # see _cpu_scratch
         if isinstance(optimizer, RowWiseAdagrad):
             self.register_buffer("sum_squares", torch.zeros(sum(sizes)))
         elif isinstance(optimizer, Adam):
@@ -271,7 +273,8 @@ class TableBatchedEmbeddingBag(nn.Module):
         else:
             if kjt.weights is not None and bool(self._is_mean.any()):
                 raise ValueError("per-sample weights need sum pooling for every table")
-            self._check_jagged(kjt)
+            if not self._cpu_jagged(kjt):  # the compiled pass checks the IDs as it goes
+                self._check_jagged(kjt)
             if self._on_triton():
                 from dlrmflow.kernels import triton_tbe
 
@@ -305,6 +308,31 @@ class TableBatchedEmbeddingBag(nn.Module):
             and self.gradient_hook is None
             and self.square_sum_hook is None
         )
+
+    def _fused_on_cpu(self) -> bool:
+        """The compiled CPU step covers SGD and row-wise Adagrad without the sharded
+        trainer's hooks (which need the sorted rows the torch path builds)."""
+        return (
+            cpu_tbe.supports(self.weight)
+            and not isinstance(self.optimizer, Adam)
+            and self.gradient_hook is None
+            and self.square_sum_hook is None
+        )
+
+    def _cpu_jagged(self, kjt: KeyedJaggedTensor) -> bool:
+        """Jagged IDs on the CPU: rows and bag positions come from one compiled pass."""
+        return cpu_tbe.supports(self.weight) and kjt.values.device.type == "cpu"
+
+    def _row_state(self, group: _Group) -> torch.Tensor | None:
+        if not isinstance(self.optimizer, RowWiseAdagrad):
+            return None
+        return self.sum_squares[group.first_row : group.first_row + group.num_rows]
+
+    def _cpu_scratch(self) -> cpu_tbe.Scratch:
+        """The compiled step's buffers, made on first use (one per module)."""
+        if self._scratch is None:
+            self._scratch = cpu_tbe.Scratch(max(g.num_rows for g in self.groups))
+        return self._scratch
 
     def _rows_of(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         k = self.names.index(name)
@@ -364,9 +392,17 @@ class TableBatchedEmbeddingBag(nn.Module):
         per_key = lengths.view(n_keys, batch).sum(1)
         keys = slice(group.first_key, group.end_key)
         n_ids = last - first
-        ids = kjt.values[first:last] + self._local_start[keys].repeat_interleave(
-            per_key, output_size=n_ids
-        )
+        positions = None
+        if self._cpu_jagged(kjt):
+            ids, positions, bad = cpu_tbe.jagged_rows(
+                kjt.values, offsets, self._local_start[keys], self._sizes[keys], batch
+            )
+            if bad >= 0:
+                self._check_jagged(kjt)  # raises, naming the feature
+        else:
+            ids = kjt.values[first:last] + self._local_start[keys].repeat_interleave(
+                per_key, output_size=n_ids
+            )
         weights = None if kjt.weights is None else kjt.weights[first:last]
         pooled = F.embedding_bag(
             ids,
@@ -385,8 +421,9 @@ class TableBatchedEmbeddingBag(nn.Module):
             divisor = bag_divisor.repeat_interleave(lengths, output_size=n_ids)
         # Key-major bags -> sample-major: each sample's tables side by side in the output.
         pooled = pooled.view(n_keys, batch, group.dim).transpose(0, 1).reshape(batch, -1)
-        bag = torch.arange(n_keys * batch).repeat_interleave(lengths, output_size=n_ids)
-        positions = (bag % batch) * n_keys + bag // batch
+        if positions is None:
+            bag = torch.arange(n_keys * batch).repeat_interleave(lengths, output_size=n_ids)
+            positions = (bag % batch) * n_keys + bag // batch
         return pooled, _Lookup(ids, positions, divisor, weights)
 
     @torch.no_grad()
@@ -401,6 +438,22 @@ class TableBatchedEmbeddingBag(nn.Module):
             scale = None if lookup.divisor is None else lookup.divisor.reciprocal()
             if lookup.weights is not None:
                 scale = lookup.weights if scale is None else scale * lookup.weights
+            if self._fused_on_cpu():
+                # One compiled pass reduces by row and updates (``cpu_tbe``).
+                cpu_tbe.fused_step(
+                    self._view(self.weight, group),
+                    self._row_state(group),
+                    self._cpu_scratch(),
+                    lookup.ids,
+                    bag_grads,
+                    lookup.positions,
+                    scale,
+                    rowwise_adagrad=isinstance(self.optimizer, RowWiseAdagrad),
+                    lr=self.lr,
+                    weight_decay=self.optimizer.weight_decay,
+                    eps=getattr(self.optimizer, "eps", 0.0),
+                )
+                continue
             if self._fused_on_triton():
                 from dlrmflow.kernels import triton_tbe
 

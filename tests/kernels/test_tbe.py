@@ -293,3 +293,45 @@ def test_bad_input_names_the_feature():
         tbe.set_learning_rate(-1.0)
     with pytest.raises(ValueError, match="unique"):
         TableBatchedEmbeddingBag([TABLES[0], TABLES[0]], SGD(lr=0.1))
+
+
+def _identity_hook(group: int, rows: torch.Tensor, grads: torch.Tensor):
+    return rows, grads
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [SGD(0.3), SGD(0.2, weight_decay=0.1), RowWiseAdagrad(0.3), RowWiseAdagrad(0.2, 1e-6, 0.05)],
+)
+@pytest.mark.parametrize("form", ["jagged", "weighted", "one_hot"])
+def test_compiled_cpu_step_matches_the_torch_ops_path(optimizer, form):
+    # A gradient hook (even one that changes nothing) sends the update through the torch
+    # ops (sort + CSR product); without one, the CPU runs the compiled step (cpu_tbe).
+    tables = TABLES if form != "weighted" else [t for t in TABLES if t.pooling == "sum"]
+    compiled = TableBatchedEmbeddingBag(tables, optimizer, seed=4)
+    torch_ops = copy.deepcopy(compiled)
+    torch_ops.gradient_hook = _identity_hook
+    assert compiled._fused_on_cpu() and not torch_ops._fused_on_cpu()
+    for step in range(6):
+        if form == "one_hot":
+            kjt = _one_hot(step, tables)
+        else:
+            kjt = _jagged(step, tables, weighted=form == "weighted")
+        for tbe in (compiled, torch_ops):
+            tbe(kjt).backward(_grad_out(step, tbe, kjt.stride))
+    torch.testing.assert_close(compiled.weight, torch_ops.weight, rtol=1e-5, atol=1e-6)
+    if isinstance(optimizer, RowWiseAdagrad):
+        torch.testing.assert_close(compiled.sum_squares, torch_ops.sum_squares)
+    # The per-row scratch is back to "no slot" after every step.
+    assert compiled._scratch is not None and (compiled._scratch.slot == -1).all()
+
+
+def test_out_of_range_jagged_id_is_named_on_the_compiled_path():
+    tbe = TableBatchedEmbeddingBag(TABLES, SGD(0.1))
+    kjt = _jagged(0)
+    values = kjt.values.clone()
+    per_key = kjt.length_per_key()
+    values[sum(per_key[:2])] = 7  # first ID of table "c", which has 5 rows
+    bad = KeyedJaggedTensor(kjt.keys, values, kjt.lengths)
+    with pytest.raises(IndexError, match="'c'.*ID 7"):
+        tbe(bad)
