@@ -1,12 +1,15 @@
-"""Table-batched embedding bag with the optimizer fused into backward (CPU, plain torch ops).
+"""Table-batched embedding bag with the optimizer fused into backward.
 
 All tables live back to back in one flat float32 weight, whatever their dims; a lookup over
 every feature is one gather per run of consecutive tables that share a dim (one gather in
 total for the usual model, where they all do). Backward never builds a gradient for a
-whole table, nor a sparse gradient for an optimizer to coalesce: it computes one gradient
-per looked-up ID's bag, sorts the IDs (stable), sums each unique ID's gradients in that
-sorted order (a CSR incidence product), and updates the touched rows of the weight and of the
-optimizer state in place, as FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` does.
+whole table, nor a sparse gradient for an optimizer to coalesce: it takes one gradient per
+looked-up ID's bag, sums each distinct row's gradients in the order its IDs occur, and
+updates the touched rows of the weight and of the optimizer state in place, as FBGEMM's
+``SplitTableBatchedEmbeddingBagsCodegen`` does. Three implementations share these
+semantics: on the CPU a compiled loop (``cpu_tbe``) for SGD and row-wise Adagrad; torch
+ops (a stable sort and a CSR incidence product) for Adam and for the sharded trainer's
+hooks, which need the sorted rows; Triton kernels (``triton_tbe``) on CUDA.
 
 Why this order: each row's gradient is then the sum of its IDs' gradients in the order
 of (table, sample, position in the bag), whatever the thread count and whichever
