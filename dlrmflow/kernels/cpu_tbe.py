@@ -112,7 +112,7 @@ _EMPTY_SCALE = np.zeros(0, np.float32)
 
 
 def supports(weight: torch.Tensor) -> bool:
-    """Whether the compiled step can update ``weight`` (a contiguous float32 CPU tensor)."""
+    """Whether the compiled step can update ``weight`` (a float32 CPU tensor)."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 

@@ -302,33 +302,28 @@ class TableBatchedEmbeddingBag(nn.Module):
 
         return triton_tbe.available()
 
-    def _fused_on_triton(self) -> bool:
-        """The fused Triton backward covers SGD and row-wise Adagrad without the sharded
-        trainer's hooks; the rest stays on the torch ops, which run on CUDA too."""
+    def _fusable(self) -> bool:
+        """Whether a fused kernel can reduce and update in one go: they cover SGD and
+        row-wise Adagrad without the sharded trainer's hooks (which need the sorted rows
+        the torch ops build); the rest stays on the torch ops, which run on CUDA too."""
         return (
-            self._on_triton()
-            and not isinstance(self.optimizer, Adam)
+            not isinstance(self.optimizer, Adam)
             and self.gradient_hook is None
             and self.square_sum_hook is None
         )
 
+    def _fused_on_triton(self) -> bool:
+        return self._on_triton() and self._fusable()
+
     def _fused_on_cpu(self) -> bool:
-        """The compiled CPU step covers SGD and row-wise Adagrad without the sharded
-        trainer's hooks (which need the sorted rows the torch path builds)."""
-        return (
-            cpu_tbe.supports(self.weight)
-            and not isinstance(self.optimizer, Adam)
-            and self.gradient_hook is None
-            and self.square_sum_hook is None
-        )
+        return cpu_tbe.supports(self.weight) and self._fusable()
 
     def _cpu_jagged(self, kjt: KeyedJaggedTensor) -> bool:
         """Jagged IDs on the CPU: rows and bag positions come from one compiled pass."""
         return cpu_tbe.supports(self.weight) and kjt.values.device.type == "cpu"
 
-    def _row_state(self, group: _Group) -> torch.Tensor | None:
-        if not isinstance(self.optimizer, RowWiseAdagrad):
-            return None
+    def _row_state(self, group: _Group) -> torch.Tensor:
+        """Row-wise Adagrad's sums of squares of the group's rows (a view)."""
         return self.sum_squares[group.first_row : group.first_row + group.num_rows]
 
     def _cpu_scratch(self) -> cpu_tbe.Scratch:
@@ -402,6 +397,7 @@ class TableBatchedEmbeddingBag(nn.Module):
             )
             if bad >= 0:
                 self._check_jagged(kjt)  # raises, naming the feature
+                raise IndexError(f"ID {int(kjt.values[first + bad])} is outside its table")
         else:
             ids = kjt.values[first:last] + self._local_start[keys].repeat_interleave(
                 per_key, output_size=n_ids
@@ -443,15 +439,16 @@ class TableBatchedEmbeddingBag(nn.Module):
                 scale = lookup.weights if scale is None else scale * lookup.weights
             if self._fused_on_cpu():
                 # One compiled pass reduces by row and updates (``cpu_tbe``).
+                rowwise = isinstance(self.optimizer, RowWiseAdagrad)
                 cpu_tbe.fused_step(
                     self._view(self.weight, group),
-                    self._row_state(group),
+                    self._row_state(group) if rowwise else None,
                     self._cpu_scratch(),
                     lookup.ids,
                     bag_grads,
                     lookup.positions,
                     scale,
-                    rowwise_adagrad=isinstance(self.optimizer, RowWiseAdagrad),
+                    rowwise_adagrad=rowwise,
                     lr=self.lr,
                     weight_decay=self.optimizer.weight_decay,
                     eps=getattr(self.optimizer, "eps", 0.0),
@@ -495,7 +492,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         elif isinstance(opt, RowWiseAdagrad):
             if opt.weight_decay:
                 grads = grads.add(w, alpha=opt.weight_decay)
-            state = self.sum_squares[group.first_row : group.first_row + group.num_rows]
+            state = self._row_state(group)
             if self.square_sum_hook is None:
                 mean_square = grads.square().mean(1)
             else:
