@@ -277,13 +277,11 @@ class BatchTransform:
         Types are checked here too (once per schema), so unvalidated input can give wrong
         values but never a crash deep in numpy or a row outside its table.
         """
-        layout = self._layout_of(data.schema)
+        layout, columns, lengths = self._read(data)
         n = data.num_rows
         if n == 0:
             return self._empty()
-        columns = [_chunks(c) for c in data.columns]  # one call; a lookup by name costs ~1 us
-        lengths = _aligned([columns[i] for i in layout.used])
-        if layout.compiled and lengths is not None:
+        if lengths is not None:
             return self._compiled(columns, layout, lengths, np.arange(n))
         sparse_columns = [columns[i] for i in layout.sparse]
         if layout.one_hot:
@@ -324,12 +322,20 @@ class BatchTransform:
         except pa.ArrowInvalid:  # schemas differ: transformed one by one below
             table = None
         if table is not None and n:
-            layout = self._layout_of(table.schema)
-            columns = [_chunks(c) for c in table.columns]
-            lengths = _aligned([columns[i] for i in layout.used])
-            if layout.compiled and lengths is not None:
+            layout, columns, lengths = self._read(table)
+            if lengths is not None:
                 return self._compiled(columns, layout, lengths, dest)
         return Batch.concat([self(t) for t in tables]).take(order)
+
+    def _read(
+        self, data: pa.Table | pa.RecordBatch
+    ) -> tuple[_Layout, list[list[pa.Array]], list[int] | None]:
+        """``data``'s layout, its columns' chunks, and the chunk lengths when the compiled
+        path applies (its columns are chunked alike), else None."""
+        layout = self._layout_of(data.schema)
+        columns = [_chunks(c) for c in data.columns]  # one call; a lookup by name costs ~1 us
+        lengths = _aligned([columns[i] for i in layout.used]) if layout.compiled else None
+        return layout, columns, lengths
 
     def _layout_of(self, schema: pa.Schema) -> _Layout:
         layout = self._layout

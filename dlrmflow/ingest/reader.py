@@ -441,7 +441,7 @@ class _TransformedBlocks:
     ) -> list[Block]:
         if self.window is None:
             blocks = [self.make(s, t) for s, t in zip(splits, tables, strict=True)]
-            block = blocks[0] if len(blocks) == 1 else type(blocks[0]).concat(blocks)
+            block = blocks[0] if len(blocks) == 1 else self.join_batches(blocks)
             return [block.take(order[a:b]) for a, b in pieces]
         try:
             block = self.window(tables, order)
