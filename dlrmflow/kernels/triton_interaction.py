@@ -33,8 +33,42 @@ __all__ = ["available", "dot_interaction"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# Bound to the compiled ``_load_vectors`` by ``_kernels``, which the kernels call.
+_vectors = None
+
 # tl.dot takes no side under 16.
 _MIN_BLOCK = 16
+
+
+def _load_vectors(
+    dense_ptr,
+    dense_stride0,
+    dense_stride1,
+    pooled_ptr,
+    pooled_stride0,
+    pooled_stride1,
+    pooled_stride2,
+    sample,
+    i,
+    c,
+    N_VECTORS: tl.constexpr,
+    DIM: tl.constexpr,
+):
+    """Sample ``sample``'s dense row and its ``V = [dense, pooled]`` in float32, zero-padded
+    to the block (row ``i`` of ``V``, column ``c``): what both kernels start from."""
+    dense = tl.load(
+        dense_ptr + sample * dense_stride0 + c * dense_stride1, mask=c < DIM, other=0.0
+    ).to(tl.float32)
+    pooled = tl.load(
+        pooled_ptr
+        + sample * pooled_stride0
+        + (i[:, None] - 1) * pooled_stride1
+        + c[None, :] * pooled_stride2,
+        mask=(i[:, None] >= 1) & (i[:, None] < N_VECTORS) & (c[None, :] < DIM),
+        other=0.0,
+    ).to(tl.float32)
+    vectors = tl.where(i[:, None] == 0, dense[None, :], pooled)
+    return dense, vectors
 
 
 def _forward_kernel(
@@ -55,18 +89,20 @@ def _forward_kernel(
     sample = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_D)
-    dense = tl.load(
-        dense_ptr + sample * dense_stride0 + c * dense_stride1, mask=c < DIM, other=0.0
-    ).to(tl.float32)
-    pooled = tl.load(
-        pooled_ptr
-        + sample * pooled_stride0
-        + (i[:, None] - 1) * pooled_stride1
-        + c[None, :] * pooled_stride2,
-        mask=(i[:, None] >= 1) & (i[:, None] < N_VECTORS) & (c[None, :] < DIM),
-        other=0.0,
-    ).to(tl.float32)
-    vectors = tl.where(i[:, None] == 0, dense[None, :], pooled)
+    dense, vectors = _vectors(
+        dense_ptr,
+        dense_stride0,
+        dense_stride1,
+        pooled_ptr,
+        pooled_stride0,
+        pooled_stride1,
+        pooled_stride2,
+        sample,
+        i,
+        c,
+        N_VECTORS,
+        DIM,
+    )
     gram = tl.dot(vectors, tl.trans(vectors), input_precision="ieee")
     out = out_ptr + sample * out_stride0
     tl.store(out + c, dense, mask=c < DIM)
@@ -97,18 +133,20 @@ def _backward_kernel(
     sample = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_D)
-    dense = tl.load(
-        dense_ptr + sample * dense_stride0 + c * dense_stride1, mask=c < DIM, other=0.0
-    ).to(tl.float32)
-    pooled = tl.load(
-        pooled_ptr
-        + sample * pooled_stride0
-        + (i[:, None] - 1) * pooled_stride1
-        + c[None, :] * pooled_stride2,
-        mask=(i[:, None] >= 1) & (i[:, None] < N_VECTORS) & (c[None, :] < DIM),
-        other=0.0,
-    ).to(tl.float32)
-    vectors = tl.where(i[:, None] == 0, dense[None, :], pooled)
+    dense, vectors = _vectors(
+        dense_ptr,
+        dense_stride0,
+        dense_stride1,
+        pooled_ptr,
+        pooled_stride0,
+        pooled_stride1,
+        pooled_stride2,
+        sample,
+        i,
+        c,
+        N_VECTORS,
+        DIM,
+    )
     # S[i, j] = S[j, i] = the gradient of output pair (max, min); zero on the diagonal.
     j = tl.arange(0, BLOCK_N)
     high = tl.maximum(i[:, None], j[None, :])
@@ -138,10 +176,11 @@ def _backward_kernel(
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """The kernels, compiled by ``triton.jit`` on first use (see ``triton_tbe._kernels``)."""
-    global tl
+    global tl, _vectors
     import triton
     import triton.language as tl
 
+    _vectors = triton.jit(_load_vectors)  # the kernels call it by this global name
     return SimpleNamespace(
         forward=triton.jit(_forward_kernel), backward=triton.jit(_backward_kernel)
     )
