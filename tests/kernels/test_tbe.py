@@ -12,6 +12,7 @@ from dlrmflow.kernels.tbe import (
     RowWiseAdagrad,
     TableBatchedEmbeddingBag,
 )
+from tests.kernels.batches import random_jagged, random_one_hot
 
 # Different dims (two runs of dim 4 around a dim-2 table, so three weight groups), both
 # poolings, and tables small enough that a batch repeats IDs.
@@ -25,29 +26,11 @@ BATCH = 6
 
 
 def _jagged(seed: int, tables=TABLES, batch=BATCH, max_len=3, weighted=False):
-    """A key-major batch with empty bags and duplicate IDs."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, max_len + 1, (len(tables) * batch,), generator=gen)
-    lengths[0] = 0  # at least one empty bag
-    per_key = lengths.view(len(tables), batch).sum(1).tolist()
-    values = torch.cat(
-        [
-            torch.randint(0, t.num_embeddings, (n,), generator=gen)
-            for t, n in zip(tables, per_key, strict=True)
-        ]
-    )
-    weights = torch.rand(values.numel(), generator=gen) if weighted else None
-    names = [t.name for t in tables]
-    return KeyedJaggedTensor(names, values, lengths.to(torch.int32), weights)
+    return random_jagged(seed, tables, batch, max_len, weighted)
 
 
 def _one_hot(seed: int, tables=TABLES, batch=BATCH):
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.stack(
-        [torch.randint(0, t.num_embeddings, (batch,), generator=gen) for t in tables], 1
-    )
-    rows[torch.rand(rows.shape, generator=gen) < 0.2] = -1
-    return KeyedJaggedTensor.from_one_hot([t.name for t in tables], rows)
+    return random_one_hot(seed, tables, batch)
 
 
 def _reference_bags(tbe: TableBatchedEmbeddingBag, sparse: bool) -> nn.ModuleList:

@@ -10,6 +10,7 @@ from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.train.model import DLRM
+from tests.kernels.batches import random_jagged, random_one_hot
 
 # Three groups of dims (4, 2, 4) and a mean-pooled table, as in the TBE's tests.
 TABLES = [
@@ -36,26 +37,11 @@ def one_thread():
 
 
 def _jagged(seed: int, tables=TABLES, batch=BATCH, max_len=3, weighted=False):
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, max_len + 1, (len(tables) * batch,), generator=gen)
-    per_key = lengths.view(len(tables), batch).sum(1).tolist()
-    values = torch.cat(
-        [
-            torch.randint(0, t.num_embeddings, (n,), generator=gen)
-            for t, n in zip(tables, per_key, strict=True)
-        ]
-    )
-    weights = torch.rand(values.numel(), generator=gen) if weighted else None
-    return KeyedJaggedTensor([t.name for t in tables], values, lengths.to(torch.int32), weights)
+    return random_jagged(seed, tables, batch, max_len, weighted)
 
 
 def _one_hot(seed: int, tables=TABLES, batch=BATCH):
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.stack(
-        [torch.randint(0, t.num_embeddings, (batch,), generator=gen) for t in tables], 1
-    )
-    rows[torch.rand(rows.shape, generator=gen) < 0.2] = -1
-    return KeyedJaggedTensor.from_one_hot([t.name for t in tables], rows)
+    return random_one_hot(seed, tables, batch)
 
 
 def _distinct_rows(kjt: KeyedJaggedTensor) -> int:
