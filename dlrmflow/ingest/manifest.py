@@ -62,13 +62,18 @@ def join_url(root: str, *parts: str) -> str:
     return posixpath.join(root.rstrip("/"), *parts)
 
 
-def write_manifest(root: str, manifest: Manifest) -> str:
-    """Write ``manifest.json`` under ``root``; returns its URL."""
-    url = join_url(root, MANIFEST_NAME)
+def write_json(root: str, name: str, data: object) -> str:
+    """Write ``data`` as indented JSON to file ``name`` under ``root``; returns its URL."""
+    url = join_url(root, name)
     with fsspec.open(url, "w") as f:
-        json.dump(manifest.model_dump(by_alias=True), f, indent=2)
+        json.dump(data, f, indent=2)
         f.write("\n")
     return url
+
+
+def write_manifest(root: str, manifest: Manifest) -> str:
+    """Write ``manifest.json`` under ``root``; returns its URL."""
+    return write_json(root, MANIFEST_NAME, manifest.model_dump(by_alias=True))
 
 
 def read_manifest(root: str) -> Manifest:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dlrmflow.ingest.manifest import Manifest, join_url, read_manifest
+from dlrmflow.ingest.manifest import Manifest, join_url, read_manifest, write_json
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema
 
@@ -142,11 +142,7 @@ def dataset_stats(url: str, manifest: Manifest | None = None) -> DatasetStats:
 
 def write_stats(root: str, stats: DatasetStats) -> str:
     """Write ``stats.json`` beside the dataset's manifest; returns its URL."""
-    url = join_url(root, STATS_NAME)
-    with fsspec.open(url, "w") as f:
-        json.dump(stats.to_dict(), f, indent=2)
-        f.write("\n")
-    return url
+    return write_json(root, STATS_NAME, stats.to_dict())
 
 
 def read_stats(root: str) -> DatasetStats:
