@@ -227,6 +227,8 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
             continue
         try:
             found.append(CheckpointInfo(path, json.loads(manifest_path.read_text())))
+        except FileNotFoundError:
+            continue  # pruned (by the training run's rank 0) while this listing ran
         except json.JSONDecodeError:
             warnings.warn(f"{manifest_path}: unreadable manifest; checkpoint skipped", stacklevel=2)
     return sorted(found, key=lambda c: c.step)

@@ -318,9 +318,13 @@ def train(
         with metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    # The newest checkpoint of this run, tracked here rather than listed from the disk:
+    # every rank must take the same decisions, and rank 0 prunes while the others go on.
+    saved = {"step": state["step"], "path": resume_from.path if resume_from else None}
+
     def checkpoint(loader_state: dict) -> None:
         state["seconds"] = elapsed_before + time.perf_counter() - start_time
-        save_checkpoint(
+        saved["path"] = save_checkpoint(
             run_dir,
             model=model,
             optimizer=optimizer,
@@ -331,6 +335,7 @@ def train(
             plan=plan.to_dict() if plan is not None else None,
             metrics=dict(last_eval),
         )
+        saved["step"] = state["step"]
         if rank0:
             prune_checkpoints(run_dir, config.train.keep_checkpoints)
 
@@ -382,8 +387,7 @@ def train(
         model.embeddings.flush()
     if state["step"] == 0:
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
-    latest = list_checkpoints(run_dir)
-    if not latest or latest[-1].step != state["step"]:
+    if saved["path"] is None or saved["step"] != state["step"]:
         checkpoint(loader.state_dict())
     seconds = time.perf_counter() - start_time
     rows_here = state["rows"] - (resume_from.manifest["progress"]["rows"] if resume_from else 0)
@@ -393,7 +397,7 @@ def train(
         seconds=seconds,
         samples_per_s=rows_here / seconds,
         final_loss=state["loss"] if state["loss"] is not None else float("nan"),
-        checkpoint=str(list_checkpoints(run_dir)[-1].path),
+        checkpoint=str(saved["path"]),
         world_size=env.world_size,
         data_wait_s=loader.wait_seconds,
         comm_bytes_per_step=(

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -251,3 +252,23 @@ def test_resume_from_a_path_that_is_no_checkpoint_fails_clearly(
     cfg.train.resume = str(tmp_path / "nowhere" / "step_000000004")
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         train(cfg)
+
+
+def test_listing_skips_a_checkpoint_pruned_while_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 prunes old checkpoints while the other ranks go on: a listing that meets a
+    directory removed between finding it and reading its manifest passes it by."""
+    for step in (4, 8, 12):
+        path = tmp_path / "checkpoints" / f"step_{step:09d}"
+        path.mkdir(parents=True)
+        (path / "manifest.json").write_text(json.dumps({"step": step}))
+    real_read = Path.read_text
+
+    def pruned_first(path: Path, *args, **kwargs) -> str:
+        if path.parent.name == "step_000000004":
+            shutil.rmtree(path.parent)
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", pruned_first)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [8, 12]
