@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from dlrmflow.config import ConfigError, RunConfig, apply_overrides, load_config
+from dlrmflow.memory import tune_allocator
 
 app = typer.Typer(
     help="Train DLRM recommendation models end to end: Parquet -> features -> DLRM -> eval.",
@@ -376,11 +377,14 @@ def bench_ingest(
 def bench_kernels(
     json_out: JsonOpt = None,
     quick: QuickOpt = False,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Rounds per comparison; each side's best time counts.")
+    ] = 10,
 ) -> None:
     """TBE training steps and the fused interaction against plain torch ops and optimizers."""
     from dlrmflow.bench.kernels import run_kernel_benchmark
 
-    result = run_kernel_benchmark(quick=quick)
+    result = run_kernel_benchmark(quick=quick, repeats=repeats)
     _emit_benchmark(result, json_out)
 
 
@@ -490,6 +494,7 @@ def bench_train(
 def main() -> None:
     """Entry point: turns expected failures (bad config, bad data) into one-line errors."""
     try:
+        tune_allocator()
         app()
     except (ValueError, FileNotFoundError) as e:
         # Bad configuration or bad data: the message names the key, file, row group or

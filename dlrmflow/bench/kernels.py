@@ -177,7 +177,7 @@ def run_kernel_benchmark(
     batch_size: int = 4096,
     dims: Sequence[int] = (64, 128),
     rows_per_table: int = 200_000,
-    repeats: int = 3,
+    repeats: int = 10,
     quick: bool = False,
 ) -> dict[str, object]:
     """Time TBE steps and the interaction against plain torch; return the JSON record.

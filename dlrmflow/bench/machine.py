@@ -8,6 +8,8 @@ import platform
 import pyarrow
 import torch
 
+from dlrmflow.memory import applied_threshold
+
 
 def describe_machine() -> dict[str, object]:
     cpu = platform.processor() or "unknown"
@@ -27,4 +29,6 @@ def describe_machine() -> dict[str, object]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "pyarrow": pyarrow.__version__,
+        # Both sides of every comparison run in this one process, under this setting.
+        "malloc_mmap_threshold": applied_threshold(),
     }

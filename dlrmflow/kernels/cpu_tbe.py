@@ -12,12 +12,24 @@ Three passes over one group's looked-up IDs, each a plain loop:
 
 The torch path (sort, CSR product, index_select/index_copy) makes several passes over
 every ID and gradient and builds the sorted rows the sharded trainer's hooks need; this
-one touches each ID twice and each distinct row once. It runs on one thread, so the
-result is the same whatever the thread count (the tests check it bitwise against itself
-at 1 and 2 threads and against the torch path within float tolerance).
+one touches each ID twice and each distinct row once.
+
+Passes 2 and 3 are split over torch's intra-op threads by row: thread ``t`` of ``T``
+sums and updates the rows whose slot is ``t`` modulo ``T``, so no two threads touch one
+row and each row's arithmetic is the same whatever ``T`` is: the result is bitwise the
+same at any thread count (the tests check it bitwise at 1, 2 and 3 threads, and against
+the torch path within float tolerance). The threads are a small pool of Python
+threads running the compiled loops without the GIL, not numba's parallel mode, whose
+default thread layer refuses calls from two threads at once (the readers make such
+calls). Most of the time goes to fetching weight rows scattered over a table far larger
+than the caches; two threads keep twice as many of those fetches in flight.
 """
 
 from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -27,22 +39,43 @@ _SGD, _ROWWISE_ADAGRAD = 0, 1
 
 
 @numba.njit(nogil=True, cache=True)
-def _assign_slots(ids: np.ndarray, slot: np.ndarray, rows: np.ndarray, where: np.ndarray) -> int:
+def _assign_slots(
+    ids: np.ndarray,
+    slot: np.ndarray,
+    rows: np.ndarray,
+    where: np.ndarray,
+    parts: int,
+    owner: np.ndarray,
+    mine: np.ndarray,
+    counts: np.ndarray,
+) -> int:
     """Pass 1: a slot per distinct row in order of first occurrence; returns their count.
 
     ``rows[j]`` is slot ``j``'s row; ``where[i]`` is occurrence ``i``'s slot, negated
     minus one for a row's first occurrence (so pass 2 reads no per-row scratch at all).
+    With ``parts > 1``, slot ``j`` belongs to part ``j % parts`` (``owner[j]``) and each
+    part's occurrences are listed in input order: ``mine[p, :counts[p]]``.
     """
     unique = 0
+    turn = 0
     for i in range(ids.shape[0]):
         r = ids[i]
-        if slot[r] < 0:
-            slot[r] = unique
-            rows[unique] = r
-            where[i] = -unique - 1
+        j = slot[r]
+        if j < 0:
+            j = unique
+            slot[r] = j
+            rows[j] = r
+            where[i] = -j - 1
             unique += 1
+            if parts > 1:
+                owner[j] = turn
+                turn = turn + 1 if turn + 1 < parts else 0
         else:
-            where[i] = slot[r]
+            where[i] = j
+        if parts > 1:
+            p = owner[j]
+            mine[p, counts[p]] = i
+            counts[p] += 1
     return unique
 
 
@@ -62,8 +95,16 @@ def _reduce_and_update(
     lr: float,
     weight_decay: float,
     eps: float,
+    part: int,
+    parts: int,
+    mine: np.ndarray,
 ) -> None:
-    """Passes 2 and 3: sum each row's gradients into ``acc``, then update the rows.
+    """Passes 2 and 3 for the slots ``j`` with ``j % parts == part``.
+
+    Sums each such row's gradients into ``acc``, then updates those rows. The slots of
+    different parts are distinct rows, so the parts can run at once on several threads,
+    and each row's result is the same whatever ``parts`` is. ``mine`` lists the part's
+    occurrences (pass 1's ``mine[part, :counts[part]]``); with one part, it is unused.
 
     ``bags[i]`` is the row of ``grads`` occurrence ``i`` pooled into (empty: ``i``);
     ``scale[i]`` multiplies its gradient (empty: 1). A row's first occurrence stores
@@ -71,22 +112,16 @@ def _reduce_and_update(
     ``where`` is pass 1's slot of each occurrence.
     ``state`` is the row-wise Adagrad sum of squares (unused for SGD).
     """
-    dim = grads.shape[1]
-    has_bags, has_scale = bags.shape[0] != 0, scale.shape[0] != 0
-    for i in range(where.shape[0]):
-        j = where[i]
-        target = acc[j if j >= 0 else -j - 1]
-        source = grads[bags[i] if has_bags else i]
-        c = scale[i] if has_scale else np.float32(1)
-        if j < 0:
-            for d in range(dim):
-                target[d] = c * source[d]
-        else:
-            for d in range(dim):
-                target[d] += c * source[d]
+    every = parts == 1
+    if bags.shape[0] == 0 and scale.shape[0] == 0:
+        _accumulate_one_to_one(where, grads, acc, every, mine)
+    else:
+        _accumulate_pooled(where, bags, scale, grads, acc, every, mine)
     step = np.float32(lr)
     decay = np.float32(weight_decay)
-    for j in range(unique):
+    epsilon = np.float32(eps)
+    dim = acc.shape[1]
+    for j in range(part, unique, parts):
         r = rows[j]
         slot[r] = -1
         w, g = weight[r], acc[j]
@@ -97,18 +132,87 @@ def _reduce_and_update(
             for d in range(dim):
                 w[d] -= step * g[d]
         else:
-            square = np.float32(0)
-            for d in range(dim):
-                square += g[d] * g[d]
-            s = state[r] + square / np.float32(dim)
+            s = state[r] + _square_sum(g) / np.float32(dim)
             state[r] = s
-            denominator = np.sqrt(s) + np.float32(eps)
+            denominator = np.sqrt(s) + epsilon
             for d in range(dim):
                 w[d] -= step * (g[d] / denominator)
 
 
+@numba.njit(nogil=True, cache=True)
+def _accumulate_one_to_one(
+    where: np.ndarray, grads: np.ndarray, acc: np.ndarray, every: bool, mine: np.ndarray
+) -> None:
+    """Pass 2 when occurrence ``i``'s gradient is ``grads[i]`` (one-hot bags, unscaled)."""
+    dim = grads.shape[1]
+    for k in range(where.shape[0] if every else mine.shape[0]):
+        i = k if every else mine[k]
+        j = where[i]
+        target, source = acc[j if j >= 0 else -j - 1], grads[i]
+        if j < 0:
+            for d in range(dim):
+                target[d] = source[d]
+        else:
+            for d in range(dim):
+                target[d] += source[d]
+
+
+@numba.njit(nogil=True, cache=True)
+def _accumulate_pooled(
+    where: np.ndarray,
+    bags: np.ndarray,
+    scale: np.ndarray,
+    grads: np.ndarray,
+    acc: np.ndarray,
+    every: bool,
+    mine: np.ndarray,
+) -> None:
+    """Pass 2 in general: occurrence ``i``'s gradient is its bag's, times its scale."""
+    dim = grads.shape[1]
+    has_bags, has_scale = bags.shape[0] != 0, scale.shape[0] != 0
+    for k in range(where.shape[0] if every else mine.shape[0]):
+        i = k if every else mine[k]
+        j = where[i]
+        target = acc[j if j >= 0 else -j - 1]
+        source = grads[bags[i] if has_bags else i]
+        c = scale[i] if has_scale else np.float32(1)
+        if j < 0:
+            for d in range(dim):
+                target[d] = c * source[d]
+        else:
+            for d in range(dim):
+                target[d] += c * source[d]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _square_sum(g: np.ndarray) -> np.float32:
+    """Sum of ``g[d]**2`` in a fixed order: eight interleaved partial sums, then a tree.
+
+    One running sum is a chain of dependent adds the compiler may not reorder (that would
+    change the result); eight independent ones keep the vector units busy, and the order
+    is still fixed, so the result is the same on every run and thread count.
+    """
+    dim = g.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0)
+    full = dim - dim % 8
+    for b in range(0, full, 8):
+        s0 += g[b] * g[b]
+        s1 += g[b + 1] * g[b + 1]
+        s2 += g[b + 2] * g[b + 2]
+        s3 += g[b + 3] * g[b + 3]
+        s4 += g[b + 4] * g[b + 4]
+        s5 += g[b + 5] * g[b + 5]
+        s6 += g[b + 6] * g[b + 6]
+        s7 += g[b + 7] * g[b + 7]
+    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for d in range(full, dim):
+        total += g[d] * g[d]
+    return total
+
+
 _EMPTY_INDEX = np.zeros(0, np.int64)
 _EMPTY_SCALE = np.zeros(0, np.float32)
+_NO_PARTS = np.zeros(0, np.int32)
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -159,9 +263,18 @@ def fused_step(
     if n == 0:
         return
     slot = scratch.slot[: weight.shape[0]]
+    parts = _parts(n * weight.shape[1])
     rows, where = np.empty(n, np.int64), np.empty(n, np.int64)
-    unique = _assign_slots(ids.numpy(), slot, rows, where)
-    _reduce_and_update(
+    if parts == 1:
+        owner, mine, counts = _NO_PARTS, _NO_PARTS.reshape(1, 0), _NO_PARTS
+    else:
+        owner, mine, counts = (
+            np.empty(n, np.int32),
+            np.empty((parts, n), np.int32),
+            np.zeros(parts, np.int64),
+        )
+    unique = _assign_slots(ids.numpy(), slot, rows, where, parts, owner, mine, counts)
+    arguments = (
         where,
         rows,
         unique,
@@ -177,6 +290,41 @@ def fused_step(
         weight_decay,
         eps,
     )
+    if parts == 1:
+        _reduce_and_update(*arguments, 0, 1, _NO_PARTS)
+        return
+    pool = _helpers(parts - 1)
+    helpers = [
+        pool.submit(_reduce_and_update, *arguments, p, parts, mine[p, : counts[p]])
+        for p in range(1, parts)
+    ]
+    _reduce_and_update(*arguments, 0, parts, mine[0, : counts[0]])
+    for helper in helpers:
+        helper.result()
+
+
+# Below this many gradient elements (IDs x dim) a step stays on one thread: handing work
+# to another costs tens of microseconds.
+_MIN_SPLIT = 1 << 16
+
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_pool_lock = threading.Lock()
+
+
+def _parts(elements: int) -> int:
+    """How many threads share a step: torch's intra-op thread count, for large steps."""
+    return 1 if elements < _MIN_SPLIT else max(1, torch.get_num_threads())
+
+
+def _helpers(workers: int) -> ThreadPoolExecutor:
+    """The threads that run a step's other parts; made again after a fork or to grow."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] < workers:
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)
+            _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, "dlrmflow-tbe"))
+        return _pool[2]
 
 
 @numba.njit(nogil=True, cache=True)

@@ -15,6 +15,7 @@ import os
 import sys
 
 from dlrmflow.config import ConfigError, load_config
+from dlrmflow.memory import tune_allocator
 from dlrmflow.train.evaluate import evaluate
 from dlrmflow.train.trainer import train
 
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="with --evaluate: the dataset URL")
     parser.add_argument("--max-rows", type=int, help="with --evaluate: rows to score at most")
     args = parser.parse_args(argv)
+    try:
+        tune_allocator()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.evaluate is not None:
         return _run(
             lambda: evaluate(

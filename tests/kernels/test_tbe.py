@@ -6,6 +6,7 @@ from torch import nn
 
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
+from dlrmflow.kernels import cpu_tbe
 from dlrmflow.kernels.tbe import (
     SGD,
     Adam,
@@ -230,7 +231,10 @@ def _train_big(optimizer, threads: int) -> torch.Tensor:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("optimizer", [RowWiseAdagrad(lr=0.1), Adam(lr=0.01, weight_decay=0.1)])
+@pytest.mark.parametrize(
+    "optimizer",
+    [SGD(0.1, weight_decay=0.1), RowWiseAdagrad(lr=0.1), Adam(lr=0.01, weight_decay=0.1)],
+)
 def test_bitwise_identical_across_runs_and_thread_counts(optimizer):
     one = _train_big(optimizer, threads=1)
     assert torch.equal(one, _train_big(optimizer, threads=1))
@@ -307,6 +311,25 @@ def test_compiled_cpu_step_matches_the_torch_ops_path(optimizer, form):
         torch.testing.assert_close(compiled.sum_squares, torch_ops.sum_squares)
     # The per-row scratch is back to "no slot" after every step.
     assert compiled._scratch is not None and (compiled._scratch.slot == -1).all()
+
+
+@pytest.mark.parametrize("optimizer", [SGD(0.2, weight_decay=0.1), RowWiseAdagrad(0.2, 1e-6, 0.05)])
+@pytest.mark.parametrize("form", ["jagged", "one_hot"])
+def test_compiled_step_split_over_threads_is_bitwise_the_same(optimizer, form, monkeypatch):
+    # However many threads share a step (each takes every parts-th distinct row), every
+    # row's sum and update is computed alike: the weights are bitwise those of one thread.
+    def train(parts: int) -> torch.Tensor:
+        monkeypatch.setattr(cpu_tbe, "_parts", lambda elements: parts)
+        tbe = TableBatchedEmbeddingBag(TABLES, optimizer, seed=5)
+        for step in range(4):
+            kjt = _one_hot(step) if form == "one_hot" else _jagged(step)
+            tbe(kjt).backward(_grad_out(step, tbe, kjt.stride))
+        assert (tbe._scratch.slot == -1).all()
+        return torch.cat([b.flatten().float() for b in tbe.state_dict().values()])
+
+    one = train(1)
+    assert torch.equal(one, train(3))
+    assert torch.equal(one, train(2))
 
 
 def test_out_of_range_jagged_id_is_named_on_the_compiled_path():
