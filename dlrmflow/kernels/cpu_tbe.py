@@ -343,9 +343,12 @@ def fused_step(
     _in_parts(_reduce_and_update, calls)
 
 
-# Below this many gradient elements (IDs x dim) a step stays on one thread: handing work
-# to another costs tens of microseconds.
-_MIN_SPLIT = 1 << 16
+# Below this many gradient elements (IDs x dim: 16 MB of float32) a step stays on one
+# thread. Handing part of a step to another thread costs tens of microseconds, and that
+# thread competes with the readers and torch's own workers: the one-process demo (dim 16,
+# batch 2048: 0.85M elements a step) showed no gain from splitting, while the kernel
+# benchmark's steps (6.8M elements and up) run faster split.
+_MIN_SPLIT = 1 << 22
 
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
 _pool_lock = threading.Lock()
