@@ -187,6 +187,13 @@ def test_shuffle_window_permutes_rows_within_window(splits):
     assert np.array_equal(np.sort(head), np.sort(expected))
     assert not np.array_equal(head, expected)
     assert len({_split_of(i) for i in head[:100]}) > 1
+    # Rows are dealt to batches at random; a batch keeps them in the window's file order.
+    position = {int(r): p for p, r in enumerate(expected)}
+    inside = batches[: window_rows // 100]
+    assert len(inside) > 3
+    for batch in inside:
+        where = [position[int(r)] for r in _ids(batch)]
+        assert where == sorted(where) and where[-1] - where[0] > 100
 
 
 def _split_ids(split: Split, splits: list[Split]) -> np.ndarray:
