@@ -365,11 +365,14 @@ def bench_ingest(
     json_out: JsonOpt = None,
     rows: Annotated[int, typer.Option(help="Rows in the benchmark dataset.")] = 1_000_000,
     data: Annotated[str | None, typer.Option(help="Existing dataset URL to use.")] = None,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Runs per measurement; each side's best counts.")
+    ] = 5,
 ) -> None:
     """Reader + transform rows/s against plain pyarrow.parquet decode, at 1 and 2 workers."""
     from dlrmflow.bench.ingest import run_ingest_benchmark
 
-    result = run_ingest_benchmark(rows=rows, data_url=data)
+    result = run_ingest_benchmark(rows=rows, data_url=data, repeats=repeats)
     _emit_benchmark(result, json_out)
 
 

@@ -86,7 +86,7 @@ def run_ingest_benchmark(
     data_url: str | None = None,
     workers: Sequence[int] = (1, 2),
     batch_size: int = 4096,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> dict[str, object]:
     """Measure rows/s of both sides at each worker count and return the JSON record."""
     with tempfile.TemporaryDirectory(prefix="dlrmflow-bench-") as tmp:
