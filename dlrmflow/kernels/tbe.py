@@ -271,7 +271,8 @@ class TableBatchedEmbeddingBag(nn.Module):
             raise ValueError(f"batch keys {kjt.keys} differ from the tables {self.names}")
         rows = kjt.one_hot_rows
         if rows is not None:
-            self._check_one_hot(rows)
+            if not self._cpu_one_hot(rows):  # the compiled pass checks the IDs as it goes
+                self._check_one_hot(rows)
             parts = [self._lookup_one_hot(g, rows) for g in self.groups]
         else:
             if kjt.weights is not None and bool(self._is_mean.any()):
@@ -317,6 +318,10 @@ class TableBatchedEmbeddingBag(nn.Module):
 
     def _fused_on_cpu(self) -> bool:
         return cpu_tbe.supports(self.weight) and self._fusable()
+
+    def _cpu_one_hot(self, rows: torch.Tensor) -> bool:
+        """One-hot IDs on the CPU: checked and turned into group rows in one compiled pass."""
+        return cpu_tbe.supports(self.weight) and rows.device.type == "cpu"
 
     def _cpu_jagged(self, kjt: KeyedJaggedTensor) -> bool:
         """Jagged IDs on the CPU: rows and bag positions come from one compiled pass."""
@@ -368,12 +373,26 @@ class TableBatchedEmbeddingBag(nn.Module):
     def _lookup_one_hot(self, group: _Group, rows: torch.Tensor) -> tuple[torch.Tensor, _Lookup]:
         n_keys = group.end_key - group.first_key
         keys = slice(group.first_key, group.end_key)
-        flat = rows[:, keys].reshape(-1)
-        present = flat >= 0
-        ids = (flat + self._local_start[keys].repeat(rows.shape[0])).masked_fill_(~present, 0)
+        if self._cpu_one_hot(rows):
+            ids, missing, bad = cpu_tbe.one_hot_ids(
+                rows, group.first_key, self._local_start[keys], self._sizes[keys]
+            )
+            if bad >= 0:
+                self._check_one_hot(rows)  # raises, naming the feature
+                sample, key = divmod(bad, n_keys)
+                raise IndexError(
+                    f"ID {int(rows[sample, group.first_key + key])} is outside its table"
+                )
+            present = (rows[:, keys] >= 0).reshape(-1) if missing else None
+        else:
+            flat = rows[:, keys].reshape(-1)
+            present = flat >= 0
+            ids = (flat + self._local_start[keys].repeat(rows.shape[0])).masked_fill_(~present, 0)
+            if bool(present.all()):
+                present = None
         gathered = self._view(self.weight, group).index_select(0, ids)
         positions = None
-        if not bool(present.all()):
+        if present is not None:
             gathered.masked_fill_(~present[:, None], 0.0)
             positions = present.nonzero().squeeze(1)
             ids = ids.index_select(0, positions)
