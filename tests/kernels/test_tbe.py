@@ -272,6 +272,10 @@ def test_bad_input_names_the_feature():
     rows[2, 2] = 5  # table "c" has 5 rows
     with pytest.raises(IndexError, match="'c'.*sample 2"):
         tbe(KeyedJaggedTensor.from_one_hot(kjt.keys, rows))
+    rows = _one_hot(0).one_hot_rows.clone()
+    rows[1, 0] = -2  # only -1 means missing
+    with pytest.raises(IndexError, match="'a'.*ID -2 of sample 1"):
+        tbe(KeyedJaggedTensor.from_one_hot(kjt.keys, rows))
     with pytest.raises(ValueError, match="keys"):
         tbe(KeyedJaggedTensor(["x"], kjt.values[:0], kjt.lengths[:BATCH] * 0))
     with pytest.raises(ValueError, match="sum pooling"):
