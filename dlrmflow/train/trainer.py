@@ -24,13 +24,14 @@ from dlrmflow.ingest.manifest import Manifest, read_manifest
 from dlrmflow.kernels.tiered import FILE_SUFFIX as TIERED_SUFFIX
 from dlrmflow.kernels.tiered import TieredEmbeddingBag, record_width
 from dlrmflow.train.checkpoint import (
+    CHECKPOINTS_DIR,
     MANIFEST_FILE,
     CheckpointInfo,
     latest_checkpoint,
-    list_checkpoints,
     prune_checkpoints,
     restore,
     save_checkpoint,
+    verify,
 )
 from dlrmflow.train.comms import CommStats
 from dlrmflow.train.data import IdMapper, fit_features, load_ids, make_train_loader
@@ -196,10 +197,14 @@ def _resume_point(config: RunConfig, run_dir: Path) -> CheckpointInfo | None:
     if config.train.resume == "auto":
         return latest_checkpoint(run_dir)
     path = Path(config.train.resume)
-    found = [c for c in list_checkpoints(path.parent) if c.path == path]
-    if not found:
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})")
-    return found[0]
+    info = CheckpointInfo(path, json.loads(manifest.read_text()))
+    problem = verify(info)
+    if problem is not None:
+        raise ValueError(f"{path}: corrupt checkpoint ({problem})")
+    return info
 
 
 def train(
@@ -318,9 +323,13 @@ def train(
         with metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    # The newest checkpoint of this run, tracked here rather than listed from the disk:
+    # The newest checkpoint in this run dir, tracked here rather than listed from the disk:
     # every rank must take the same decisions, and rank 0 prunes while the others go on.
-    saved = {"step": state["step"], "path": resume_from.path if resume_from else None}
+    # One resumed from elsewhere (``train.resume`` naming another run's) does not count.
+    own = resume_from is not None and (
+        resume_from.path.parent.resolve() == (run_dir / CHECKPOINTS_DIR).resolve()
+    )
+    saved = {"step": state["step"], "path": resume_from.path if own else None}
 
     def checkpoint(loader_state: dict) -> None:
         state["seconds"] = elapsed_before + time.perf_counter() - start_time

@@ -272,3 +272,15 @@ def test_listing_skips_a_checkpoint_pruned_while_it_runs(
 
     monkeypatch.setattr(Path, "read_text", pruned_first)
     assert [c.step for c in list_checkpoints(tmp_path)] == [8, 12]
+
+
+def test_resuming_from_another_runs_checkpoint_writes_one_of_its_own(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    train(tiny_run_config(tiny_dataset, tmp_path / "a", max_steps=4))
+    cfg = tiny_run_config(tiny_dataset, tmp_path / "b", max_steps=4)
+    cfg.train.resume = str(list_checkpoints(tmp_path / "a")[-1].path)
+    result = train(cfg)  # nothing left to train: it only records where it stands
+    assert result.resumed_from_step == 4
+    assert Path(result.checkpoint).parent == tmp_path / "b" / "checkpoints"
+    assert [c.step for c in list_checkpoints(tmp_path / "b")] == [4]
