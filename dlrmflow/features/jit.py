@@ -21,6 +21,8 @@ import numpy as np
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S32 = np.uint64(32)
+_LOW32 = np.uint64(0xFFFFFFFF)
+_FULL32 = np.uint64(1 << 32)
 _NO_MASK = np.zeros(0, np.bool_)
 
 
@@ -43,13 +45,20 @@ def masks(valid: Sequence[np.ndarray | None]) -> tuple[np.ndarray, ...]:
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _row(raw: np.uint64, salt: np.uint64, rows: np.uint64) -> np.uint64:
-    """The top 32 bits of ``stable_hash(raw, salt)``, range-reduced into ``[0, rows)``."""
+    """The top 32 bits of ``stable_hash(raw, salt)``, range-reduced into ``[0, rows)``.
+
+    ``(top * rows) >> 32`` for ``rows`` in ``[1, 2**32]``. Below ``2**32``, ``rows`` is
+    masked to 32 bits (a no-op there): the compiler then knows both factors fit in 32 bits
+    and multiplies with one fast 32x32->64 vector instruction instead of a 64-bit one
+    (measured ~17% off hashing 26 columns). ``rows == 2**32`` gives ``top`` itself.
+    """
     z = raw + salt
     z ^= z >> _S32
     z *= _M1
     z ^= z >> _S32
     z *= _M2
-    return ((z >> _S32) * rows) >> _S32
+    top = z >> _S32
+    return top if rows == _FULL32 else (top * (rows & _LOW32)) >> _S32
 
 
 @numba.njit(nogil=True, cache=True)
