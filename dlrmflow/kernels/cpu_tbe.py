@@ -17,8 +17,9 @@ one touches each ID twice and each distinct row once.
 Passes 2 and 3 are split over torch's intra-op threads by row: thread ``t`` of ``T``
 sums and updates the rows whose slot is ``t`` modulo ``T``, so no two threads touch one
 row and each row's arithmetic is the same whatever ``T`` is: the result is bitwise the
-same at any thread count (the tests check it bitwise at 1, 2 and 3 threads, and against
-the torch path within float tolerance). The threads are a small pool of Python
+same at any thread count (the tests check it bitwise split in 1, 2 and 3 parts, and
+against the torch path within float tolerance). Steps below 16 MB of gradients stay on
+one thread (see ``_MIN_SPLIT``). The threads are a small pool of Python
 threads running the compiled loops without the GIL, not numba's parallel mode, whose
 default thread layer refuses calls from two threads at once (the readers make such
 calls). Most of the time goes to fetching weight rows scattered over a table far larger
@@ -152,7 +153,8 @@ def _reduce_and_update(
     ``scale[i]`` multiplies its gradient (empty: 1). A row's first occurrence stores
     instead of adding, so ``acc`` (scratch, reused across steps) needs no zeroing.
     ``where`` is pass 1's slot of each occurrence.
-    ``state`` is the row-wise Adagrad sum of squares (unused for SGD).
+    ``state`` is the row-wise Adagrad sum of squares (unused for SGD). The update fetches
+    the weight rows ``ahead`` slots of this part early (0: none).
     """
     every = parts == 1
     if bags.shape[0] == 0 and scale.shape[0] == 0:
