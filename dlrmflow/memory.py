@@ -36,7 +36,7 @@ def tune_allocator() -> int | None:
     """Raise glibc's mmap and trim thresholds for this process; return the threshold set.
 
     None when left alone: not glibc, or ``DLRMFLOW_MMAP_THRESHOLD=0``. Idempotent; the
-    CLI and every rank of a training job call it at start-up. A value that is not a
+    CLI, every rank of a training job and ``train`` itself call it. A value that is not a
     non-negative integer raises a ValueError naming the variable.
     """
     global _applied

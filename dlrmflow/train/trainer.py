@@ -23,6 +23,7 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, read_manifest
 from dlrmflow.kernels.tiered import FILE_SUFFIX as TIERED_SUFFIX
 from dlrmflow.kernels.tiered import TieredEmbeddingBag, record_width
+from dlrmflow.memory import tune_allocator
 from dlrmflow.train.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
@@ -221,6 +222,7 @@ def train(
     flow show it); it must not be slow.
     """
     env = DistEnv.from_env()
+    tune_allocator()  # also when called outside the CLI (a Prefect worker, a notebook)
     init_distributed(config, env)
     rank0 = env.rank == 0
     run_dir = Path(config.run_dir)
