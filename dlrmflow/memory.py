@@ -19,7 +19,6 @@ glibc's defaults alone. Elsewhere than glibc (macOS, musl) nothing changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 ENV = "DLRMFLOW_MMAP_THRESHOLD"
@@ -67,14 +66,11 @@ def applied_threshold() -> int | None:
 
 
 def _glibc_mallopt():
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the process's own symbols: its C library's among them
         libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: no CDLL(None) on Windows
         return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

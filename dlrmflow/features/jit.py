@@ -102,10 +102,7 @@ def one_hot_rows(
             col, ok, salt, table_rows, part = ids[k], valid[k], salts[k], rows[k], scratch[k]
             for i in range(size):
                 part[i] = np.int64(_row(col[first + i], salt, table_rows))
-            if ok.shape[0] != 0:
-                for i in range(size):
-                    if not ok[first + i]:
-                        part[i] = -1
+            _fill_nulls(part, ok, first, size, -1)
         _transpose_into(scratch, size, out, dest[first:])
 
 
@@ -131,11 +128,17 @@ def dense_rows(
                 x = np.float32(col[first + i])
                 # ``x > 0`` is False for NaN, so NaN becomes 0 like a null.
                 part[i] = x if x > 0 else np.float32(0)
-            if ok.shape[0] != 0:
-                for i in range(size):
-                    if not ok[first + i]:
-                        part[i] = 0
+            _fill_nulls(part, ok, first, size, 0)
         _transpose_into(scratch, size, out, dest[first:])
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _fill_nulls(part: np.ndarray, valid: np.ndarray, first: int, size: int, value) -> None:
+    """``part[i] = value`` where slot ``first + i`` is null (``valid`` empty: none are)."""
+    if valid.shape[0] != 0:
+        for i in range(size):
+            if not valid[first + i]:
+                part[i] = value
 
 
 @numba.njit(nogil=True, cache=True, inline="always")

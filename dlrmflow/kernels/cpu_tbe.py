@@ -140,7 +140,6 @@ def _reduce_and_update(
     part: int,
     parts: int,
     mine: np.ndarray,
-    ahead: int = _AHEAD,
 ) -> None:
     """Passes 2 and 3 for the slots ``j`` with ``j % parts == part``.
 
@@ -153,8 +152,7 @@ def _reduce_and_update(
     ``scale[i]`` multiplies its gradient (empty: 1). A row's first occurrence stores
     instead of adding, so ``acc`` (scratch, reused across steps) needs no zeroing.
     ``where`` is pass 1's slot of each occurrence.
-    ``state`` is the row-wise Adagrad sum of squares (unused for SGD). The update fetches
-    the weight rows ``ahead`` slots of this part early (0: none).
+    ``state`` is the row-wise Adagrad sum of squares (unused for SGD).
     """
     every = parts == 1
     if bags.shape[0] == 0 and scale.shape[0] == 0:
@@ -165,9 +163,9 @@ def _reduce_and_update(
     decay = np.float32(weight_decay)
     epsilon = np.float32(eps)
     dim = acc.shape[1]
-    ahead *= parts  # this part's slots are every parts-th
+    ahead = _AHEAD * parts  # this part's slots are every parts-th
     for j in range(part, unique, parts):
-        if ahead and j + ahead < unique:
+        if j + ahead < unique:
             _prefetch_row(weight, rows[j + ahead])
             if kind != _SGD:
                 _prefetch(state.ctypes.data + rows[j + ahead] * state.itemsize)
@@ -373,14 +371,15 @@ def _helpers(workers: int) -> ThreadPoolExecutor:
         return _pool[2]
 
 
-def _in_parts(kernel, calls: list[tuple]) -> list:
-    """``[kernel(*c) for c in calls]``, the first on this thread and the rest on helpers."""
-    if len(calls) == 1:
-        return [kernel(*calls[0])]
-    pool = _helpers(len(calls) - 1)
-    helpers = [pool.submit(kernel, *c) for c in calls[1:]]
-    results = [kernel(*calls[0])]
-    return results + [h.result() for h in helpers]
+def _in_parts(kernel, calls: list[tuple]) -> None:
+    """``kernel(*c)`` for each of ``calls``, the first on this thread, the rest on helpers."""
+    helpers = []
+    if len(calls) > 1:
+        pool = _helpers(len(calls) - 1)
+        helpers = [pool.submit(kernel, *c) for c in calls[1:]]
+    kernel(*calls[0])
+    for helper in helpers:
+        helper.result()
 
 
 @numba.njit(nogil=True, cache=True)

@@ -271,13 +271,13 @@ class TableBatchedEmbeddingBag(nn.Module):
             raise ValueError(f"batch keys {kjt.keys} differ from the tables {self.names}")
         rows = kjt.one_hot_rows
         if rows is not None:
-            if not self._cpu_one_hot(rows):  # the compiled pass checks the IDs as it goes
+            if not self._cpu_ids(rows):  # the compiled pass checks the IDs as it goes
                 self._check_one_hot(rows)
             parts = [self._lookup_one_hot(g, rows) for g in self.groups]
         else:
             if kjt.weights is not None and bool(self._is_mean.any()):
                 raise ValueError("per-sample weights need sum pooling for every table")
-            if not self._cpu_jagged(kjt):  # the compiled pass checks the IDs as it goes
+            if not self._cpu_ids(kjt.values):  # the compiled pass checks the IDs as it goes
                 self._check_jagged(kjt)
             if self._on_triton():
                 from dlrmflow.kernels import triton_tbe
@@ -319,13 +319,10 @@ class TableBatchedEmbeddingBag(nn.Module):
     def _fused_on_cpu(self) -> bool:
         return cpu_tbe.supports(self.weight) and self._fusable()
 
-    def _cpu_one_hot(self, rows: torch.Tensor) -> bool:
-        """One-hot IDs on the CPU: checked and turned into group rows in one compiled pass."""
-        return cpu_tbe.supports(self.weight) and rows.device.type == "cpu"
-
-    def _cpu_jagged(self, kjt: KeyedJaggedTensor) -> bool:
-        """Jagged IDs on the CPU: rows and bag positions come from one compiled pass."""
-        return cpu_tbe.supports(self.weight) and kjt.values.device.type == "cpu"
+    def _cpu_ids(self, ids: torch.Tensor) -> bool:
+        """IDs on the CPU (one-hot or jagged) are checked and turned into group rows (and
+        bag positions) by one compiled pass (``cpu_tbe``)."""
+        return cpu_tbe.supports(self.weight) and ids.device.type == "cpu"
 
     def _row_state(self, group: _Group) -> torch.Tensor:
         """Row-wise Adagrad's sums of squares of the group's rows (a view)."""
@@ -373,7 +370,7 @@ class TableBatchedEmbeddingBag(nn.Module):
     def _lookup_one_hot(self, group: _Group, rows: torch.Tensor) -> tuple[torch.Tensor, _Lookup]:
         n_keys = group.end_key - group.first_key
         keys = slice(group.first_key, group.end_key)
-        if self._cpu_one_hot(rows):
+        if self._cpu_ids(rows):
             ids, missing, bad = cpu_tbe.one_hot_ids(
                 rows, group.first_key, self._local_start[keys], self._sizes[keys]
             )
@@ -410,7 +407,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         keys = slice(group.first_key, group.end_key)
         n_ids = last - first
         positions = None
-        if self._cpu_jagged(kjt):
+        if self._cpu_ids(kjt.values):
             ids, positions, bad = cpu_tbe.jagged_rows(
                 kjt.values, offsets, self._local_start[keys], self._sizes[keys], batch
             )
