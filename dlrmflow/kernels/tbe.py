@@ -144,12 +144,15 @@ class _Lookup:
     ``ids`` are group-local rows, one per looked-up ID; ``positions`` are the bags they
     pooled into, sample-major (``sample * n_keys + key``, the rows of the output slice
     viewed as ``[B * n_keys, dim]``), or None when ID ``i`` pooled into bag ``i``.
+    ``key_counts`` is the number of IDs of each key when ``ids`` are key-major (the jagged
+    form), None when they are sample-major (the one-hot form).
     """
 
     ids: torch.Tensor
     positions: torch.Tensor | None
     divisor: torch.Tensor | None  # per ID: its bag's length for mean pooling, else 1
     weights: torch.Tensor | None  # per-sample weights
+    key_counts: list[int] | None = None
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -439,7 +442,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         if positions is None:
             bag = torch.arange(n_keys * batch).repeat_interleave(lengths, output_size=n_ids)
             positions = (bag % batch) * n_keys + bag // batch
-        return pooled, _Lookup(ids, positions, divisor, weights)
+        return pooled, _Lookup(ids, positions, divisor, weights, per_key.tolist())
 
     @torch.no_grad()
     def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[_Lookup]) -> None:
@@ -464,6 +467,8 @@ class TableBatchedEmbeddingBag(nn.Module):
                     bag_grads,
                     lookup.positions,
                     scale,
+                    n_keys=group.end_key - group.first_key,
+                    key_counts=lookup.key_counts,
                     rowwise_adagrad=rowwise,
                     lr=self.lr,
                     weight_decay=self.optimizer.weight_decay,

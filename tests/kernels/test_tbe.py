@@ -1,4 +1,5 @@
 import copy
+import multiprocessing
 
 import pytest
 import torch
@@ -317,16 +318,37 @@ def test_compiled_cpu_step_matches_the_torch_ops_path(optimizer, form):
     assert compiled._scratch is not None and (compiled._scratch.slot == -1).all()
 
 
+# Enough keys per group that 3 threads get 3 parts: dims 4, 4, 4, 4 (mean and sum), 2, 2.
+MANY_TABLES = [
+    SparseFeature("a", 11, 4),
+    SparseFeature("b", 7, 4, "mean"),
+    SparseFeature("c", 13, 4),
+    SparseFeature("d", 9, 4),
+    SparseFeature("e", 5, 2),
+    SparseFeature("f", 6, 2),
+]
+
+
 @pytest.mark.parametrize("optimizer", [SGD(0.2, weight_decay=0.1), RowWiseAdagrad(0.2, 1e-6, 0.05)])
 @pytest.mark.parametrize("form", ["jagged", "one_hot"])
-def test_compiled_step_split_over_threads_is_bitwise_the_same(optimizer, form, monkeypatch):
-    # However many threads share a step (each takes every parts-th distinct row), every
-    # row's sum and update is computed alike: the weights are bitwise those of one thread.
-    def train(parts: int) -> torch.Tensor:
-        monkeypatch.setattr(cpu_tbe, "_parts", lambda elements: parts)
-        tbe = TableBatchedEmbeddingBag(TABLES, optimizer, seed=5)
+@pytest.mark.parametrize("team", ["omp", "python"])
+def test_compiled_step_split_over_threads_is_bitwise_the_same(optimizer, form, team, monkeypatch):
+    # However many threads share a step (each takes a run of keys), every row's sum and
+    # update is computed alike: the weights are bitwise those of one thread, on torch's
+    # OpenMP threads and on the fallback pool of Python threads.
+    if team == "python":
+        monkeypatch.setattr(cpu_tbe, "_omp_team", lambda: None)
+    elif cpu_tbe._omp_team() is None:
+        pytest.skip("torch here has no GNU OpenMP runtime to share")
+
+    def train(threads: int) -> torch.Tensor:
+        monkeypatch.setattr(cpu_tbe, "_threads", lambda elements: threads)
+        tbe = TableBatchedEmbeddingBag(MANY_TABLES, optimizer, seed=5)
         for step in range(4):
-            kjt = _one_hot(step) if form == "one_hot" else _jagged(step)
+            if form == "one_hot":
+                kjt = _one_hot(step, MANY_TABLES, batch=12)
+            else:
+                kjt = _jagged(step, MANY_TABLES, batch=12)
             tbe(kjt).backward(_grad_out(step, tbe, kjt.stride))
         assert (tbe._scratch.slot == -1).all()
         return torch.cat([b.flatten().float() for b in tbe.state_dict().values()])
@@ -334,6 +356,51 @@ def test_compiled_step_split_over_threads_is_bitwise_the_same(optimizer, form, m
     one = train(1)
     assert torch.equal(one, train(3))
     assert torch.equal(one, train(2))
+
+
+@pytest.mark.parametrize(
+    ("key_counts", "parts"), [([5, 0, 9, 1, 30, 2], 2), ([5, 0, 9, 1, 30, 2], 3), ([1] * 6, 4)]
+)
+def test_key_major_parts_cover_every_id_once_in_runs_of_keys(key_counts, parts):
+    n = sum(key_counts)
+    spans = cpu_tbe._spans(n, len(key_counts), key_counts, parts)
+    assert len(spans) == parts
+    # Consecutive, non-empty runs of keys whose IDs tile [0, n) in order.
+    assert [lo for _, _, lo, _ in spans] == [0] + [hi for _, _, _, hi in spans[:-1]]
+    assert spans[-1][3] == n
+    assert all(first == 0 and end == len(key_counts) for first, end, _, _ in spans)
+    if parts == 2:  # the 30 IDs of key 4 cannot be cut: keys 0-3 | 4-5
+        assert [hi - lo for _, _, lo, hi in spans] == [15, 32]
+
+
+def test_sample_major_parts_split_the_keys():
+    spans = cpu_tbe._spans(26 * 8, 26, None, 2)
+    assert spans == [(0, 13, 0, 208), (13, 26, 0, 208)]
+    assert cpu_tbe._spans(208, 26, None, 40)[-1] == (25, 26, 0, 208)  # at most a part per key
+
+
+def test_a_forked_child_steps_without_torchs_openmp_threads():
+    # libgomp's threads do not survive a fork: a parallel region in the child would hang,
+    # so the child splits its steps over Python threads instead.
+    tbe = TableBatchedEmbeddingBag(MANY_TABLES, SGD(0.1))
+    kjt = _one_hot(0, MANY_TABLES, batch=12)
+
+    def step() -> None:
+        tbe(kjt).backward(_grad_out(0, tbe, kjt.stride))
+
+    def child() -> None:
+        assert cpu_tbe._omp_team() is None
+        step()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_tbe, "_threads", lambda elements: 2)
+        step()  # the parent's team (if any) has run a region before the fork
+        process = multiprocessing.get_context("fork").Process(target=child)
+        process.start()
+        process.join(timeout=60)
+        if process.exitcode is None:
+            process.kill()
+        assert process.exitcode == 0
 
 
 def test_out_of_range_jagged_id_is_named_on_the_compiled_path():
