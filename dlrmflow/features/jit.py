@@ -166,3 +166,22 @@ def _transpose_into(scratch: np.ndarray, size: int, out: np.ndarray, dest: np.nd
         row = dest[i]
         for k in range(scratch.shape[0]):
             out[row, k] = scratch[k, i]
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_permutation(order: np.ndarray, dest: np.ndarray) -> bool:
+    """``dest[order[j]] = j``; False if ``order`` is not a permutation of its positions.
+
+    An entry out of range stops the first pass; a repeated one leaves some ``dest[r]``
+    pointing at its other position, which the second pass finds.
+    """
+    n = order.shape[0]
+    for j in range(n):
+        r = order[j]
+        if r < 0 or r >= n:
+            return False
+        dest[r] = j
+    for j in range(n):  # noqa: SIM110 - numba compiles a loop, not all() of a generator
+        if dest[order[j]] != j:
+            return False
+    return True

@@ -149,7 +149,13 @@ def test_window_is_the_concatenation_gathered_in_order(kind):
 
 
 @pytest.mark.parametrize(
-    "order", [np.arange(9), np.array([0, 1, 2, 3, 4, 5, 6, 7, 7, 9]), np.arange(-1, 9)]
+    "order",
+    [
+        np.arange(9),
+        np.array([0, 1, 2, 3, 4, 5, 6, 7, 7, 9]),
+        np.arange(-1, 9),
+        np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 10]),
+    ],
 )
 def test_window_refuses_an_order_that_is_not_a_permutation(order):
     compiled, _ = transforms()

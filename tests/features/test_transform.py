@@ -253,6 +253,16 @@ def test_schema_drift_names_the_column(column, array, message):
         transform(batch)
 
 
+def test_drift_after_good_row_groups_is_still_caught():
+    # validate remembers the last schema that passed; a drifted one is checked afresh.
+    transform = vocab_transform()
+    transform.validate(pa.Table.from_batches([make_batch()]))
+    transform.validate(pa.Table.from_batches([make_batch()]))
+    drifted = make_batch(C2=pa.array([1.0] * 5))
+    with pytest.raises(ValueError, match=re.escape(f"column C2: expected {ID_TYPES}")):
+        transform.validate(pa.Table.from_batches([drifted]))
+
+
 def test_missing_or_duplicated_column_is_named():
     batch = make_batch().drop_columns(["I2"])
     with pytest.raises(ValueError, match="column I2: missing"):
