@@ -410,8 +410,11 @@ class TableBatchedEmbeddingBag(nn.Module):
         per_key = lengths.view(n_keys, batch).sum(1)
         keys = slice(group.first_key, group.end_key)
         n_ids = last - first
-        positions = None
+        positions = key_counts = None
         if self._cpu_ids(kjt.values):
+            # Only the compiled backward splits its work by key; without the counts it
+            # would still be right, scanning every ID for its keys' (see cpu_tbe._spans).
+            key_counts = per_key.tolist()
             ids, positions, bad = cpu_tbe.jagged_rows(
                 kjt.values, offsets, self._local_start[keys], self._sizes[keys], batch
             )
@@ -443,7 +446,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         if positions is None:
             bag = torch.arange(n_keys * batch).repeat_interleave(lengths, output_size=n_ids)
             positions = (bag % batch) * n_keys + bag // batch
-        return pooled, _Lookup(ids, positions, divisor, weights, per_key.tolist())
+        return pooled, _Lookup(ids, positions, divisor, weights, key_counts)
 
     @torch.no_grad()
     def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[_Lookup]) -> None:
