@@ -146,6 +146,60 @@ def test_window_is_the_concatenation_gathered_in_order(kind):
     assert_same_batch(window, expected)
     for start, stop in [(0, 64), (64, 128), (128, 185), (5, 5)]:
         assert_same_batch(window.slice(start, stop), expected.take(np.arange(start, stop)))
+    # The reader's way: the same window, built one table at a time.
+    writer = transform.window_writer(order)
+    for t in tables:
+        writer.add(t)
+    assert_same_batch(writer.finish(), expected)
+
+
+def test_window_writer_takes_any_chunking_and_empty_tables():
+    compiled, vectorized = transforms()
+    data = table(300, seed=2)
+    at_50, at_17 = chunked(data, (50,)), chunked(data, (17,))
+    mixed = pa.Table.from_arrays(  # one column cut elsewhere: combined, then compiled
+        [(at_17 if name == "I2" else at_50)[name] for name in data.column_names],
+        names=data.column_names,
+    )
+    tables = [data.slice(0, 0), chunked(table(90, seed=3), (30, 31)), data.slice(0, 0), mixed]
+    order = np.random.default_rng(1).permutation(390)
+    writer = compiled.window_writer(order)
+    for t in tables:
+        writer.add(t)
+    out = writer.finish()
+    assert out.sparse.one_hot_rows is not None  # the compiled path took every table
+    assert_same_batch(out, Batch.concat([vectorized(t) for t in tables]).take(order))
+
+
+def test_window_writer_of_no_rows_is_empty():
+    compiled, _ = transforms()
+    writer = compiled.window_writer(np.arange(0))
+    writer.add(table(0, seed=0))
+    assert len(writer.finish()) == 0
+    assert len(compiled.window_writer(np.arange(0)).finish()) == 0
+
+
+def test_window_writer_refuses_rows_that_do_not_match_the_order():
+    compiled, _ = transforms()
+    writer = compiled.window_writer(np.arange(10))
+    writer.add(table(6, seed=0))
+    with pytest.raises(ValueError, match="11 rows added, but order holds 10"):
+        writer.add(table(5, seed=1))
+    with pytest.raises(ValueError, match="order holds 10 rows, but 6 were added"):
+        writer.finish()
+    with pytest.raises(ValueError, match="order must be a permutation"):
+        compiled.window_writer(np.array([0, 0, 1]))
+
+
+def test_window_writer_refuses_a_layout_change_after_compiled_tables():
+    compiled, _ = transforms()
+    first = table(8, seed=0)
+    c1 = pa.array([[v] if v is not None else None for v in first["C1"].to_pylist()])
+    listed = first.set_column(first.schema.get_field_index("C1"), "C1", c1)
+    writer = compiled.window_writer(np.arange(16))
+    writer.add(first)
+    with pytest.raises(ValueError, match="must share one schema"):
+        writer.add(listed)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from torchdata.nodes import IterableWrapper
 
+from dlrmflow.ingest import reader as reader_module
 from dlrmflow.ingest.reader import (
     DataError,
     ParquetBatchDataset,
@@ -19,6 +20,7 @@ from dlrmflow.ingest.reader import (
     assign_splits,
     list_splits,
     make_loader,
+    reader_threads,
 )
 
 # Rows per row group of each file: uneven on purpose so that batches span row groups,
@@ -98,8 +100,8 @@ def _dataset(splits, epoch: int = 0, **kwargs) -> ParquetBatchDataset:
     return dataset
 
 
-def _read(splits, num_workers: int = 0, **kwargs) -> list:
-    return list(make_loader(_dataset(splits, **kwargs), num_workers=num_workers))
+def _read(splits, num_workers: int = 0, threads: int | None = None, **kwargs) -> list:
+    return list(make_loader(_dataset(splits, **kwargs), num_workers=num_workers, threads=threads))
 
 
 def test_list_splits_reads_every_row_group(splits, tmp_path):
@@ -223,6 +225,24 @@ def test_transform_blocks_give_the_same_rows_in_the_same_order(splits, num_worke
     for block, table in zip(blocks, tables, strict=True):
         assert np.array_equal(block.columns["row_id"], table.column("row_id").to_numpy())
         assert np.array_equal(block.columns["x"], table.column("x").fill_null(-1).to_numpy())
+
+
+@pytest.mark.parametrize(("num_workers", "threads"), [(0, 1), (0, 3), (2, 1), (2, 2)])
+def test_preparation_threads_change_nothing_but_speed(splits, num_workers, threads):
+    kwargs = dict(seed=5, batch_size=70, shuffle_window=2)
+    expected = _row_ids(_read(splits, num_workers, threads=1, **kwargs))
+    assert np.array_equal(_row_ids(_read(splits, num_workers, threads=threads, **kwargs)), expected)
+    blocks = _read(splits, num_workers, threads=threads, transform=to_rows, **kwargs)
+    assert np.array_equal(np.concatenate([b.columns["row_id"] for b in blocks]), expected)
+
+
+def test_reader_threads_use_two_per_reader_where_the_cores_allow(monkeypatch):
+    monkeypatch.setattr(reader_module, "_cores", lambda: 2)
+    assert [reader_threads(n) for n in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    monkeypatch.setattr(reader_module, "_cores", lambda: 16)
+    assert [reader_threads(n) for n in (1, 8, 16)] == [2, 2, 1]
+    with pytest.raises(ValueError, match="threads must be positive"):
+        make_loader(_dataset([]), threads=0)
 
 
 def test_transform_runs_once_per_row_group(splits):
