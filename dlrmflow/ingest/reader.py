@@ -49,6 +49,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from dlrmflow.ingest.shuffle import deal
+
 
 class DataError(ValueError):
     """Input data that cannot be used; the message names the file, row group and column."""
@@ -259,6 +261,9 @@ class SplitReader(BaseNode[Any]):
             "seed": d.seed,
             "shuffle": d.shuffle,
             "shuffle_window": d.shuffle_window,
+            # How rows are dealt to batches (``shuffle.deal``): states taken under an
+            # earlier deal would resume into other batches.
+            "deal": 2,
         }
 
 
@@ -302,6 +307,8 @@ class _Pass:
         rows = [*plan.window_rows, 1]
         if not (0 <= window < len(rows) and 0 <= offset < rows[window]):
             raise ValueError(f"reader state {cursor} is outside this reader's windows")
+        if window < len(plan.windows) and offset not in plan.bounds(window):
+            raise ValueError(f"reader state {cursor} is not at a batch boundary of its window")
         self.cursor = cursor
         self._end = (epoch, len(plan.windows), 0)
         self._batches = plan.batches(window, offset)
@@ -343,6 +350,10 @@ class _Plan:
         size = dataset.shuffle_window
         self.windows = [splits[i : i + size] for i in range(0, len(splits), size)]
         self.window_rows = [sum(s.num_rows for s in window) for window in self.windows]
+        # Rows of earlier windows not yet in a full batch when each window starts: its
+        # first batch completes them.
+        before = itertools.accumulate(self.window_rows[:-1], initial=0)
+        self._held = [rows % dataset.batch_size for rows in before]
         transform = dataset.transform
         self._blocks: _ArrowBlocks | _TransformedBlocks = (
             _ArrowBlocks() if transform is None else _TransformedBlocks(transform)
@@ -358,12 +369,10 @@ class _Plan:
         # Each window is prepared (decoded, transformed, cut) whole by one of ``threads``
         # threads, up to ``threads`` windows ahead of the one whose batches are handed out:
         # a steady stream of batches rather than a burst of work per window (which would
-        # hold up the round robin over readers). A window's cut only needs the number of
-        # rows carried into it, which the split row counts give in advance.
-        cuts, held, start = {}, 0, start_offset
-        for w in range(start_window, len(self.windows)):
-            cuts[w] = (start, held)
-            held, start = (held + self.window_rows[w] - start) % size, 0
+        # hold up the round robin over readers). Where a window's batches start and end
+        # follows from the split row counts alone (``bounds``), so windows are prepared
+        # independently.
+        starts = {start_window: start_offset}  # later windows are read from row 0
         pool = ThreadPoolExecutor(self._threads, thread_name_prefix="dlrmflow-prepare")
         ready: dict[int, Future[list[Any]]] = {}
         submitted = start_window  # the next window to hand to the pool
@@ -371,14 +380,14 @@ class _Plan:
         def prepare_until(last: int) -> None:
             nonlocal submitted
             for w in range(submitted, min(last + 1, len(self.windows))):
-                ready[w] = pool.submit(self._prepare, w, *cuts[w])
+                ready[w] = pool.submit(self._prepare, w, starts.get(w, 0))
                 submitted = w + 1
 
         carry = None  # fewer than batch_size rows from earlier windows
         try:
             for w in range(start_window, len(self.windows)):
                 prepare_until(w + self._threads)
-                rows, pos = self.window_rows[w], cuts[w][0]
+                rows, pos = self.window_rows[w], starts.get(w, 0)
                 pieces = ready.pop(w).result()
                 for piece in pieces:
                     pos += len(piece)
@@ -394,33 +403,30 @@ class _Plan:
         if carry is not None and not self._dataset.drop_last:
             yield carry, (epoch, len(self.windows), 0)
 
-    def _prepare(self, w: int, start: int, held: int) -> list[Any]:
-        """Window ``w``'s batches from row ``start`` on, in emission order.
+    def bounds(self, w: int) -> list[int]:
+        """Where window ``w``'s batches start and end, as row offsets into it.
 
-        They are cut so that the first one completes the ``held`` rows carried over from
-        earlier windows; every one after it has ``batch_size`` rows but the last.
+        The first completes the rows held over from earlier windows; every one after it
+        has ``batch_size`` rows but the last. A pass resumed at any of these offsets cuts
+        the same batches from there on.
         """
-        rows = self.window_rows[w] - start
-        bounds = _bounds(rows, min(self._dataset.batch_size - held, rows), self._dataset.batch_size)
-        order = self._order(w, rows + start)
-        pieces = [(start + a, start + b) for a, b in itertools.pairwise(bounds)]
-        if self._dataset.shuffle:
-            # The shuffle deals the window's rows to batches at random; within a batch they
-            # keep their file order. A batch's loss is a sum over its rows, so training
-            # sees the same thing, and the rows are written out as one sequential stream
-            # per batch instead of to random places (measured ~0.04 CPU s per million rows
-            # less). A resumed pass cuts the same pieces, hence the same batches.
-            for a, b in pieces:
-                order[a:b].sort()
+        size, rows = self._dataset.batch_size, self.window_rows[w]
+        return _bounds(rows, min(size - self._held[w], rows), size)
+
+    def _prepare(self, w: int, start: int) -> list[Any]:
+        """Window ``w``'s batches from row ``start`` (one of its ``bounds``) on."""
+        bounds = self.bounds(w)
+        order = self._order(w, bounds)
+        pieces = [(a, b) for a, b in itertools.pairwise(bounds) if a >= start]
         return self._blocks.cut(self.windows[w], self._decoder.read, order, pieces)
 
-    def _order(self, window: int, rows: int) -> np.ndarray:
-        """The emission order of the window's rows."""
+    def _order(self, window: int, bounds: list[int]) -> np.ndarray:
+        """The emission order of the window's rows, dealt to its batches at random."""
         d = self._dataset
         if not d.shuffle:
-            return np.arange(rows, dtype=np.int64)
+            return np.arange(bounds[-1], dtype=np.int64)
         rng = np.random.default_rng((d.seed, self._epoch, d.rank, self._worker, window))
-        return rng.permutation(rows)
+        return deal(np.asarray(bounds), rng)
 
 
 class _TransformedBlocks:

@@ -331,6 +331,26 @@ def test_state_from_another_layout_is_refused(splits, num_workers):
         iter(other)
 
 
+def test_state_between_two_batches_is_refused(splits):
+    loader = _loader(splits, 0, seed=1, batch_size=48)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+
+    def shift(d: dict) -> None:  # one row past the reader's position
+        for key, value in d.items():
+            if key == "offset":
+                d[key] = value + 1
+            elif isinstance(value, dict):
+                shift(value)
+
+    shift(state)
+    other = _loader(splits, 0, seed=1, batch_size=48)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="not at a batch boundary"):
+        iter(other)
+
+
 @pytest.mark.parametrize(
     ("saved", "loaded", "message"),
     [(2, 3, "another num_workers"), (2, 0, "num_workers > 0"), (0, 2, "num_workers=0")],
