@@ -344,10 +344,14 @@ class BatchTransform:
                 return self._compiled(columns, layout, lengths, dest)
         return Batch.concat([self(t) for t in tables]).take(order)
 
-    def window_writer(self, order: np.ndarray) -> WindowWriter:
+    def window_writer(self, order: np.ndarray, dest: np.ndarray | None = None) -> WindowWriter:
         """A ``WindowWriter`` for ``window(tables, order)``: the same ``Batch``, built as
-        the tables arrive (``add`` them in window order, then ``finish``)."""
-        return WindowWriter(self, order)
+        the tables arrive (``add`` them in window order, then ``finish``).
+
+        ``dest``, ``order``'s inverse, saves computing it where the caller has it (the
+        reader's deal writes both); it is taken as given, not checked.
+        """
+        return WindowWriter(self, order, dest)
 
     def _read(
         self, data: pa.Table | pa.RecordBatch
@@ -594,9 +598,18 @@ class WindowWriter:
     ``order`` or whose layout differs from the compiled one of the tables before it.
     """
 
-    def __init__(self, transform: BatchTransform, order: np.ndarray) -> None:
+    def __init__(
+        self, transform: BatchTransform, order: np.ndarray, dest: np.ndarray | None = None
+    ) -> None:
         self._transform = transform
-        self._order, self._dest = _destinations(order, np.asarray(order).size)
+        if dest is None:
+            self._order, self._dest = _destinations(order, np.asarray(order).size)
+        else:
+            self._order, self._dest = order, np.asarray(dest, np.int64)
+            if self._dest.shape != np.shape(order):
+                raise ValueError(
+                    f"window: dest has shape {self._dest.shape}, order {np.shape(order)}"
+                )
         self._start = 0  # rows added so far
         # Decided by the first table with rows: the compiled path's arrays, or (when it
         # does not apply) the tables, kept for ``window``.

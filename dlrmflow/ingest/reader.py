@@ -416,15 +416,17 @@ class _Plan:
     def _prepare(self, w: int, start: int) -> list[Any]:
         """Window ``w``'s batches from row ``start`` (one of its ``bounds``) on."""
         bounds = self.bounds(w)
-        order = self._order(w, bounds)
+        order, dest = self._order(w, bounds)
         pieces = [(a, b) for a, b in itertools.pairwise(bounds) if a >= start]
-        return self._blocks.cut(self.windows[w], self._decoder.read, order, pieces)
+        return self._blocks.cut(self.windows[w], self._decoder.read, order, dest, pieces)
 
-    def _order(self, window: int, bounds: list[int]) -> np.ndarray:
-        """The emission order of the window's rows, dealt to its batches at random."""
+    def _order(self, window: int, bounds: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The emission order of the window's rows, dealt to its batches at random, and its
+        inverse: where each row goes."""
         d = self._dataset
         if not d.shuffle:
-            return np.arange(bounds[-1], dtype=np.int64)
+            identity = np.arange(bounds[-1], dtype=np.int64)
+            return identity, identity
         rng = np.random.default_rng((d.seed, self._epoch, d.rank, self._worker, window))
         return deal(np.asarray(bounds), rng)
 
@@ -465,13 +467,14 @@ class _TransformedBlocks:
         splits: list[Split],
         read: Callable[[Split], pa.Table],
         order: np.ndarray,
+        dest: np.ndarray,
         pieces: list[tuple[int, int]],
     ) -> list[Block]:
         """The ``pieces`` of the window of ``splits`` (each decoded by ``read``), shuffled
-        by ``order``. Each row group is transformed right after it is decoded, while its
-        columns are still in cache."""
+        by ``order`` (``dest`` is its inverse). Each row group is transformed right after
+        it is decoded, while its columns are still in cache."""
         if self.window_writer is not None:
-            writer = self.window_writer(order)
+            writer = self.window_writer(order, dest)
             for split in splits:
                 table = read(split)
                 try:
@@ -528,6 +531,7 @@ class _ArrowBlocks:
         splits: list[Split],
         read: Callable[[Split], pa.Table],
         order: np.ndarray,
+        dest: np.ndarray,  # noqa: ARG004 - the gather needs only the order
         pieces: list[tuple[int, int]],
     ) -> list[pa.RecordBatch]:
         table = pa.concat_tables([read(s) for s in splits])  # zero-copy: one chunk per split

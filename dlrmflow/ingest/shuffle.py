@@ -16,24 +16,25 @@ import numba
 import numpy as np
 
 
-def deal(bounds: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """The emission order of a window whose batches are rows ``bounds[b]:bounds[b + 1]``.
+def deal(bounds: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, dest)`` of a window whose batches are rows ``bounds[b]:bounds[b + 1]``.
 
-    ``bounds`` starts at 0 and ends at the window's row count; entry ``j`` of the result
-    is the window row emitted ``j``-th. The same ``bounds`` and generator state give the
-    same order.
+    ``bounds`` starts at 0 and ends at the window's row count. ``order[j]`` is the window
+    row emitted ``j``-th and ``dest[i]`` where row ``i`` goes (the inverse, which a
+    transform that places rows needs: written in the same pass, it costs no pass of its
+    own). The same ``bounds`` and generator state give the same deal.
     """
     bounds = np.asarray(bounds, np.int64)
     if bounds.ndim != 1 or len(bounds) < 1 or bounds[0] != 0 or (np.diff(bounds) < 0).any():
         raise ValueError(f"deal: bounds must rise from 0, got {bounds.tolist()}")
     rows = int(bounds[-1])
-    order = np.empty(rows, np.int64)
-    _deal(bounds, rng.random(rows), order)
-    return order
+    order, dest = np.empty(rows, np.int64), np.empty(rows, np.int64)
+    _deal(bounds, rng.random(rows), order, dest)
+    return order, dest
 
 
 @numba.njit(nogil=True, cache=True)
-def _deal(bounds: np.ndarray, uniforms: np.ndarray, order: np.ndarray) -> None:
+def _deal(bounds: np.ndarray, uniforms: np.ndarray, order: np.ndarray, dest: np.ndarray) -> None:
     rows = uniforms.shape[0]
     batch = np.empty(rows, np.int32)  # the batch each row goes to, shuffled below
     for b in range(bounds.shape[0] - 1):
@@ -46,4 +47,5 @@ def _deal(bounds: np.ndarray, uniforms: np.ndarray, order: np.ndarray) -> None:
     for i in range(rows):
         b = batch[i]
         order[fill[b]] = i
+        dest[i] = fill[b]
         fill[b] += 1

@@ -146,11 +146,13 @@ def test_window_is_the_concatenation_gathered_in_order(kind):
     assert_same_batch(window, expected)
     for start, stop in [(0, 64), (64, 128), (128, 185), (5, 5)]:
         assert_same_batch(window.slice(start, stop), expected.take(np.arange(start, stop)))
-    # The reader's way: the same window, built one table at a time.
-    writer = transform.window_writer(order)
-    for t in tables:
-        writer.add(t)
-    assert_same_batch(writer.finish(), expected)
+    # The reader's way: the same window, built one table at a time, with or without the
+    # order's inverse given.
+    for dest in (None, np.argsort(order)):
+        writer = transform.window_writer(order, dest)
+        for t in tables:
+            writer.add(t)
+        assert_same_batch(writer.finish(), expected)
 
 
 def test_window_writer_takes_any_chunking_and_empty_tables():
@@ -189,6 +191,8 @@ def test_window_writer_refuses_rows_that_do_not_match_the_order():
         writer.finish()
     with pytest.raises(ValueError, match="order must be a permutation"):
         compiled.window_writer(np.array([0, 0, 1]))
+    with pytest.raises(ValueError, match="dest has shape"):
+        compiled.window_writer(np.arange(3), np.arange(4))
 
 
 def test_window_writer_refuses_a_layout_change_after_compiled_tables():
