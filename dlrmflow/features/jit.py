@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
+from dlrmflow.prefetch import prefetch
+
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S32 = np.uint64(32)
@@ -159,10 +161,24 @@ def dense_rows(
         _transpose_into(scratch, end - first, out, dest[first:])
 
 
+# Rows are written to a shuffled window: each goes to one of ~64 batches, the next row of
+# a batch some rows later. The hardware prefetcher cannot follow that many streams, so a
+# first write to a line would wait for memory; each row's lines are asked for this many
+# rows ahead (``dest`` says where). Measured on a 65k-row block into an uncached window:
+# 35-40 ns per row without, 25 with (the same as into a cached one).
+_OUT_AHEAD = 64
+
+
 @numba.njit(nogil=True, cache=True, inline="always")
 def _transpose_into(scratch: np.ndarray, size: int, out: np.ndarray, dest: np.ndarray) -> None:
-    """``out[dest[i], k] = scratch[k, i]`` for the first ``size`` samples."""
+    """``out[dest[i], k] = scratch[k, i]`` for the first ``size`` samples (``dest`` may run
+    on past them: its later rows are prefetched)."""
+    base, stride, last = out.ctypes.data, out.strides[0], out.shape[1] * out.itemsize - 1
     for i in range(size):
+        if i + _OUT_AHEAD < dest.shape[0]:
+            at = base + dest[i + _OUT_AHEAD] * stride
+            prefetch(at)
+            prefetch(at + last)
         row = dest[i]
         for k in range(scratch.shape[0]):
             out[row, k] = scratch[k, i]

@@ -42,10 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+from dlrmflow.prefetch import prefetch as _prefetch
 
 _SGD, _ROWWISE_ADAGRAD = 0, 1
 
@@ -58,28 +56,6 @@ _LINE = 64
 # Pass 1 looks up each row's slot in a per-row array as large as the group's tables; the
 # entries of rows seen later in the batch are asked for this many IDs early.
 _SLOT_AHEAD = 32
-
-
-@intrinsic
-def _prefetch(typingctx, address):  # noqa: ARG001 - numba's intrinsic signature
-    """Ask the CPU to start loading the cache line at ``address`` (LLVM's prefetch)."""
-
-    def codegen(context, builder, signature, args):  # noqa: ARG001
-        byte_pointer = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        function = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
-            "llvm.prefetch.p0",
-        )
-        # For writing (1), kept in all cache levels (3), a data line (1).
-        pointer = builder.inttoptr(args[0], byte_pointer)
-        builder.call(
-            function, [pointer, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)]
-        )
-        return context.get_dummy_value()
-
-    return types.void(types.uintp), codegen
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
