@@ -1,12 +1,13 @@
 """Ingest benchmark: our reader + feature transform against plain pyarrow decode.
 
-Both sides read the same row groups of the same files with N-way parallelism (N reader
-pipelines for ours, each a decode thread and a preprocessing thread; N decode threads for
-the baseline), and the best of ``repeats`` runs counts for each so that a noisy neighbour
-hurts both alike. The baseline only decodes Parquet into Arrow; ours also shuffles,
-batches and turns rows into tensors (dense log transform, sparse-ID hashing, jagged
-layout), so a ratio near 1 means preprocessing is hidden behind decode. CPU seconds per
-million rows are reported too: wall-clock ratios can hide work done on a spare core.
+Both sides read the same row groups of the same files with N-way parallelism (N readers
+for ours, each preparing windows in the threads ``reader_threads`` gives it: two where the
+cores allow, else one; N decode threads for the baseline), and the best of ``repeats``
+runs counts for each so that a noisy neighbour hurts both alike. The baseline only
+decodes Parquet into Arrow; ours also shuffles, batches and turns rows into tensors (dense
+log transform, sparse-ID hashing, jagged layout), so a ratio near 1 means preprocessing
+is hidden behind decode. CPU seconds per million rows are reported too: wall-clock ratios
+can hide work done on a spare core.
 """
 
 from __future__ import annotations
