@@ -9,9 +9,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from torchdata.nodes import IterableWrapper
 
+from dlrmflow.config import DataConfig, FeaturesConfig, ModelConfig
+from dlrmflow.features.ids import HashIds
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest import reader as reader_module
+from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import (
     DataError,
     ParquetBatchDataset,
@@ -22,6 +28,7 @@ from dlrmflow.ingest.reader import (
     make_loader,
     reader_threads,
 )
+from dlrmflow.ingest.synthetic import generate_dataset
 
 # Rows per row group of each file: uneven on purpose so that batches span row groups,
 # windows and files.
@@ -457,3 +464,44 @@ def test_memory_filesystem():
         assert np.array_equal(np.sort(_row_ids(batches)), np.arange(TOTAL_ROWS))
     finally:
         fsspec.filesystem("memory").rm("/reader-test", recursive=True)
+
+
+@pytest.fixture(scope="module")
+def criteo_like(tmp_path_factory):
+    """Synthetic Criteo-layout days in uneven row groups, and the hashed transform."""
+    url = str(tmp_path_factory.mktemp("criteo") / "data")
+    generate_dataset(DataConfig(url=url, days=3, rows_per_day=1500, row_group_size=333))
+    manifest = read_manifest(url)
+    spec = FeatureSpec.for_dataset(manifest, FeaturesConfig(), ModelConfig())
+    return list_splits(manifest.day_paths(url)), spec, BatchTransform(spec, HashIds.from_spec(spec))
+
+
+@pytest.mark.parametrize(("num_workers", "threads"), [(0, 1), (2, 2)])
+def test_compiled_window_batches_are_the_transform_of_the_plain_batches(
+    criteo_like, num_workers, threads
+):
+    # The reader's compiled path (each row group written straight to its shuffled place)
+    # must give, batch for batch, what transforming the plain Arrow batches gives.
+    splits, spec, transform = criteo_like
+    kwargs = dict(seed=3, shuffle_window=3, validate=transform.validate)
+
+    def loader(**more):
+        dataset = ParquetBatchDataset(splits, spec.columns, 256, **kwargs, **more)
+        return make_loader(dataset, num_workers=num_workers, threads=threads)
+
+    plain = list(loader())
+    compiled = list(loader(transform=transform))
+    assert [len(b) for b in compiled] == [b.num_rows for b in plain]
+    for got, rows in zip(compiled, plain, strict=True):
+        expected = transform(rows)
+        assert torch.equal(got.dense, expected.dense)
+        assert torch.equal(got.labels, expected.labels)
+        assert torch.equal(got.sparse.one_hot_rows, expected.sparse.one_hot_rows)
+    # Resumed mid-epoch, the compiled path continues with the same batches.
+    interrupted = loader(transform=transform)
+    head = list(itertools.islice(interrupted, 7))
+    resumed = loader(transform=transform)
+    resumed.load_state_dict(interrupted.state_dict())
+    for got, expected in zip(head + list(resumed), compiled, strict=True):
+        assert torch.equal(got.sparse.one_hot_rows, expected.sparse.one_hot_rows)
+        assert torch.equal(got.dense, expected.dense)
