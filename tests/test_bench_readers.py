@@ -9,7 +9,7 @@ import torch
 from dlrmflow.bench.readers import BASELINE, CostlyTransform, burn_cpu, run_readers_benchmark
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.train.data import fit_features
+from dlrmflow.train.data import batch_loader, fit_features
 from tests.conftest import tiny_run_config
 
 CASES = {BASELINE, "local_2_readers", "remote_1_server", "remote_2_servers"}
@@ -26,12 +26,36 @@ def test_costly_transform_gives_the_same_batch_at_its_cost(tiny_dataset, tmp_pat
     manifest = read_manifest(tiny_dataset)
     spec, ids = fit_features(config, manifest)
     table = pq.read_table(manifest.day_paths(tiny_dataset)[0], columns=spec.columns)
+    transform = CostlyTransform(spec, ids, us_per_row=20.0)
     start = time.thread_time()
-    costly = CostlyTransform(spec, ids, us_per_row=20.0)(table)
+    transform.validate(table)
     assert time.thread_time() - start >= table.num_rows * 20e-6
-    plain = BatchTransform(spec, ids)(table)
+    costly, plain = transform(table), BatchTransform(spec, ids)(table)
     assert torch.equal(costly.dense, plain.dense) and torch.equal(costly.labels, plain.labels)
     assert torch.equal(costly.sparse.one_hot_rows, plain.sparse.one_hot_rows)
+
+
+def test_a_reader_spends_the_cost_on_every_row_it_reads(tiny_dataset, tmp_path):
+    # The reader writes rows through the compiled window path, never calling the
+    # transform on a table: the cost must be spent all the same.
+    config = tiny_run_config(tiny_dataset, tmp_path)
+    manifest = read_manifest(tiny_dataset)
+    spec, ids = fit_features(config, manifest)
+    paths = manifest.day_paths(tiny_dataset, manifest.train_days())
+
+    def cpu_to_read(transform: BatchTransform) -> tuple[int, float]:
+        _, loader = batch_loader(
+            paths, spec, ids, batch_size=256, num_workers=1, shuffle=True, transform=transform
+        )
+        start = time.process_time()
+        rows = sum(len(batch) for batch in loader)
+        return rows, time.process_time() - start
+
+    cpu_to_read(BatchTransform(spec, ids))  # compiled code loaded, threads warmed
+    rows, plain = cpu_to_read(BatchTransform(spec, ids))
+    costly_rows, costly = cpu_to_read(CostlyTransform(spec, ids, us_per_row=50.0))
+    assert rows == costly_rows == sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+    assert costly - plain >= 0.8 * rows * 50e-6
 
 
 def test_tiny_benchmark_record():

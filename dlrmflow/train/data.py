@@ -78,11 +78,13 @@ def batch_loader(
     rank: int = 0,
     world_size: int = 1,
     transform: BatchTransform | None = None,
+    threads: int | None = None,
 ) -> tuple[ParquetBatchDataset, Loader]:
     """A resumable loader of ``Batch`` objects over the given day files.
 
     ``transform`` replaces ``BatchTransform(spec, ids)``; the readers benchmark passes one
     with an artificial cost so that the local and the remote readers do the same work.
+    ``threads`` is each reader's (``make_loader``'s default: ``reader_threads``).
     """
     transform = BatchTransform(spec, ids) if transform is None else transform
     dataset = ParquetBatchDataset(
@@ -97,7 +99,7 @@ def batch_loader(
         validate=transform.validate,
         transform=transform,
     )
-    return dataset, make_loader(dataset, num_workers=num_workers)
+    return dataset, make_loader(dataset, num_workers=num_workers, threads=threads)
 
 
 class TrainLoader:

@@ -269,6 +269,29 @@ class _Throttled:
             return self._fn(table)
 
 
+class _ThrottledTransform(_Throttled):
+    """A transform with a window writer (``BatchTransform``), throttled alike: each row
+    group a writer takes, and each window it finishes, holds a slot. The reader then builds
+    windows as it does locally, each row group written to its shuffled place."""
+
+    def window_writer(self, order: np.ndarray, dest: np.ndarray | None = None) -> _ThrottledWriter:
+        return _ThrottledWriter(self._fn.window_writer(order, dest), self._slots)  # type: ignore[attr-defined]
+
+
+class _ThrottledWriter:
+    def __init__(self, writer: Any, slots: threading.Semaphore) -> None:
+        self._writer = writer
+        self._slots = slots
+
+    def add(self, table: pa.Table) -> None:
+        with self._slots:
+            self._writer.add(table)
+
+    def finish(self) -> Any:
+        with self._slots:
+            return self._writer.finish()
+
+
 def _next_or_none(reader: SplitReader) -> Batch | None:
     try:
         return next(reader)
@@ -307,7 +330,8 @@ class ReaderServer(flight.FlightServerBase):
         batch_transform = transform(spec, ids)
         slots = threading.BoundedSemaphore(workers)
         self._validate = _Throttled(batch_transform.validate, slots)
-        self._transform = _Throttled(batch_transform, slots)
+        throttled = _ThrottledTransform if hasattr(batch_transform, "window_writer") else _Throttled
+        self._transform = throttled(batch_transform, slots)
         self._splits: dict[tuple[str, ...], list[Split]] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
