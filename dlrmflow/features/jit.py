@@ -140,25 +140,24 @@ def one_hot_rows(
 
 
 @numba.njit(nogil=True, cache=True)
-def dense_rows(
-    columns: tuple[np.ndarray, ...],
-    valid: tuple[np.ndarray, ...],
-    out: np.ndarray,
-    dest: np.ndarray,
+def clamp_columns(
+    columns: tuple[np.ndarray, ...], valid: tuple[np.ndarray, ...], first: int, out: np.ndarray
 ) -> None:
-    """``out[dest[i], k] = max(columns[k][i], 0)``, 0 for nulls and NaN (float32).
+    """``out[k, i] = max(columns[k][first + i], 0)`` as float32, 0 for nulls and NaN.
 
-    ``valid[k]`` is a bool per value, or empty when column ``k`` has no nulls. The log
-    is left to torch, whose ``log1p`` is vectorized.
+    ``valid[k]`` is a bool per value, or empty when column ``k`` has no nulls. ``out`` is
+    feature-major [columns, rows], so that the log after it runs over contiguous rows.
     """
-    n, width = columns[0].shape[0], len(columns)
-    scratch = np.empty((width, _BLOCK), np.float32)
-    for first in range(0, n, _BLOCK):
-        end = min(first + _BLOCK, n)
-        for k in range(width):
-            ok = valid[k][first:end] if valid[k].shape[0] != 0 else valid[k]
-            _clamp_block(columns[k][first:end], ok, scratch[k, : end - first])
-        _transpose_into(scratch, end - first, out, dest[first:])
+    size = out.shape[1]
+    for k in range(len(columns)):
+        ok = valid[k][first : first + size] if valid[k].shape[0] != 0 else valid[k]
+        _clamp_block(columns[k][first : first + size], ok, out[k])
+
+
+@numba.njit(nogil=True, cache=True)
+def scatter_rows(values: np.ndarray, out: np.ndarray, dest: np.ndarray) -> None:
+    """``out[dest[i], k] = values[k, i]``: feature-major rows into their places in ``out``."""
+    _transpose_into(values, values.shape[1], out, dest)
 
 
 # Rows are written to a shuffled window: each goes to one of ~64 batches, the next row of

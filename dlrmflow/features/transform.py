@@ -12,7 +12,8 @@ the IDs are mapped.
 Input semantics (``validate`` enforces the types and values, once per row group):
 
 * dense columns: any integer or floating type. A null or NaN is missing and becomes 0;
-  every other value becomes ``log(1 + max(x, 0))`` in float32. ±inf is an error.
+  every other value becomes ``log(1 + max(x, 0))`` in float32 (numpy's vectorized
+  ``log1p``). ±inf is an error.
 * sparse columns: int64 (one ID per row; a null is an empty bag, length 0) or list<int64>
   / large_list<int64> (a bag of IDs; a null list is an empty bag; a null element inside
   a list is not an ID and is dropped, so the bag is shorter, just as a one-hot null gives
@@ -42,6 +43,20 @@ from dlrmflow.features.ids import IdMapper
 from dlrmflow.features.spec import FeatureSpec
 
 _ID_TYPES = "int64 or list<int64> IDs (optionally dictionary-encoded)"
+# Rows of a row group whose dense values are clamped, logged and placed at a time: 8192
+# rows of 13 features are 416 KiB, which stay in the core's cache between the steps.
+_DENSE_SLICE = 8192
+
+
+def _log1p(values: np.ndarray) -> None:
+    """The dense features' log, in place on float32 values >= 0.
+
+    numpy's float32 ``log1p`` is vectorized, and it gives every element the same result
+    wherever it sits in the array (checked: slices at every offset, strided rows), so
+    the compiled path, which logs a row group a slice at a time, and the vectorized path,
+    which logs a whole table, agree bitwise.
+    """
+    np.log1p(values, out=values)
 
 
 def _dense_type_ok(t: pa.DataType) -> bool:
@@ -406,12 +421,20 @@ class BatchTransform:
             self.ids.map_one_hot(self._names, [_primitive(a) for a in ids], valid, out.ids, at)
             values = [columns[i][c] for i in layout.dense]
             frozen = tuple(jit.frozen(_primitive(a)) for a in values)
-            jit.dense_rows(frozen, jit.masks([_valid(a) for a in values]), out.dense, at)
+            masks = jit.masks([_valid(a) for a in values])
+            # Clamped, logged and placed a slice at a time, so that the log reads values
+            # still in the core's cache rather than the whole window from memory after.
+            scratch = np.empty((len(values), min(size, _DENSE_SLICE)), np.float32)
+            for first in range(0, size, _DENSE_SLICE):
+                part = scratch[:, : min(_DENSE_SLICE, size - first)]
+                jit.clamp_columns(frozen, masks, first, part)
+                _log1p(part)
+                jit.scatter_rows(part, out.dense, at[first:])
             out.labels[at] = self._labels([columns[layout.label][c]])
 
     def _finish(self, out: _Rows) -> Batch:
         return Batch(
-            dense=torch.from_numpy(out.dense).log1p_(),  # torch's log1p is vectorized
+            dense=torch.from_numpy(out.dense),
             sparse=KeyedJaggedTensor.from_one_hot(list(self._names), torch.from_numpy(out.ids)),
             labels=torch.from_numpy(out.labels),
         )
@@ -472,9 +495,9 @@ class BatchTransform:
                 # fmax below maps to 0 like every other NaN. uint8: a faster loop than bool.
                 np.multiply(block, valid.view(np.uint8), out=block)
         np.fmax(out, np.float32(0), out=out)  # fmax, not maximum: NaN -> 0
+        _log1p(out)
         # numpy transposes this shape ~15x faster than torch's .t().contiguous().
-        dense = torch.from_numpy(np.ascontiguousarray(out.T))
-        return dense.log1p_()  # torch's log1p is vectorized, numpy's float32 one is not
+        return torch.from_numpy(np.ascontiguousarray(out.T))
 
     def _one_hot(self, columns: list[list[pa.Array]], n: int) -> np.ndarray:
         """Rows [n, n_keys] of one-hot columns, sample-major, -1 where the ID is null.

@@ -18,7 +18,7 @@ import torch
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.ids import HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.features.transform import BatchTransform
+from dlrmflow.features.transform import BatchTransform, _log1p
 
 SPEC = FeatureSpec(
     dense=("I1", "I2", "I3"),
@@ -269,3 +269,28 @@ def test_slice_of_the_one_hot_form_is_a_view_and_of_the_jagged_form_a_gather():
         assert torch.equal(got.lengths, want.lengths)
         assert got.weights is not None and want.weights is not None
         assert torch.equal(got.weights, want.weights)
+
+
+def test_the_dense_log_of_a_value_does_not_depend_on_where_it_sits():
+    # The compiled path logs a row group a slice at a time, the vectorized path a whole
+    # table at once: they agree only if the log of a value is the same at any position.
+    rng = np.random.default_rng(0)
+    values = np.concatenate(
+        [
+            rng.integers(0, 100_000, 5000).astype(np.float32),
+            rng.random(5000, dtype=np.float32) * 1e6,
+            np.float32(2.0) ** rng.integers(-30, 30, 5000).astype(np.float32),
+        ]
+    )
+    whole = values.copy()
+    _log1p(whole)
+    for start in range(33):
+        for size in (1, 7, 15, 16, 17, 63, 100):
+            part = values[start : start + size].copy()
+            _log1p(part)
+            assert np.array_equal(part, whole[start : start + size])
+    scratch = values[: 13 * 1000].reshape(13, 1000).copy()
+    rows = scratch[:, 3:900]  # strided rows, as the last slice of a row group is
+    _log1p(rows)
+    assert np.array_equal(rows, whole[: 13 * 1000].reshape(13, 1000)[:, 3:900])
+    assert np.allclose(whole, np.log1p(values.astype(np.float64)), rtol=1e-6, atol=0)
