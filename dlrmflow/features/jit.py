@@ -156,7 +156,8 @@ def clamp_columns(
 
 @numba.njit(nogil=True, cache=True)
 def scatter_rows(values: np.ndarray, out: np.ndarray, dest: np.ndarray) -> None:
-    """``out[dest[i], k] = values[k, i]``: feature-major rows into their places in ``out``."""
+    """``out[dest[i], k] = values[k, i]`` (converted to ``out``'s dtype): feature-major rows
+    into their places in ``out``."""
     _transpose_into(values, values.shape[1], out, dest)
 
 

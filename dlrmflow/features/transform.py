@@ -430,7 +430,9 @@ class BatchTransform:
                 jit.clamp_columns(frozen, masks, first, part)
                 _log1p(part)
                 jit.scatter_rows(part, out.dense, at[first:])
-            out.labels[at] = self._labels([columns[layout.label][c]])
+            label = columns[layout.label][c]
+            raw = _bools(label) if pa.types.is_boolean(label.type) else _primitive(label)
+            jit.scatter_rows(raw.reshape(1, -1), out.labels.reshape(-1, 1), at)
 
     def _finish(self, out: _Rows) -> Batch:
         return Batch(

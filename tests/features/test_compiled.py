@@ -294,3 +294,21 @@ def test_the_dense_log_of_a_value_does_not_depend_on_where_it_sits():
     _log1p(rows)
     assert np.array_equal(rows, whole[: 13 * 1000].reshape(13, 1000)[:, 3:900])
     assert np.allclose(whole, np.log1p(values.astype(np.float64)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "label_type", [pa.int8(), pa.int64(), pa.bool_(), pa.float32(), pa.float64()]
+)
+def test_compiled_path_takes_any_label_type(label_type):
+    compiled, vectorized = transforms()
+    data = chunked(table(300, seed=4), (100,))
+    labels = pa.chunked_array([c.cast(label_type) for c in data["label"].chunks])
+    data = data.set_column(data.schema.get_field_index("label"), "label", labels)
+    order = np.random.default_rng(2).permutation(300)
+    writer = compiled.window_writer(order)
+    writer.add(data)
+    out = writer.finish()
+    assert out.sparse.one_hot_rows is not None  # the compiled path took it
+    expected = vectorized(data).take(order)
+    assert_same_batch(out, expected)
+    assert set(out.labels.tolist()) <= {0.0, 1.0}
