@@ -2,8 +2,9 @@
 
 Both sides read the same row groups of the same files with N-way parallelism (N readers
 for ours, each preparing windows in the threads ``reader_threads`` gives it: two where the
-cores allow, else one; N decode threads for the baseline), and the best of ``repeats``
-runs counts for each so that a noisy neighbour hurts both alike. The baseline only
+cores allow, else one; N decode threads for the baseline). The cases take turns within
+each of ``repeats`` rounds and the best run of each counts, so that a noisy neighbour hurts
+all alike. The baseline only
 decodes Parquet into Arrow; ours also shuffles, batches and turns rows into tensors (dense
 log transform, sparse-ID hashing, jagged layout), so a ratio near 1 means preprocessing
 is hidden behind decode. CPU seconds per million rows are reported too: wall-clock ratios
@@ -32,16 +33,24 @@ from dlrmflow.ingest.reader import ParquetBatchDataset, Split, list_splits, make
 from dlrmflow.ingest.synthetic import generate_dataset
 
 
-def _best_rate(run: Callable[[], int], repeats: int) -> tuple[float, float]:
-    """Best rows/s over ``repeats`` runs, and the CPU seconds per million rows of that run."""
-    best, cpu_per_m = 0.0, 0.0
+def _best_rates(
+    cases: dict[str, Callable[[], int]], repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Each case's best rows/s over ``repeats`` runs, and the CPU seconds per million rows
+    of that run.
+
+    The cases take turns within each repeat, so that a noisy neighbour or a drift of the
+    machine's speed hurts them all alike rather than whichever case ran during it.
+    """
+    best: dict[str, tuple[float, float]] = {case: (0.0, 0.0) for case in cases}
     for _ in range(repeats):
-        start, cpu = time.perf_counter(), time.process_time()
-        rows = run()
-        rate = rows / (time.perf_counter() - start)
-        if rate > best:
-            best, cpu_per_m = rate, (time.process_time() - cpu) / rows * 1e6
-    return best, cpu_per_m
+        for case, run in cases.items():
+            start, cpu = time.perf_counter(), time.process_time()
+            rows = run()
+            rate = rows / (time.perf_counter() - start)
+            if rate > best[case][0]:
+                best[case] = (rate, (time.process_time() - cpu) / rows * 1e6)
+    return best
 
 
 def pyarrow_decode(splits: Sequence[Split], columns: list[str], workers: int) -> int:
@@ -109,16 +118,23 @@ def run_ingest_benchmark(
         for n in workers:
             # As in training: torch keeps the cores the readers leave (see compute_threads).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - n))
-            base, base_cpu = _best_rate(lambda n=n: pyarrow_decode(splits, columns, n), repeats)
-            ours, ours_cpu = _best_rate(
-                lambda n=n: reader_rows(splits, columns, n, batch_size, transform), repeats
+            best = _best_rates(
+                {
+                    "base": lambda n=n: pyarrow_decode(splits, columns, n),
+                    "ours": lambda n=n: reader_rows(splits, columns, n, batch_size, transform),
+                    "read_only": lambda n=n: reader_rows(splits, columns, n, batch_size, None),
+                    # The row shuffle's scattered writes are a large share of the cost; this
+                    # isolates it.
+                    "unshuffled": lambda n=n: reader_rows(
+                        splits, columns, n, batch_size, transform, False
+                    ),
+                },
+                repeats,
             )
-            read_only, read_cpu = _best_rate(
-                lambda n=n: reader_rows(splits, columns, n, batch_size, None), repeats
-            )
-            # The row shuffle's random gathers are a large share of the cost; this isolates it.
-            unshuffled, unshuffled_cpu = _best_rate(
-                lambda n=n: reader_rows(splits, columns, n, batch_size, transform, False), repeats
+            (base, base_cpu), (ours, ours_cpu) = best["base"], best["ours"]
+            (read_only, read_cpu), (unshuffled, unshuffled_cpu) = (
+                best["read_only"],
+                best["unshuffled"],
             )
             results[f"workers_{n}"] = {
                 "pyarrow_decode_rows_per_s": base,
