@@ -15,23 +15,30 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
-@intrinsic
-def prefetch(typingctx, address):  # noqa: ARG001 - numba's intrinsic signature
-    """Start loading the cache line at ``address`` (a ``uintp``) for writing."""
+def _prefetch_intrinsic(write: int, locality: int):  # noqa: ANN202 - a numba intrinsic
+    """An intrinsic that starts loading the cache line at an address (a ``uintp``)."""
 
-    def codegen(context, builder, signature, args):  # noqa: ARG001
-        byte_pointer = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        function = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
-            "llvm.prefetch.p0",
-        )
-        # For writing (1), kept in all cache levels (3), a data line (1).
-        pointer = builder.inttoptr(args[0], byte_pointer)
-        builder.call(
-            function, [pointer, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)]
-        )
-        return context.get_dummy_value()
+    def typer(typingctx, address):  # noqa: ARG001 - numba's intrinsic signature
+        def codegen(context, builder, signature, args):  # noqa: ARG001
+            byte_pointer = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
+                "llvm.prefetch.p0",
+            )
+            pointer = builder.inttoptr(args[0], byte_pointer)
+            flags = [ir.Constant(i32, write), ir.Constant(i32, locality), ir.Constant(i32, 1)]
+            builder.call(function, [pointer, *flags])  # the last flag: a data line
+            return context.get_dummy_value()
 
-    return types.void(types.uintp), codegen
+        return types.void(types.uintp), codegen
+
+    typer.__name__ = typer.__qualname__ = f"prefetch_w{write}_l{locality}"
+    return intrinsic(typer)
+
+
+# A line about to be written, kept in every cache level.
+prefetch = _prefetch_intrinsic(write=1, locality=3)
+# A line about to be read once, streamed through: kept out of the nearest cache level.
+prefetch_read = _prefetch_intrinsic(write=0, locality=2)
