@@ -1,13 +1,14 @@
 """Arrow row group -> ``Batch``: dense log transform, sparse IDs to rows, labels.
 
-The reader transforms each decoded row group (~65k rows) once, then cuts training batches
-out of the result with ``Batch.concat`` and ``Batch.take``. At that size numpy's per-call
-cost is negligible, so the code works column by column on zero-copy numpy views of the
-Arrow buffers (validity bitmaps, offsets, values, dictionaries), and all IDs of a row
-group go to the mapper in one call. When every ID column is one-hot (Criteo's layout) the
-sparse part comes out in ``KeyedJaggedTensor``'s one-hot form, a row of IDs per sample,
-which ``take`` gathers cheaply; list columns give the jagged form, nulls dropped before
-the IDs are mapped.
+The reader transforms each decoded row group (~65k rows) once, straight into its place in
+a shuffled window (``WindowWriter``), and cuts training batches out of the window as
+slices (without a compiled path: ``Batch.concat`` and ``Batch.take``). At that size
+numpy's per-call cost is negligible, so the code works column by column on zero-copy
+numpy views of the Arrow buffers (validity bitmaps, offsets, values, dictionaries), and
+all IDs of a row group go to the mapper in one call. When every ID column is one-hot
+(Criteo's layout) the sparse part comes out in ``KeyedJaggedTensor``'s one-hot form, a row
+of IDs per sample, which ``take`` gathers cheaply; list columns give the jagged form,
+nulls dropped before the IDs are mapped.
 
 Input semantics (``validate`` enforces the types and values, once per row group):
 
@@ -242,10 +243,10 @@ class _Layout:
 
 @dataclass(frozen=True)
 class _Rows:
-    """The compiled path's output arrays, sample-major, before the dense log."""
+    """The compiled path's output arrays, sample-major."""
 
     ids: np.ndarray  # [n, sparse keys], int32 or int64; -1 where the ID is null
-    dense: np.ndarray  # [n, dense columns] float32, max(x, 0) with nulls and NaN as 0
+    dense: np.ndarray  # [n, dense columns] float32: log1p(max(x, 0)), nulls and NaN as 0
     labels: np.ndarray  # [n] float32
 
 
@@ -409,8 +410,8 @@ class BatchTransform:
     ) -> None:
         """Row ``i`` of the chunks (one after another) into row ``dest[i]`` of ``out``.
 
-        The sparse IDs are hashed, the dense values clamped and the rows placed in one pass
-        per output (the log follows in ``_finish``, in torch); see ``jit``.
+        The sparse IDs are hashed, marked where null and placed in one pass; the dense
+        values are clamped, logged and placed a slice at a time; see ``jit``.
         """
         start = 0
         for c, size in enumerate(lengths):
