@@ -128,6 +128,11 @@ def _bools(arr: pa.Array) -> np.ndarray:
     return np.unpackbits(bits, count=skip + len(arr), bitorder="little")[skip:]
 
 
+def _label_values(arr: pa.Array) -> np.ndarray:
+    """A label array's values as numpy (bools unpacked to 0/1), in its own dtype."""
+    return _bools(arr) if pa.types.is_boolean(arr.type) else _primitive(arr)
+
+
 def _id_valid(arr: pa.Array) -> np.ndarray | None:
     """Which slots of an int64 or dictionary array hold an ID (None: all of them)."""
     if not pa.types.is_dictionary(arr.type):
@@ -431,9 +436,8 @@ class BatchTransform:
                 jit.clamp_columns(frozen, masks, first, part)
                 _log1p(part)
                 jit.scatter_rows(part, out.dense, at[first:])
-            label = columns[layout.label][c]
-            raw = _bools(label) if pa.types.is_boolean(label.type) else _primitive(label)
-            jit.scatter_rows(raw.reshape(1, -1), out.labels.reshape(-1, 1), at)
+            labels = _label_values(columns[layout.label][c])
+            jit.scatter_rows(labels.reshape(1, -1), out.labels.reshape(-1, 1), at)
 
     def _finish(self, out: _Rows) -> Batch:
         return Batch(
@@ -547,8 +551,7 @@ class BatchTransform:
 
     @staticmethod
     def _labels(chunks: list[pa.Array]) -> np.ndarray:
-        parts = [_bools(a) if pa.types.is_boolean(a.type) else _primitive(a) for a in chunks]
-        return np.concatenate(parts, dtype=np.float32)
+        return np.concatenate([_label_values(a) for a in chunks], dtype=np.float32)
 
     def _check_types(self, schema: pa.Schema) -> None:
         spec = self.spec

@@ -22,11 +22,11 @@ they must be thread-safe.
 ``transform(table)`` turns a row group into a *block*, anything that implements ``Block``
 (``take``, ``concat``, ``len``) row-wise, so the batches hold the same rows in the same
 order as without a transform: the window's blocks are concatenated and batches gathered
-from them. A transform that also has ``window(tables, order)`` builds the whole window
-already permuted, and the batches are ``slice``s of it; one with ``window_writer(order)``
-(``BatchTransform``) builds it as each row group is decoded. The compiled transform writes
-each row straight to its shuffled place, so the shuffle costs no pass of its own. Without
-a transform, blocks are Arrow tables and batches Arrow record batches.
+from them. A transform that also has ``window_writer(order, dest)`` (``BatchTransform``)
+builds the whole window already permuted, as each row group is decoded, and the batches
+are ``slice``s of it: the compiled transform writes each row straight to its shuffled
+place, so the shuffle costs no pass of its own. Without a transform, blocks are Arrow
+tables and batches Arrow record batches.
 
 Resumption is a few integers per reader: ``(epoch, window, offset)``, the position of the
 next row not yet emitted. Because a window's content and permutation depend only on the
@@ -434,16 +434,14 @@ class _Plan:
 class _TransformedBlocks:
     """How splits become batches when ``transform`` makes blocks: the ``Block`` protocol.
 
-    A transform with a ``window(tables, order)`` method builds the window's rows already in
-    emission ``order``, as a block with ``slice(start, stop)``: the batches are then slices
-    of it, and the shuffle costs no gather of its own. ``window_writer(order)``
-    (``BatchTransform``'s ``WindowWriter``) does the same one table at a time, so each row
-    group is transformed right after it is decoded.
+    A transform with a ``window_writer(order, dest)`` method (``BatchTransform``'s
+    ``WindowWriter``) builds the window's rows already in emission ``order``, one row group
+    at a time as each is decoded, as a block with ``slice(start, stop)``: the batches are
+    then slices of it, and the shuffle costs no gather of its own.
     """
 
     def __init__(self, transform: Callable[[pa.Table], Block]) -> None:
         self.transform = transform
-        self.window = getattr(transform, "window", None)
         self.window_writer = getattr(transform, "window_writer", None)
 
     def make(self, split: Split, table: pa.Table) -> Block:
@@ -473,47 +471,31 @@ class _TransformedBlocks:
         """The ``pieces`` of the window of ``splits`` (each decoded by ``read``), shuffled
         by ``order`` (``dest`` is its inverse). Each row group is transformed right after
         it is decoded, while its columns are still in cache."""
-        if self.window_writer is not None:
-            writer = self.window_writer(order, dest)
-            for split in splits:
-                table = read(split)
-                try:
-                    writer.add(table)
-                except Exception as e:
-                    raise DataError(
-                        f"{_where(split)}: transform failed: {type(e).__name__}: {e}"
-                    ) from e
-            try:
-                block = writer.finish()
-            except Exception as e:
-                where = "; ".join(_where(s) for s in splits)
-                raise DataError(f"{where}: transform failed: {type(e).__name__}: {e}") from e
-            block = self._checked(splits, block, order)
-        elif self.window is not None:
-            tables = [read(s) for s in splits]
-            try:
-                block = self.window(tables, order)
-            except Exception as e:
-                # Name the row group at fault: transforming them one by one raises for it.
-                for split, table in zip(splits, tables, strict=True):
-                    self.make(split, table)
-                where = "; ".join(_where(s) for s in splits)
-                raise DataError(f"{where}: transform failed: {type(e).__name__}: {e}") from e
-            block = self._checked(splits, block, order)
-        else:
+        if self.window_writer is None:
             blocks = [self.make(s, read(s)) for s in splits]
             block = blocks[0] if len(blocks) == 1 else self.join_batches(blocks)
             return [block.take(order[a:b]) for a, b in pieces]
-        return [block.slice(a, b) for a, b in pieces]
-
-    @staticmethod
-    def _checked(splits: list[Split], block: Block, order: np.ndarray) -> Block:
+        writer = self.window_writer(order, dest)
+        for split in splits:
+            table = read(split)
+            try:
+                writer.add(table)
+            except Exception as e:
+                raise DataError(
+                    f"{_where(split)}: transform failed: {type(e).__name__}: {e}"
+                ) from e
+        try:
+            block = writer.finish()
+        except Exception as e:
+            raise DataError(
+                f"{_where_all(splits)}: transform failed: {type(e).__name__}: {e}"
+            ) from e
         if len(block) != len(order):
             raise ValueError(
                 f"transform returned {len(block)} rows for the {len(order)} of "
-                f"{'; '.join(_where(s) for s in splits)}; it must map each row to one row"
+                f"{_where_all(splits)}; it must map each row to one row"
             )
-        return block
+        return [block.slice(a, b) for a, b in pieces]
 
 
 class _ArrowBlocks:
@@ -543,6 +525,10 @@ class _ArrowBlocks:
 
 def _where(split: Split) -> str:
     return f"{split.path}, row group {split.row_group}"
+
+
+def _where_all(splits: Sequence[Split]) -> str:
+    return "; ".join(_where(s) for s in splits)
 
 
 class _SplitDecoder:
