@@ -4,11 +4,10 @@ Both sides read the same row groups of the same files with N-way parallelism (N 
 for ours, each preparing windows in the threads ``reader_threads`` gives it: two where the
 cores allow, else one; N decode threads for the baseline). The cases take turns within
 each of ``repeats`` rounds and the best run of each counts, so that a noisy neighbour hurts
-all alike. The baseline only
-decodes Parquet into Arrow; ours also shuffles, batches and turns rows into tensors (dense
-log transform, sparse-ID hashing, jagged layout), so a ratio near 1 means preprocessing
-is hidden behind decode. CPU seconds per million rows are reported too: wall-clock ratios
-can hide work done on a spare core.
+all alike. The baseline only decodes Parquet into Arrow; ours also shuffles, batches and
+turns rows into tensors (dense log transform, sparse-ID hashing, jagged layout), so a
+ratio near 1 means preprocessing is hidden behind decode. CPU seconds per million rows
+are reported too: wall-clock ratios can hide work done on a spare core.
 """
 
 from __future__ import annotations
