@@ -494,15 +494,26 @@ def bench_train(
     _emit_benchmark(result, json_out)
 
 
+def _one_line(error: BaseException) -> str:
+    """The message of an expected failure as one line (nested causes joined by ': ')."""
+    text = str(error) or type(error).__name__
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        text = f"{error.filename}: {error.strerror}"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def main() -> None:
-    """Entry point: turns expected failures (bad config, bad data) into one-line errors."""
+    """Entry point: turns expected failures (bad config, bad data, a busy or full disk, a
+    failed rank) into one line and exit 1; ``DLRMFLOW_DEBUG=1`` shows the traceback."""
+    from dlrmflow.errors import DlrmflowError
+
     try:
         tune_allocator()
         app()
-    except (ValueError, FileNotFoundError) as e:
-        # Bad configuration or bad data: the message names the key, file, row group or
-        # column; a traceback would only bury it. DLRMFLOW_DEBUG=1 shows it anyway.
+    except (DlrmflowError, ValueError, OSError) as e:
+        # The message names the key, file, row group, column, step or rank; a traceback
+        # would only bury it.
         if os.environ.get("DLRMFLOW_DEBUG"):
             raise
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+        typer.echo(f"error: {_one_line(e)}", err=True)
+        sys.exit(1)

@@ -11,16 +11,41 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.train.sharding import ShardingType
 
 
-class ConfigError(ValueError):
+class ConfigError(DlrmflowError, ValueError):
     """A configuration file or override that cannot be used; the message names the key."""
+
+
+
+
+def _not_bool(value: Any) -> Any:
+    # pydantic would read true as 1: a boolean where a number belongs is a mistake.
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+# Numbers: never a boolean, and never an infinite or NaN rate or size (1e-3 written as
+# text, which YAML leaves a string, still reads as a number).
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool), AllowInfNan(False)]
+Size = Annotated[Int, Field(ge=1)]
 
 
 class _Section(BaseModel):
@@ -31,31 +56,31 @@ class DataConfig(_Section):
     """Where the Parquet dataset lives and how the synthetic generator makes it."""
 
     url: str = Field("data/synthetic", description="dataset root: a local path or fsspec URL")
-    days: int = Field(6, ge=2, description="day partitions to generate; the last is the test day")
-    rows_per_day: int = Field(200_000, ge=1)
-    seed: int = 0
+    days: Int = Field(6, ge=2, description="day partitions to generate; the last is the test day")
+    rows_per_day: Int = Field(200_000, ge=1)
+    seed: Int = 0
     multi_hot: bool = False
-    cardinality_scale: float = Field(
+    cardinality_scale: Float = Field(
         0.002, gt=0, le=1, description="scales Criteo's per-feature cardinalities"
     )
-    max_cardinality: int = Field(
+    max_cardinality: Int = Field(
         50_000, ge=2, description="cap on any generated feature's cardinality"
     )
-    positive_rate: float = Field(0.25, gt=0, lt=1)
-    row_group_size: int = Field(65_536, ge=1, description="rows per Parquet row group")
+    positive_rate: Float = Field(0.25, gt=0, lt=1)
+    row_group_size: Int = Field(65_536, ge=1, description="rows per Parquet row group")
 
 
 class FeaturesConfig(_Section):
     """How raw IDs become embedding rows."""
 
     ids: Literal["hash", "vocab"] = "hash"
-    max_rows_per_table: int = Field(
+    max_rows_per_table: Int = Field(
         100_000, ge=2, description="hash buckets (or vocabulary cap) per table"
     )
-    hash_size_factor: float = Field(
+    hash_size_factor: Float = Field(
         4.0, ge=1, description="hash: buckets per distinct ID when the cardinality is known"
     )
-    min_count: int = Field(2, ge=1, description="vocab: IDs seen fewer times share the OOV row")
+    min_count: Int = Field(2, ge=1, description="vocab: IDs seen fewer times share the OOV row")
     pooling: Literal["sum", "mean"] = Field(
         "sum", description="how a bag of IDs is pooled (mean suits long multi-hot lists)"
     )
@@ -65,18 +90,14 @@ class ModelConfig(_Section):
     """DLRM sizes. ``arch=dcnv2`` replaces the dot interaction with a cross network."""
 
     arch: Literal["dlrm", "dcnv2"] = "dlrm"
-    embedding_dim: int = Field(16, ge=1)
-    bottom_mlp: list[int] = Field(default_factory=lambda: [64, 16])
-    top_mlp: list[int] = Field(default_factory=lambda: [128, 64])
-    dcn_layers: int = Field(3, ge=1)
-    dcn_low_rank: int = Field(32, ge=1)
+    embedding_dim: Int = Field(16, ge=1)
+    bottom_mlp: list[Size] = Field(default_factory=lambda: [64, 16], min_length=1)
+    top_mlp: list[Size] = Field(default_factory=lambda: [128, 64], min_length=1)
+    dcn_layers: Int = Field(3, ge=1)
+    dcn_low_rank: Int = Field(32, ge=1)
 
     @model_validator(mode="after")
     def _check_sizes(self) -> ModelConfig:
-        if not self.bottom_mlp or any(n < 1 for n in self.bottom_mlp):
-            raise ValueError("bottom_mlp must be a non-empty list of positive sizes")
-        if any(n < 1 for n in self.top_mlp):
-            raise ValueError("top_mlp sizes must be positive")
         if self.arch == "dlrm" and self.bottom_mlp[-1] != self.embedding_dim:
             raise ValueError(
                 f"bottom_mlp must end in embedding_dim={self.embedding_dim} for the dot "
@@ -88,27 +109,27 @@ class ModelConfig(_Section):
 class TrainConfig(_Section):
     """The training loop and its data loading."""
 
-    batch_size: int = Field(2048, ge=1)
-    epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
+    batch_size: Int = Field(2048, ge=1)
+    epochs: Int = Field(1, ge=1)
+    max_steps: Int | None = Field(None, ge=1, description="stop after this many steps")
     optimizer: Literal["adagrad", "sgd"] = "adagrad"
-    lr: float = Field(0.05, gt=0)
-    embedding_lr: float | None = Field(None, gt=0, description="defaults to lr")
-    seed: int = 0
-    log_every: int = Field(50, ge=1, description="steps between metrics.jsonl records")
-    num_workers: int = Field(
+    lr: Float = Field(0.05, gt=0)
+    embedding_lr: Float | None = Field(None, gt=0, description="defaults to lr")
+    seed: Int = 0
+    log_every: Int = Field(50, ge=1, description="steps between metrics.jsonl records")
+    num_workers: Int = Field(
         1, ge=0, description="reader threads decoding ahead (0: read in the training loop)"
     )
     shuffle: bool = True
-    shuffle_window: int = Field(4, ge=1, description="row groups whose rows are shuffled together")
-    threads: int | None = Field(
+    shuffle_window: Int = Field(4, ge=1, description="row groups whose rows are shuffled together")
+    threads: Int | None = Field(
         None, ge=1, description="torch intra-op threads (default: cores left by the readers)"
     )
-    checkpoint_every: int | None = Field(
+    checkpoint_every: Int | None = Field(
         None, ge=1, description="steps between checkpoints (default: only at the end)"
     )
-    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept (plus the best)")
-    embedding_memory_bytes: int | None = Field(
+    keep_checkpoints: Int = Field(2, ge=1, description="complete checkpoints kept (plus the best)")
+    embedding_memory_bytes: Int | None = Field(
         None,
         ge=1,
         description="memory for embedding rows and their optimizer state; tables beyond it "
@@ -118,7 +139,7 @@ class TrainConfig(_Section):
         "auto",
         description='"auto": continue from the run dir\'s newest checkpoint; "never"; or a path',
     )
-    eval_every: int | None = Field(
+    eval_every: Int | None = Field(
         None, ge=1, description="steps between evaluations on the test day during training"
     )
 
@@ -126,8 +147,8 @@ class TrainConfig(_Section):
 class DistributedConfig(_Section):
     """How training is spread over processes: sharding, communication precision, launch."""
 
-    nproc: int = Field(1, ge=1, description="ranks on this host (>1: launched with torchrun)")
-    ranks_per_host: int | None = Field(
+    nproc: Int = Field(1, ge=1, description="ranks on this host (>1: launched with torchrun)")
+    ranks_per_host: Int | None = Field(
         None, ge=1, description="for planning; default: nproc (one host)"
     )
     sharding: ShardingType | None = Field(
@@ -145,7 +166,7 @@ class DistributedConfig(_Section):
     pipeline: bool = Field(
         True, description="start the next batch's input all-to-all while this one computes"
     )
-    timeout_s: float = Field(
+    timeout_s: Float = Field(
         300.0, gt=0, description="collective timeout: a dead peer ends the job after this"
     )
     readers: list[str] = Field(
@@ -156,8 +177,8 @@ class DistributedConfig(_Section):
 class EvalConfig(_Section):
     """Evaluation on the held-out test day."""
 
-    batch_size: int = Field(16_384, ge=1)
-    max_rows: int | None = Field(None, ge=1, description="evaluate on at most this many rows")
+    batch_size: Int = Field(16_384, ge=1)
+    max_rows: Int | None = Field(None, ge=1, description="evaluate on at most this many rows")
 
 
 class RunConfig(_Section):
@@ -222,7 +243,7 @@ def _format_errors(err: ValidationError) -> str:
             lines.append(f"{key}: {e['msg']}")
         else:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    return "invalid configuration: " + "; ".join(lines)
 
 
 def build_config(data: dict[str, Any]) -> RunConfig:

@@ -27,12 +27,9 @@ TINY_DATA = {
 
 @pytest.fixture(scope="session")
 def criteo_sample() -> Path:
-    """The 200 real Criteo lines in the project's shared folder (beside the repository)."""
-    shared = os.environ.get("DLRMFLOW_SHARED_DIR")
-    root = Path(shared) if shared else Path(__file__).resolve().parents[2] / "shared"
-    path = root / "data" / "criteo_sample_200.tsv"
-    if not path.is_file():
-        pytest.fail(f"shared Criteo sample not found at {path}; set DLRMFLOW_SHARED_DIR")
+    """200 real Criteo lines, kept in the repository (tests/data) so a fresh clone tests."""
+    path = Path(__file__).resolve().parent / "data" / "criteo_sample_200.tsv"
+    assert path.is_file(), f"{path} is missing from the repository"
     return path
 
 

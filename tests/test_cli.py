@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
@@ -85,11 +87,11 @@ def test_generate_train_evaluate(tmp_path):
 
 def test_config_errors_are_one_line_and_name_the_key(capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["dlrmflow", "config", "--set", "train.batchsize=3"])
-    try:
+    with pytest.raises(SystemExit) as exited:
         main()
-    except SystemExit as e:
-        assert e.code == 2
+    assert exited.value.code == 1
     err = capsys.readouterr().err
+    assert err.count("\n") == 1
     assert "train.batchsize: unknown key" in err
     assert "Traceback" not in err
 

@@ -39,11 +39,29 @@ def test_file_then_overrides(tmp_path, suffix):
         ("train.optimizer=adamw", "train.optimizer"),
         ("model.embedding_dim=8", "bottom_mlp must end in embedding_dim=8"),
         ("train.lr", "expected KEY=VALUE"),
+        # Non-finite numbers, booleans for numbers and empty MLPs never reach training.
+        ("train.lr=inf", "train.lr: Input should be a finite number"),
+        ("train.lr=.inf", "train.lr: Input should be a finite number"),
+        ("train.embedding_lr=.nan", "train.embedding_lr"),
+        ("distributed.timeout_s=1e999", "distributed.timeout_s: Input should be a finite"),
+        ("train.lr=0", "train.lr: Input should be greater than 0"),
+        ("train.batch_size=true", "train.batch_size: .*not a boolean"),
+        ("train.lr=false", "train.lr: .*not a boolean"),
+        ("train.batch_size=2.5", "train.batch_size: .*integer"),
+        ("model.top_mlp=[]", "model.top_mlp: List should have at least 1 item"),
+        ("model.bottom_mlp=[]", "model.bottom_mlp: List should have at least 1 item"),
+        ("model.top_mlp=[true]", "model.top_mlp.0: .*not a boolean"),
+        ("model.top_mlp=[0]", "model.top_mlp.0: Input should be greater than or equal to 1"),
     ],
 )
 def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
         load_config(None, [override])
+
+
+def test_numbers_written_as_text_still_read_as_numbers():
+    # YAML reads 1e-3 (no dot) as a string; it is still the number a user meant.
+    assert load_config(None, ["train.lr=1e-3"]).train.lr == 0.001
 
 
 def test_bad_file_errors_name_the_file(tmp_path):
