@@ -195,6 +195,7 @@ def train_cmd(
     A run directory that holds a checkpoint continues from its newest intact one.
     """
     from dlrmflow.train.launch import launch_training
+    from dlrmflow.train.rundir import run_dir_lock
 
     cfg = _config(
         config,
@@ -221,7 +222,9 @@ def train_cmd(
         if not line.startswith("result "):
             typer.echo(line, err=True)
 
-    result = launch_training(cfg, on_line=echo, on_record=show)
+    # Held here, so that a job's ranks (and its config.json) run under it.
+    with run_dir_lock(cfg.run_dir, "dlrmflow train"):
+        result = launch_training(cfg, on_line=echo, on_record=show)
     bar.close()
     _echo_json(result.to_dict())
 
@@ -341,10 +344,8 @@ def demo(
         global_batch = overrides.get("train.batch_size", base.train.batch_size)
         overrides["train.batch_size"] = max(1, global_batch // nproc)
     cfg = apply_overrides(base, overrides)
-    # A new demo, not the continuation of the last one (the train task still resumes from
-    # this run's own checkpoints when Prefect retries it).
-    shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
     from dlrmflow.flows.end_to_end import end_to_end
+    from dlrmflow.train.rundir import run_dir_lock
 
     typer.echo(
         f"end_to_end flow: generate {cfg.data.days} x {cfg.data.rows_per_day} rows -> train on "
@@ -352,7 +353,11 @@ def demo(
         "(task logs go to the Prefect API)",
         err=True,
     )
-    summary = end_to_end(cfg)
+    with run_dir_lock(run_dir, "dlrmflow demo"):
+        # A new demo, not the continuation of the last one (the train task still resumes
+        # from this run's own checkpoints when Prefect retries it).
+        shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
+        summary = end_to_end(cfg)
     width = max(len(k) for k in summary)
     for key, value in summary.items():
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
@@ -505,8 +510,12 @@ def _one_line(error: BaseException) -> str:
 def main() -> None:
     """Entry point: turns expected failures (bad config, bad data, a busy or full disk, a
     failed rank) into one line and exit 1; ``DLRMFLOW_DEBUG=1`` shows the traceback."""
+    import warnings
+
     from dlrmflow.errors import DlrmflowError
 
+    # A warning is one line too (the run record keeps it where it matters).
+    warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
     try:
         tune_allocator()
         app()

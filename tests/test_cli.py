@@ -2,9 +2,8 @@
 
 import json
 
-import pytest
-
 import pyarrow.parquet as pq
+import pytest
 import torch
 from safetensors import safe_open
 from typer.testing import CliRunner

@@ -101,17 +101,39 @@ def _hash_block(
 
 
 @numba.njit(nogil=True, cache=True)
-def _clamp_block(values: np.ndarray, valid: np.ndarray, part: np.ndarray) -> None:
-    """``part[i] = max(values[i], 0)`` as float32; 0 for nulls (``valid[i]`` False) and NaN."""
+def _clamp_block(values: np.ndarray, valid: np.ndarray, part: np.ndarray, limit: float) -> int:
+    """``part[i] = max(values[i], 0)`` as float32; 0 for nulls (``valid[i]`` False) and NaN.
+
+    Returns how many values (nulls aside) have a magnitude above ``limit``, ±inf included:
+    counted in the same loop, as values are converted, and in ``values``' own type, so
+    the count does not rest on what a float32 conversion makes of them. An infinite
+    ``limit`` (integer columns) counts nothing and costs nothing.
+    """
+    beyond = 0
+    check = limit < np.inf
     if valid.shape[0] == 0:
+        if check:
+            for i in range(part.shape[0]):
+                v = values[i]
+                beyond += np.abs(v) > limit  # False for NaN: NaN is missing, like a null
+                x = np.float32(v)
+                # ``x > 0`` is False for NaN, so NaN becomes 0 like a null.
+                part[i] = x if x > 0 else np.float32(0)
+        else:
+            for i in range(part.shape[0]):
+                x = np.float32(values[i])
+                part[i] = x if x > 0 else np.float32(0)
+    elif check:
         for i in range(part.shape[0]):
-            x = np.float32(values[i])
-            # ``x > 0`` is False for NaN, so NaN becomes 0 like a null.
-            part[i] = x if x > 0 else np.float32(0)
+            v = values[i]
+            beyond += (np.abs(v) > limit) & valid[i]
+            x = np.float32(v)
+            part[i] = x if (x > 0) & valid[i] else np.float32(0)
     else:
         for i in range(part.shape[0]):
             x = np.float32(values[i])
             part[i] = x if (x > 0) & valid[i] else np.float32(0)
+    return beyond
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -157,17 +179,24 @@ def one_hot_rows(
 
 @numba.njit(nogil=True, cache=True)
 def clamp_columns(
-    columns: tuple[np.ndarray, ...], valid: tuple[np.ndarray, ...], first: int, out: np.ndarray
+    columns: tuple[np.ndarray, ...],
+    valid: tuple[np.ndarray, ...],
+    first: int,
+    out: np.ndarray,
+    limit: float,
+    beyond: np.ndarray,
 ) -> None:
     """``out[k, i] = max(columns[k][first + i], 0)`` as float32, 0 for nulls and NaN.
 
     ``valid[k]`` is a bool per value, or empty when column ``k`` has no nulls. ``out`` is
     feature-major [columns, rows], so that the log after it runs over contiguous rows.
+    ``beyond[k]`` (int64) is increased by how many of column ``k``'s values (nulls aside)
+    have a magnitude above ``limit`` (``np.inf``: none are looked for).
     """
     size = out.shape[1]
     for k in range(len(columns)):
         ok = valid[k][first : first + size] if valid[k].shape[0] != 0 else valid[k]
-        _clamp_block(columns[k][first : first + size], ok, out[k])
+        beyond[k] += _clamp_block(columns[k][first : first + size], ok, out[k], limit)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -14,7 +14,10 @@ Input semantics (``validate`` enforces the types and values, once per row group)
 
 * dense columns: any integer or floating type. A null or NaN is missing and becomes 0;
   every other value becomes ``log(1 + max(x, 0))`` in float32 (numpy's vectorized
-  ``log1p``). ±inf is an error.
+  ``log1p``). A value float32 cannot hold is an error: ±inf, and any magnitude above
+  float32's largest (~3.4e38), which the cast would make infinite (a float64 1e300, say;
+  no integer is that large). ``validate`` checks it, and so does each transform path on
+  its own (the compiled one in its loop), so no path ever hands training an inf.
 * sparse columns: int64 (one ID per row; a null is an empty bag, length 0) or list<int64>
   / large_list<int64> (a bag of IDs; a null list is an empty bag; a null element inside
   a list is not an ID and is dropped, so the bag is shorter, just as a one-hot null gives
@@ -47,6 +50,8 @@ _ID_TYPES = "int64 or list<int64> IDs (optionally dictionary-encoded)"
 # Rows of a row group whose dense values are clamped, logged and placed at a time: 8192
 # rows of 13 features are 416 KiB, which stay in the core's cache between the steps.
 _DENSE_SLICE = 8192
+# The largest float32; a dense value of greater magnitude would become ±inf in float32.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _log1p(values: np.ndarray) -> None:
@@ -62,6 +67,45 @@ def _log1p(values: np.ndarray) -> None:
 
 def _dense_type_ok(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _check_dense_range(name: str, chunks: Sequence[pa.Array]) -> None:
+    """Raise ``ValueError`` if a dense column (its ``chunks``) holds a value float32 cannot.
+
+    Only floating columns can (an int64 is below 1e19). The common case costs a NaN-
+    skipping min and max over each chunk's raw values (a few microseconds a row group;
+    Arrow's null-aware min/max is ~20x slower). Those include whatever lies under nulls,
+    so a bound out of range is looked at again with the nulls left out.
+    """
+    if not chunks or not pa.types.is_floating(chunks[0].type):
+        return
+    for chunk in chunks:
+        values = _primitive(chunk)
+        # As Python floats: numpy would compare a float16 with the bound cast to float16.
+        if len(values) and (
+            float(np.fmax.reduce(values)) > _FLOAT32_MAX
+            or float(np.fmin.reduce(values)) < -_FLOAT32_MAX
+        ):
+            count, example = _beyond_float32(pa.chunked_array(chunks))
+            if count:
+                raise _range_error(name, count, example)
+            return  # only values under nulls were out of range
+
+
+def _beyond_float32(col: pa.Array | pa.ChunkedArray) -> tuple[int, float | None]:
+    """How many values of a floating column float32 cannot hold, nulls and NaN aside, and
+    the first of them (the rare path, once a bound is out of range)."""
+    wide = col.cast(pa.float64())  # exact; Arrow has no float16 abs or compare
+    beyond = pc.greater(pc.abs(wide), _FLOAT32_MAX)
+    count = pc.sum(beyond).as_py() or 0
+    return count, pc.filter(wide, beyond)[0].as_py() if count else None
+
+
+def _range_error(name: str, count: int, example: float | None) -> ValueError:
+    return ValueError(
+        f"column {name}: {count} value(s) infinite or beyond float32's range "
+        f"(e.g. {example!r}); dense values must be finite and within ±{_FLOAT32_MAX:.8g}"
+    )
 
 
 def _label_type_ok(t: pa.DataType) -> bool:
@@ -298,22 +342,17 @@ class BatchTransform:
     def validate(self, table: pa.Table) -> None:
         """Raise ``ValueError`` naming the column if ``table`` cannot be transformed.
 
-        Checks types (schema drift), ±inf in dense columns, non-0/1 or null labels and
-        dictionary indices outside their dictionary. It costs one pass over the label,
-        over floating dense columns and over dictionary indices, nothing for plain IDs.
+        Checks types (schema drift), dense values float32 cannot hold (±inf, or beyond its
+        range), non-0/1 or null labels and dictionary indices outside their dictionary. It
+        costs one pass over the label, over floating dense columns and over dictionary
+        indices, nothing for plain IDs.
         """
         typed = self._typed
         if typed is None or not table.schema.equals(typed):
             self._check_types(table.schema)
             self._typed = table.schema
         for name in self.spec.dense:
-            col = table.column(name)
-            if pa.types.is_floating(col.type):
-                n_inf = pc.sum(pc.is_inf(col)).as_py() or 0
-                if n_inf:
-                    raise ValueError(
-                        f"column {name}: {n_inf} infinite value(s); dense values must be finite"
-                    )
+            _check_dense_range(name, table.column(name).chunks)
         self._check_labels(table.column(self.spec.label))
         for name in self._names:
             self._check_indices(name, table.column(name))
@@ -339,8 +378,11 @@ class BatchTransform:
             sparse = KeyedJaggedTensor(
                 list(self._names), torch.from_numpy(values), torch.from_numpy(lengths)
             )
+        dense_columns = [columns[i] for i in layout.dense]
+        for name, chunks in zip(self.spec.dense, dense_columns, strict=True):
+            _check_dense_range(name, chunks)
         return Batch(
-            dense=self._dense([columns[i] for i in layout.dense], n, layout.dense_one_type),
+            dense=self._dense(dense_columns, n, layout.dense_one_type),
             sparse=sparse,
             labels=torch.from_numpy(self._labels(columns[layout.label])),
         )
@@ -428,14 +470,22 @@ class BatchTransform:
             values = [columns[i][c] for i in layout.dense]
             frozen = tuple(jit.frozen(_primitive(a)) for a in values)
             masks = jit.masks([_valid(a) for a in values])
+            # Floating columns are checked for values float32 cannot hold in the clamp's
+            # own loop (integers never are such values).
+            limit = _FLOAT32_MAX if pa.types.is_floating(values[0].type) else np.inf
+            out_of_range = np.zeros(len(values), np.int64)
             # Clamped, logged and placed a slice at a time, so that the log reads values
             # still in the core's cache rather than the whole window from memory after.
             scratch = np.empty((len(values), min(size, _DENSE_SLICE)), np.float32)
             for first in range(0, size, _DENSE_SLICE):
                 part = scratch[:, : min(_DENSE_SLICE, size - first)]
-                jit.clamp_columns(frozen, masks, first, part)
+                jit.clamp_columns(frozen, masks, first, part, limit, out_of_range)
                 _log1p(part)
                 jit.scatter_rows(part, out.dense, at[first:])
+            if out_of_range.any():
+                k = int(np.flatnonzero(out_of_range)[0])
+                _, example = _beyond_float32(values[k])
+                raise _range_error(self.spec.dense[k], int(out_of_range[k]), example)
             labels = _label_values(columns[layout.label][c])
             jit.scatter_rows(labels.reshape(1, -1), out.labels.reshape(-1, 1), at)
 
@@ -495,12 +545,16 @@ class BatchTransform:
         else:
             blocks = list(zip(out, (pa.concat_arrays(col) for col in columns), strict=True))
         for block, arr in blocks:
-            np.copyto(block, _primitive(arr), casting="unsafe")
             valid = _valid(arr)
-            if valid is not None:
-                # Multiplying by 0 turns a garbage NaN/inf under a null into NaN, which the
-                # fmax below maps to 0 like every other NaN. uint8: a faster loop than bool.
-                np.multiply(block, valid.view(np.uint8), out=block)
+            # Garbage under a null may overflow the cast or be inf (values are checked
+            # before, nulls aside): quietly, since it is masked right after.
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.copyto(block, _primitive(arr), casting="unsafe")
+                if valid is not None:
+                    # Multiplying by 0 turns a garbage NaN/inf under a null into NaN, which
+                    # the fmax below maps to 0 like every other NaN. uint8: a faster loop
+                    # than bool.
+                    np.multiply(block, valid.view(np.uint8), out=block)
         np.fmax(out, np.float32(0), out=out)  # fmax, not maximum: NaN -> 0
         _log1p(out)
         # numpy transposes this shape ~15x faster than torch's .t().contiguous().

@@ -19,6 +19,8 @@ from dlrmflow.config import RunConfig
 from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import ingest_flow
 from dlrmflow.flows.train import train_flow
+from dlrmflow.outputs import write_atomic
+from dlrmflow.train.rundir import run_dir_lock
 
 SUMMARY_FILE = "summary.json"
 SUMMARY_KEY = "dlrmflow-summary"
@@ -73,7 +75,7 @@ def report_task(
 ) -> dict[str, Any]:
     summary = build_summary(ingested, trained, metrics)
     path = Path(config.run_dir) / SUMMARY_FILE
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(path, json.dumps(summary, indent=2) + "\n")
     create_markdown_artifact(
         key=SUMMARY_KEY,
         markdown=summary_markdown(summary),
@@ -86,8 +88,8 @@ def report_task(
 def end_to_end(config: RunConfig, raw_inputs: list[str] | None = None) -> dict[str, Any]:
     """Ingest (generate synthetic data, or convert ``raw_inputs``), train a DLRM, evaluate
     it on the test day and report; returns the summary written to ``RUN_DIR/summary.json``."""
-    Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-    ingested = ingest_flow(config, raw_inputs)
-    trained = train_flow(config)
-    metrics = evaluate_flow(config)
-    return report_task(config, ingested, trained, metrics)
+    with run_dir_lock(config.run_dir, "end_to_end flow"):
+        ingested = ingest_flow(config, raw_inputs)
+        trained = train_flow(config)
+        metrics = evaluate_flow(config)
+        return report_task(config, ingested, trained, metrics)

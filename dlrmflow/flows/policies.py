@@ -7,12 +7,28 @@ from typing import Any
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
+from dlrmflow.train.evaluate import NonFinitePredictions
+from dlrmflow.train.rundir import RunDirBusy
+from dlrmflow.train.trainer import IncompatibleCheckpoint, NonFiniteLoss
+
+# Failures that a retry would only repeat.
+NOT_TRANSIENT = (
+    ValueError,
+    FileNotFoundError,
+    RunDirBusy,
+    IncompatibleCheckpoint,
+    NonFiniteLoss,
+    NonFinitePredictions,
+)
+
 
 def retry_unless_bad_input(task: Any, task_run: TaskRun, state: State) -> bool:
     """Retry what may be transient (storage, network, a crashed worker), never bad data or
     configuration, which would only fail again after the retry delay.
 
     The stages raise ValueError for bad data or settings (the message names the file, row
-    group and column, or the config key) and FileNotFoundError for a missing input.
+    group and column, or the config key) and FileNotFoundError for a missing input; a run
+    directory in use, a checkpoint of another run and a diverged model fail the same way
+    on every try.
     """
-    return not isinstance(state.data, ValueError | FileNotFoundError)
+    return not isinstance(state.data, NOT_TRANSIENT)

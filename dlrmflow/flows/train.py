@@ -26,7 +26,9 @@ from dlrmflow.flows.artifacts import (
 from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.flows.progress import ProgressReporter
 from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch import CONFIG_FILE, launch_training
+from dlrmflow.train.rundir import run_dir_lock
 
 PROGRESS_KEY = "dlrmflow-train-progress"
 # A hang guard, not a budget: far beyond any run these machines make, short enough that a
@@ -106,12 +108,12 @@ def train_flow(config: RunConfig) -> dict[str, Any]:
     if training fails. Returns the train task's result.
     """
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n")
-    reporter = ProgressReporter(
-        planned_steps(config), key=PROGRESS_KEY, description=f"Training steps of {run_dir}"
-    )
-    trained = train_task(config, reporter)
+    with run_dir_lock(run_dir, "train flow"):
+        write_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
+        reporter = ProgressReporter(
+            planned_steps(config), key=PROGRESS_KEY, description=f"Training steps of {run_dir}"
+        )
+        trained = train_task(config, reporter)
     publish_metrics(trained, key=TRAIN_METRICS_KEY, description=f"Training run in {config.run_dir}")
     publish_training_curve(run_dir)
     publish_plan(run_dir)

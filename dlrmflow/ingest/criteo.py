@@ -1,25 +1,35 @@
-"""Raw Criteo TSV days -> Parquet day partitions with the shared Criteo schema.
+r"""Raw Criteo TSV days -> Parquet day partitions with the shared Criteo schema.
 
 A raw Criteo day is one tab-separated line per impression: label, 13 integer counts and 26
 hexadecimal category IDs, no header, an empty field meaning "missing". Each input file
 becomes one day (``OUT/day=K/part-00000.parquet``, the generator's layout), so everything
 downstream runs unchanged on real data.
 
-Days are tens of GB, so a file is streamed in blocks by pyarrow's CSV reader (every field
-read as raw bytes) and each block is validated and converted on whole columns with numpy;
-no Python code runs per line except for the rare malformed ones. Malformed lines are never
-dropped silently: each is written with its physical line number and the reason to
+Days are tens of GB, so a file is streamed in blocks of whole lines: numpy finds the line
+breaks and the few lines pyarrow's CSV parser must not see, the parser splits the rest into
+fields (every field read as raw bytes), and each block is validated and converted on whole
+columns with numpy; no Python code runs per line except for the rare malformed ones.
+
+Lines are what ``\n`` ends (a ``\r`` just before it is part of the break; the last line
+may end the file without one), numbered from 1 as any text tool numbers them. Whatever a
+line holds, it is converted or quarantined, never the end of the file: a wrong field count,
+an empty line, bytes that are not UTF-8, NUL bytes, a ``\r`` inside the line (which the
+CSV parser would take for a line break), a line too long to be Criteo's (longer than
+``MAX_LINE_BYTES``: read past, never held whole), a bad label, integer or hex ID. Malformed
+lines are never dropped silently: each is written with its line number and the reason to
 ``OUT/_quarantine/<input basename>.jsonl``, and a file with more of them than
-``max_bad_fraction`` fails the run.
+``max_bad_fraction`` of its lines fails the run. Only input that cannot be read at all (a
+corrupt or truncated archive) fails a file regardless of the fraction.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import posixpath
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -31,11 +41,19 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from dlrmflow.ingest.manifest import MANIFEST_NAME, DayFile, Manifest, join_url, write_manifest
+from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema, schema_to_json
 
 FIELDS = (LABEL, *DENSE, *SPARSE)
 DAY_FILE = "part-00000.parquet"
 QUARANTINE_DIR = "_quarantine"
+
+# A valid line is at most 40 fields of _MAX_FIELD_CHARS, so a line this long is garbage (a
+# binary file, a missing line break): it is quarantined, with its first _SHOWN_BYTES bytes,
+# and read past without being held whole.
+MAX_LINE_BYTES = 1 << 16
+_SHOWN_BYTES = 1024
+_LF, _CR = ord("\n"), ord("\r")
 
 # Longer fields are rejected unparsed: no valid count or ID is this long, and the digit
 # matrices below are (rows x longest field) wide, so one garbage field must not size them.
@@ -55,8 +73,8 @@ _POW10 = 10 ** np.arange(9, -1, -1, dtype=np.int64)  # place values of the last 
 _HIGH_BITS = np.uint64(0x8080808080808080)  # set in a byte only if it is 255 (not a digit)
 
 
-class MalformedDataError(ValueError):
-    """An input file has too many malformed lines, or a line the reader cannot return."""
+class MalformedDataError(DataError):
+    """An input file has too many malformed lines, or cannot be read (a corrupt archive)."""
 
 
 @dataclass
@@ -88,6 +106,17 @@ class _BadLine:
     line: int  # 1-based physical line number in the input file
     reason: str
     text: str
+
+
+@dataclass
+class _Lines:
+    r"""Whole lines of an input: ``data`` holds lines ``first``, ``first + 1``, ... (each
+    ending in ``\n``, except the file's last line if the file does not end in one);
+    ``bad`` are lines already found malformed, numbered after ``data``'s."""
+
+    first: int
+    data: bytes
+    bad: list[_BadLine] = field(default_factory=list)
 
 
 def convert_criteo(
@@ -195,7 +224,6 @@ def _convert_day(
     day_dir = join_url(root, f"day={day}")
     final, partial = join_url(day_dir, DAY_FILE), join_url(day_dir, f"_{DAY_FILE}.partial")
     fs.makedirs(day_dir, exist_ok=True)
-    skipped = _SkippedLines()
     quarantine = _Quarantine(url, quarantine_url)
     lines = rows = positives = 0
     try:
@@ -206,29 +234,22 @@ def _convert_day(
             quarantine,
         ):
             groups = _RowGroups(writer, row_group_size)
-            parsed = 0  # rows the reader has returned, i.e. lines with 40 fields
             try:
-                for batch in _open_reader(src, block_size, skipped):
-                    line_numbers, skipped_bad = skipped.place(parsed, batch.num_rows)
+                for block in _read_lines(src, block_size):
+                    batch, line_numbers, malformed = _split_fields(block)
                     table, value_bad = _convert_block(batch, line_numbers)
-                    quarantine.write(sorted(skipped_bad + value_bad, key=lambda b: b.line))
+                    quarantine.write(sorted(malformed + value_bad, key=lambda b: b.line))
                     groups.add(table)
-                    parsed += batch.num_rows
                     rows += table.num_rows
                     positives += int(pc.sum(table[LABEL]).as_py() or 0)
-                    lines += batch.num_rows + len(skipped_bad)
+                    count = len(line_numbers) + len(malformed)
+                    lines += count
                     if progress is not None:
-                        progress(batch.num_rows + len(skipped_bad))
-            except (pa.ArrowInvalid, EOFError, gzip.BadGzipFile, zlib.error) as e:
-                # A corrupt or truncated archive, or a line with the wrong field count that
-                # is not UTF-8 (which the reader cannot hand to the invalid-row handler).
+                        progress(count)
+            except (EOFError, gzip.BadGzipFile, zlib.error, lzma.LZMAError) as e:
+                # A corrupt or truncated archive: no line after the damage can be read.
                 raise MalformedDataError(f"{url}: unreadable input: {e}") from e
-            trailing = skipped.rest()
-            quarantine.write(trailing)
-            lines += len(trailing)
             groups.flush()
-            if progress is not None and trailing:
-                progress(len(trailing))
 
         bad = quarantine.count
         if bad > max_bad_fraction * lines:
@@ -244,74 +265,154 @@ def _convert_day(
     return _DayStats(lines, rows, positives, bad, quarantine_url if bad else None)
 
 
-def _open_reader(
-    src: IO[bytes], block_size: int, on_invalid: Callable[[Any], str]
-) -> pacsv.CSVStreamingReader:
-    """A streaming reader that returns every field as raw bytes, empty fields as b"".
+def _read_lines(src: IO[bytes], block_size: int) -> Iterator[_Lines]:
+    """The lines of ``src``, whole, about ``block_size`` bytes at a time.
 
-    Bytes rather than strings so that a stray non-UTF-8 byte is one bad field instead of a
-    failed file; no quoting, because Criteo has none and a quote is just a bad value; one
-    thread, because only then does the reader know physical line numbers.
+    A line longer than ``MAX_LINE_BYTES`` is never held whole: once the unfinished line
+    after a block grows past it, the rest of the line is read past and the line comes back
+    as a bad one, with its first ``_SHOWN_BYTES`` bytes.
     """
-    return pacsv.open_csv(
-        src,
-        read_options=pacsv.ReadOptions(
-            column_names=list(FIELDS), use_threads=False, block_size=block_size
-        ),
-        parse_options=pacsv.ParseOptions(
-            delimiter="\t",
-            quote_char=False,
-            ignore_empty_lines=False,
-            invalid_row_handler=on_invalid,
-        ),
-        convert_options=pacsv.ConvertOptions(
-            column_types=dict.fromkeys(FIELDS, pa.binary()), strings_can_be_null=False
-        ),
-    )
+    number = 1  # of the next line to come back
+    carry = b""  # the start of a line whose end has not been read yet
+    while chunk := src.read(block_size):
+        data = carry + chunk
+        end = data.rfind(b"\n") + 1
+        carry = data[end:]
+        if end:
+            block = _Lines(number, data[:end])
+            number += block.data.count(b"\n")
+            yield block
+        if len(carry) > MAX_LINE_BYTES:
+            shown, size = carry[:_SHOWN_BYTES], len(carry)
+            carry = b""
+            while chunk := src.read(block_size):
+                newline = chunk.find(b"\n")
+                if newline >= 0:
+                    size, carry = size + newline, chunk[newline + 1 :]
+                    break
+                size += len(chunk)
+            yield _Lines(number, b"", [_BadLine(number, _too_long(size), _text(shown) + "...")])
+            number += 1
+    if carry:
+        yield _Lines(number, carry)
 
 
-class _SkippedLines:
-    """The reader's invalid-row handler, and the physical line number of every row it keeps.
+def _too_long(size: int) -> str:
+    return f"line of {size} bytes, longer than the {MAX_LINE_BYTES} a Criteo line can be"
 
-    Lines with the wrong field count never reach a batch, so the kept rows' line numbers
-    have gaps. The j-th skipped line (1-based) at physical line s_j has s_j - j kept rows
-    before it, hence kept row k (0-based) comes after it exactly when k >= s_j - j. The
-    reader may parse ahead of the batch it returns; skipped lines past the batch stay
-    pending until a later batch passes them.
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _split_fields(block: _Lines) -> tuple[pa.RecordBatch, np.ndarray, list[_BadLine]]:
+    r"""Split a block's lines into raw fields.
+
+    Returns a batch of the lines that have 40 fields (every field as bytes, empty as b""),
+    their line numbers, and the lines that do not (with ``block.bad``). numpy finds every
+    line that pyarrow's CSV parser must not see, because it would misread or reject it:
+    empty lines (read as 40 empty fields), over-long ones, and those holding a ``\r`` (a
+    line break to the parser) or bytes that are not UTF-8 (which the parser decodes, and
+    fails on, to report a wrong field count). Those few are judged here, line by line; the
+    parser reports the rest with a wrong field count.
     """
+    buf = np.frombuffer(block.data, np.uint8)
+    ends = np.flatnonzero(buf == _LF)  # where each line's break is
+    if len(buf) and buf[-1] != _LF:
+        ends = np.append(ends, len(buf))  # the last line, ending the file without a break
+    starts = np.empty_like(ends)
+    starts[:1] = 0
+    starts[1:] = ends[:-1] + 1
+    # A "\r\n" break: the \r is not part of the line (and the parser takes it as a break).
+    stops = ends - ((ends > starts) & (buf[ends - 1] == _CR))
+    lengths = stops - starts
+    numbers = block.first + np.arange(len(ends), dtype=np.int64)
 
-    def __init__(self) -> None:
-        self._pending: list[_BadLine] = []
-        self._keys: list[int] = []  # s_j - j of each pending line, nondecreasing
-        self._total = 0  # skipped lines seen so far, j of the latest
-        self._placed = 0  # skipped lines already before a returned batch
+    odd_bytes = np.flatnonzero((buf == _CR) | (buf >= 0x80))
+    odd_lines = np.searchsorted(ends, odd_bytes)
+    odd_lines = odd_lines[odd_bytes != stops[odd_lines]]  # not the \r of a "\r\n"
+    suspects = np.union1d(odd_lines, np.flatnonzero((lengths == 0) | (lengths > MAX_LINE_BYTES)))
+    bad = list(block.bad)
+    dropped = []
+    for i in suspects.tolist():
+        raw = block.data[starts[i] : stops[i]]
+        reason = _line_reason(raw)
+        if reason is not None:
+            text = _text(raw) if len(raw) <= MAX_LINE_BYTES else _text(raw[:_SHOWN_BYTES]) + "..."
+            bad.append(_BadLine(int(numbers[i]), reason, text))
+            dropped.append(i)
+    data: bytes | memoryview = block.data
+    if dropped:
+        # Few lines go: copy the stretches between them.
+        view, pieces, at = memoryview(block.data), [], 0
+        for i in dropped:
+            pieces.append(view[at : int(starts[i])])
+            at = int(ends[i]) + 1
+        pieces.append(view[at:])
+        data = b"".join(pieces)
+        numbers = np.delete(numbers, dropped)
 
-    def __call__(self, row: Any) -> str:
-        self._total += 1
-        self._pending.append(
-            _BadLine(
-                row.number, f"expected {len(FIELDS)} fields, got {row.actual_columns}", row.text
-            )
-        )
-        self._keys.append(row.number - self._total)
+    wrong_count: list[Any] = []  # the parser's rows with a field count other than 40
+
+    def on_wrong_count(row: Any) -> str:
+        wrong_count.append(row)
         return "skip"
 
-    def place(self, first: int, count: int) -> tuple[np.ndarray, list[_BadLine]]:
-        """Line numbers of kept rows first .. first+count-1, and the skipped lines among them."""
-        kept = np.arange(first, first + count, dtype=np.int64)
-        keys = np.asarray(self._keys, dtype=np.int64)
-        line_numbers = kept + 1 + self._placed + np.searchsorted(keys, kept, side="right")
-        done = int(np.searchsorted(keys, first + count - 1, side="right"))
-        passed, self._pending = self._pending[:done], self._pending[done:]
-        self._keys = self._keys[done:]
-        self._placed += done
-        return line_numbers, passed
+    if len(data):
+        table = pacsv.read_csv(
+            pa.py_buffer(data),
+            read_options=pacsv.ReadOptions(
+                column_names=list(FIELDS),
+                use_threads=False,  # only then does the parser know line numbers
+                block_size=len(data) + 1,  # one block: no line straddles two
+            ),
+            parse_options=pacsv.ParseOptions(
+                delimiter="\t",
+                quote_char=False,  # Criteo has no quoting: a quote is just a bad value
+                ignore_empty_lines=False,
+                invalid_row_handler=on_wrong_count,
+            ),
+            convert_options=pacsv.ConvertOptions(
+                column_types=dict.fromkeys(FIELDS, pa.binary()), strings_can_be_null=False
+            ),
+        ).combine_chunks()
+        batch = table.to_batches()[0] if table.num_rows else _empty_fields()
+    else:
+        batch = _empty_fields()
+    if wrong_count:
+        index = np.array([row.number - 1 for row in wrong_count], dtype=np.int64)
+        bad += [
+            _BadLine(int(numbers[i]), _wrong_count(row.actual_columns), row.text)
+            for i, row in zip(index.tolist(), wrong_count, strict=True)
+        ]
+        numbers = np.delete(numbers, index)
+    if len(numbers) != batch.num_rows:  # the parser split lines differently: a bug here
+        raise AssertionError(f"{batch.num_rows} rows parsed from {len(numbers)} lines")
+    return batch, numbers, bad
 
-    def rest(self) -> list[_BadLine]:
-        """Skipped lines after the last kept row."""
-        rest, self._pending, self._keys = self._pending, [], []
-        self._placed += len(rest)
-        return rest
+
+def _line_reason(raw: bytes) -> str | None:
+    r"""Why a line (without its break) the CSV parser must not see is malformed, or None
+    for one it can take: 40 fields, no ``\r`` (bad bytes in a field are that field's
+    error, found with the others)."""
+    if not raw:
+        return "empty line"
+    if len(raw) > MAX_LINE_BYTES:
+        return _too_long(len(raw))
+    fields = raw.count(b"\t") + 1
+    if fields != len(FIELDS):
+        return _wrong_count(fields)
+    if b"\r" in raw:
+        return "a carriage return (\\r) inside the line"
+    return None
+
+
+def _wrong_count(fields: int) -> str:
+    return f"expected {len(FIELDS)} fields, got {fields}"
+
+
+def _empty_fields() -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([], schema=pa.schema([(f, pa.binary()) for f in FIELDS]))
 
 
 class _Quarantine:
@@ -404,11 +505,6 @@ def _describe(raw: pa.RecordBatch, errors: np.ndarray, line_numbers: np.ndarray)
     bad = []
     for r, line in enumerate(line_numbers.tolist()):
         values = [column[r] for column in fields]
-        if not any(values):
-            # The reader turns an empty line into a row of 40 empty fields; a line of 39
-            # tabs would look the same, but is far less likely.
-            bad.append(_BadLine(line, "empty line", ""))
-            continue
         reasons = [
             _reason(name, code, value)
             for name, code, value in zip(FIELDS, errors[r].tolist(), values, strict=True)

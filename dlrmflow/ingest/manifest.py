@@ -2,20 +2,30 @@
 
 The manifest is the contract between ingest and everything after it: which day files
 exist, how many rows each has, which day is held out for evaluation, and (for synthetic
-data) the Bayes-optimal metrics a trained model is compared against.
+data) the Bayes-optimal metrics a trained model is compared against. ``check_dataset``
+holds a dataset to that contract, from the Parquet footers alone, before any work starts.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
+
+from dlrmflow.ingest.reader import DataError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+# Footers read at once: on object stores each is a round trip or two of latency.
+_FOOTER_THREADS = 16
+# Problems named in one error message; the rest are counted.
+_SHOWN_PROBLEMS = 5
 
 
 class DayFile(BaseModel):
@@ -48,13 +58,159 @@ class Manifest(BaseModel):
     generator: dict[str, Any] | None = None
 
     def day_paths(self, root: str, days: list[int] | None = None) -> list[str]:
-        """Full URLs of the day files, optionally restricted to ``days``."""
-        wanted = set(days) if days is not None else None
-        return [join_url(root, f.path) for f in self.files if wanted is None or f.day in wanted]
+        """Full URLs of the day files, optionally restricted to ``days``.
+
+        Raises ``DataError`` when one of ``days`` has no file (an empty list would only fail
+        later, far from its cause), and when ``days`` leaves out the test day but a file
+        they list is also listed under it: held-out rows would be read with the others.
+        """
+        if days is None:
+            return [join_url(root, f.path) for f in self.files]
+        wanted = set(days)
+        missing = sorted(wanted - {f.day for f in self.files})
+        if missing:
+            raise DataError(f"day {', '.join(map(str, missing))}: no file in the manifest")
+        chosen = [f for f in self.files if f.day in wanted]
+        if self.test_day not in wanted:
+            held_out = {_normal(f.path) for f in self.files if f.day == self.test_day}
+            for f in chosen:
+                if _normal(f.path) in held_out:
+                    raise DataError(
+                        f"{f.path}: listed under day {f.day} and under the test day "
+                        f"{self.test_day}; the held-out day's rows must not be read with others"
+                    )
+        return [join_url(root, f.path) for f in chosen]
 
     def train_days(self) -> list[int]:
-        """Every day except the held-out test day."""
-        return [f.day for f in self.files if f.day != self.test_day]
+        """Every day with a file except the held-out test day, ascending.
+
+        Raises ``DataError`` when the test day has no file: then nothing would be held out,
+        and the day meant for evaluation might be trained on under another number.
+        """
+        if not any(f.day == self.test_day for f in self.files):
+            raise DataError(
+                f"test day {self.test_day}: no file in the manifest, so no day is held out"
+            )
+        return sorted({f.day for f in self.files if f.day != self.test_day})
+
+
+def check_dataset(url: str, manifest: Manifest, *, training: bool = True) -> list[str]:
+    """Check the dataset at ``url`` against its ``manifest`` before any work starts.
+
+    Reads the Parquet footer of every listed file (never the data, so it is cheap at any
+    size; footers are read a few at once for object stores). Raises ``DataError`` naming
+    the day and file, and what is wrong (the first few problems when there are several):
+
+    - the manifest: a file listed twice; a day outside ``0 .. days-1``, or one of those
+      days without a file; a test day that is not one of the days or has no file; no
+      training day; ``rows`` other than the files' sum;
+    - the files: a file that is missing or not Parquet, or whose row count differs from
+      the manifest's;
+    - the rows: an empty test day (nothing to evaluate on), or every training day empty.
+
+    Returns warnings, one string each: a training day with no rows (training goes on
+    with the others). ``training=False`` checks what evaluation needs: the manifest, and
+    of the files only the test day's, so a dataset of the test day alone passes, as does
+    one whose training files are gone.
+    """
+    where = join_url(url, MANIFEST_NAME)
+    _raise_any(where, _manifest_problems(manifest, training))
+    needed = [f for f in manifest.files if training or f.day == manifest.test_day]
+    _raise_any(where, _file_problems(url, needed))
+
+    rows_by_day: dict[int, int] = defaultdict(int)
+    for f in manifest.files:
+        rows_by_day[f.day] += f.rows
+    if rows_by_day[manifest.test_day] == 0:
+        raise DataError(
+            f"{where}: test day {manifest.test_day} has no rows "
+            f"({_files_of(url, manifest, manifest.test_day)}); there is nothing to evaluate on"
+        )
+    if not training:
+        return []
+    train = manifest.train_days()
+    empty = [day for day in train if rows_by_day[day] == 0]
+    if len(empty) == len(train):
+        raise DataError(f"{where}: every training day ({_days(train)}) has no rows")
+    return [
+        f"day {day} has no rows ({_files_of(url, manifest, day)}); training on the other days"
+        for day in empty
+    ]
+
+
+def _manifest_problems(manifest: Manifest, training: bool) -> list[str]:
+    """What is inconsistent in the manifest itself (or, for ``training``, unusable)."""
+    problems = []
+    paths = Counter(_normal(f.path) for f in manifest.files)
+    for path, count in paths.items():
+        if count > 1:
+            problems.append(f"{path}: listed {count} times")
+    days = range(manifest.days)
+    with_file = {f.day for f in manifest.files}
+    outside = sorted(with_file - set(days))
+    if outside:
+        problems.append(f"day {_days(outside)}: outside the manifest's {manifest.days} days")
+    without = [day for day in days if day not in with_file and day != manifest.test_day]
+    if without:
+        problems.append(f"day {_days(without)}: no file")
+    if manifest.test_day not in days:
+        problems.append(
+            f"test day {manifest.test_day}: not one of the manifest's days (0-{manifest.days - 1})"
+        )
+    elif manifest.test_day not in with_file:
+        problems.append(f"test day {manifest.test_day}: no file")
+    if training and not with_file - {manifest.test_day}:
+        problems.append(f"no training day: no file outside test day {manifest.test_day}")
+    listed = sum(f.rows for f in manifest.files)
+    if manifest.rows != listed:
+        problems.append(f"rows={manifest.rows}, but its files hold {listed} rows")
+    return problems
+
+
+def _file_problems(url: str, files: list[DayFile]) -> list[str]:
+    """What differs between these listed files and the files present (footers only)."""
+
+    def footer_rows(path: str) -> int | str:
+        """The file's row count, or why it cannot be had."""
+        try:
+            with fsspec.open(path, "rb") as f:
+                return pq.ParquetFile(f).metadata.num_rows
+        except FileNotFoundError:
+            return "missing"
+        except Exception as e:  # whatever stops a footer being read is the file's fault
+            return f"not a readable Parquet file ({type(e).__name__}: {e})"
+
+    paths = [join_url(url, f.path) for f in files]
+    threads = max(1, min(_FOOTER_THREADS, len(paths)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="footer") as pool:
+        found = list(pool.map(footer_rows, paths))
+    problems = []
+    for f, path, rows in zip(files, paths, found, strict=True):
+        if isinstance(rows, str):
+            problems.append(f"day {f.day}: {path}: {rows}")
+        elif rows != f.rows:
+            problems.append(f"day {f.day}: {path}: has {rows} rows, the manifest says {f.rows}")
+    return problems
+
+
+def _raise_any(where: str, problems: list[str]) -> None:
+    if not problems:
+        return
+    shown = "; ".join(problems[:_SHOWN_PROBLEMS])
+    more = len(problems) - _SHOWN_PROBLEMS
+    raise DataError(f"{where}: {shown}" + (f"; and {more} more" if more > 0 else ""))
+
+
+def _files_of(url: str, manifest: Manifest, day: int) -> str:
+    return ", ".join(join_url(url, f.path) for f in manifest.files if f.day == day)
+
+
+def _days(days: list[int]) -> str:
+    return ", ".join(map(str, days))
+
+
+def _normal(path: str) -> str:
+    return posixpath.normpath(path)
 
 
 def join_url(root: str, *parts: str) -> str:

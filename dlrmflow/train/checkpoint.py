@@ -18,8 +18,10 @@ same world size continue bitwise as if never interrupted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import os
 import shutil
 import time
 import warnings
@@ -30,11 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dlrmflow.config import RunConfig, build_config
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.kernels.tbe import Adam
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
+from dlrmflow.outputs import nearly_full
 from dlrmflow.train.model import DLRM, embedding_optimizer
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -42,7 +48,7 @@ MANIFEST_FILE = "manifest.json"
 PARTIAL_PREFIX = ".partial_"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DlrmflowError, RuntimeError):
     """A checkpoint could not be written or no usable checkpoint exists."""
 
 
@@ -152,6 +158,7 @@ def save_checkpoint(
     loader_state: dict[str, Any],
     plan: dict | None = None,
     metrics: dict[str, float] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of step ``progress["step"]`` (a collective: every rank calls it).
 
@@ -167,7 +174,7 @@ def save_checkpoint(
     # A string, which DCP stores whole (a dict would be flattened into many entries).
     state[f"rank{rank}.loader"] = json.dumps(loader_state)
     state[f"rank{rank}.rng"] = torch.get_rng_state()
-    failure = torch.zeros(1)
+    error: BaseException | None = None
     try:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -175,22 +182,9 @@ def save_checkpoint(
         _barrier()
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=str(partial))
-    except Exception as e:  # noqa: BLE001 - reported below with the step, then re-raised
-        failure[0] = 1
-        error: Exception | None = e
-    else:
-        error = None
-    if dist.is_initialized():
-        dist.all_reduce(failure)
-    if bool(failure):
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        cause = f": {error}" if error is not None else " on another rank"
-        raise CheckpointError(
-            f"checkpoint of step {step} in {final.parent} could not be written{cause}; "
-            "the previous checkpoints are intact"
-        ) from error
-    if rank == 0:
+    except (Exception, CheckpointException) as e:  # reported below with the step
+        error = e
+    if error is None and rank == 0:
         try:
             files = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
             manifest = {
@@ -201,6 +195,7 @@ def save_checkpoint(
                 "spec": spec.to_dict(),
                 "plan": plan,
                 "metrics": metrics or {},
+                **(extra or {}),
                 "files": files,
                 "created": time.time(),
             }
@@ -208,13 +203,92 @@ def save_checkpoint(
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
         except OSError as e:
+            error = e
+    # Every rank learns whether any failed, so none waits for the others at a barrier.
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if dist.is_initialized():
+        dist.all_reduce(failed)
+    if bool(failed):
+        reason = _reason(error, partial) if error is not None else "failed on another rank"
+        if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointError(
-                f"checkpoint of step {step} could not be committed: {e}; "
-                "the previous checkpoints are intact"
-            ) from e
+        raise CheckpointError(
+            f"checkpoint of step {step} in {final.parent} could not be written: {reason}; "
+            "the partial files were removed and the previous checkpoints are intact"
+        ) from error
     _barrier()
     return final
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, its causes and contexts, and what each rank raised inside DCP."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [exc for exc, _ in e.failures.values()]
+    return seen
+
+
+def _reason(error: BaseException, where: Path) -> str:
+    """Why a checkpoint write failed, in a few words: the OS error when there is one."""
+    for e in _causes(error):
+        if isinstance(e, OSError) and e.errno is not None:
+            return os.strerror(e.errno)
+    if nearly_full(where):
+        return os.strerror(errno.ENOSPC)
+    innermost = _causes(error)[-1]
+    text = str(innermost).strip().splitlines()
+    return f"{type(innermost).__name__}: {text[-1] if text else ''}"
+
+
+def dataset_digest(manifest: Manifest) -> str:
+    """The SHA-256 of a dataset's manifest: the same days, files, rows and test day give
+    the same digest wherever the dataset lives, so a checkpoint knows what it trained on."""
+    canonical = json.dumps(manifest.model_dump(mode="json", by_alias=True), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+DATASET_KEY = "dataset (digest of manifest.json)"
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def differences(
+    manifest: dict[str, Any], config: RunConfig, digest: str, keys: tuple[str, ...]
+) -> dict[str, list]:
+    """``{key: [the checkpoint's value, this configuration's]}`` for every configuration key
+    under one of ``keys`` (a section such as "model", or one key such as "train.lr") that
+    differs, plus ``DATASET_KEY`` when the checkpoint trained on another dataset."""
+    old = _flatten(build_config(manifest["config"]).model_dump(mode="json"))
+    new = _flatten(config.model_dump(mode="json"))
+
+    def wanted(key: str) -> bool:
+        return any(key == k or key.startswith(k + ".") for k in keys)
+
+    changed = {
+        key: [old.get(key), new.get(key)]
+        for key in sorted(old.keys() | new.keys())
+        if wanted(key) and old.get(key) != new.get(key)
+    }
+    recorded = manifest.get("dataset_digest")
+    if recorded is not None and recorded != digest:
+        changed[DATASET_KEY] = [recorded[:12], digest[:12]]
+    return changed
 
 
 def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
@@ -286,8 +360,11 @@ def restore(
     if same_world:
         state[f"rank{rank}.loader"] = ""
         state[f"rank{rank}.rng"] = torch.get_rng_state()
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(info.path))
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(info.path))
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{info.path}: cannot be loaded: {_reason(e, info.path)}") from e
     if isinstance(model, ShardedDLRM):
         model.embeddings.after_checkpoint_load()
     elif isinstance(model.embeddings, TieredEmbeddingBag):

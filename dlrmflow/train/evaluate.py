@@ -20,9 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dlrmflow.config import build_config
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.ingest.manifest import check_dataset, read_manifest
+from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
     find_checkpoint,
     load_checkpoint,
@@ -33,14 +35,20 @@ from dlrmflow.train.distributed import DistEnv, ShardedDLRM, compute_threads, in
 from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import embedding_optimizer
 from dlrmflow.train.planner import plan_for_config
+from dlrmflow.train.rundir import rank0_lock
 
 EVAL_FILE = "eval.json"
+
+
+class NonFinitePredictions(DlrmflowError):
+    """The model scores some rows NaN or infinite: its metrics would mean nothing."""
 
 
 def test_loader(config, spec: FeatureSpec, ids, env: DistEnv, data_url: str | None = None):
     """This rank's share of the test day, in file order."""
     url = data_url or config.data.url
     manifest = read_manifest(url)
+    check_dataset(url, manifest, training=False)  # a missing or empty test day, named
     _, loader = batch_loader(
         manifest.day_paths(url, [manifest.test_day]),
         spec,
@@ -86,13 +94,16 @@ def score(
             break
         take = len(batch) if limit is None else min(len(batch), limit - seen)
         logits = model(batch.dense, batch.sparse)
-        probs.append(torch.sigmoid(logits[:take]))
+        logits = logits[:take]
+        # An infinite logit would become a confident 0 or 1: mark it NaN, so the
+        # evaluation refuses it rather than scoring a broken model.
+        probs.append(torch.sigmoid(logits).masked_fill(~torch.isfinite(logits), math.nan))
         labels.append(batch.labels[:take])
         seen += take
         if progress is not None and take:
             progress(take * env.world_size)
     model.train(was_training)
-    mine = (torch.cat(probs), torch.cat(labels))
+    mine = (torch.cat(probs), torch.cat(labels)) if probs else (torch.empty(0), torch.empty(0))
     if not env.distributed:
         return mine
     gathered = [None] * env.world_size if env.rank == 0 else None
@@ -126,8 +137,22 @@ def evaluate(
     env = DistEnv.from_env()
     if env.distributed:
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
+        init_distributed(build_config(info.manifest["config"]), env)
+    with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
+        return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress)
+
+
+def _evaluate(
+    run_dir: Path,
+    env: DistEnv,
+    data_url: str | None,
+    checkpoint: str | Path | None,
+    max_rows: int | None,
+    progress: Callable[[int], None] | None,
+) -> dict[str, float]:
+    if env.distributed:
+        info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
         config = build_config(info.manifest["config"])
-        init_distributed(config, env)
         spec = FeatureSpec.from_dict(info.manifest["spec"])
         plan = plan_for_config(config, spec, env.world_size, env.local_world_size)
         model: nn.Module = ShardedDLRM(spec, config, plan, embedding_optimizer(config.train))
@@ -146,6 +171,16 @@ def evaluate(
     seconds = time.perf_counter() - start
     if scored is None:
         return {}
+    if len(scored[0]) == 0:
+        raise DlrmflowError(
+            f"{data_url or config.data.url}: test day {test_day} holds no rows to evaluate on"
+        )
+    finite = torch.isfinite(scored[0])
+    if not bool(finite.all()):
+        raise NonFinitePredictions(
+            f"{path}: the model predicts NaN or infinity for {int((~finite).sum())} of "
+            f"{len(finite)} test rows; its weights are not usable"
+        )
     metrics = click_metrics(*scored)
     metrics.update(
         {
@@ -156,5 +191,5 @@ def evaluate(
             "world_size": env.world_size,
         }
     )
-    (run_dir / EVAL_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    write_atomic(run_dir / EVAL_FILE, json.dumps(metrics, indent=2) + "\n")
     return metrics

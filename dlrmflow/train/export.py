@@ -14,11 +14,18 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from dlrmflow.outputs import atomic_path, output_target
 from dlrmflow.train.checkpoint import load_checkpoint
 
 
 def export_model(checkpoint: str | Path, out: str | Path) -> dict[str, object]:
-    """Write the model of ``checkpoint`` (a checkpoint or run directory) to ``out``."""
+    """Write the model of ``checkpoint`` (a checkpoint or run directory) to ``out``.
+
+    Written beside ``out`` and renamed over it (see ``dlrmflow.outputs``): a directory,
+    device or other special file there is refused before any work, a symlink is written
+    through, and a full disk leaves whatever was at ``out`` as it was.
+    """
+    output_target(out)
     ckpt = load_checkpoint(checkpoint)
     bag = ckpt.model.embeddings
     tensors = {f"embeddings.{name}": bag.table(name).contiguous() for name in bag.names}
@@ -26,14 +33,14 @@ def export_model(checkpoint: str | Path, out: str | Path) -> dict[str, object]:
         {f"dense_arch.{k}": v.contiguous() for k, v in ckpt.model.dense_arch.state_dict().items()}
     )
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     metadata = {
         "config": json.dumps(ckpt.config.model_dump()),
         "spec": json.dumps(ckpt.spec.to_dict()),
         "step": str(ckpt.step),
         "checkpoint": str(ckpt.path),
     }
-    save_file(tensors, str(out), metadata=metadata)
+    with atomic_path(out) as temporary:
+        save_file(tensors, str(temporary), metadata=metadata)
     return {
         "out": str(out),
         "checkpoint": str(ckpt.path),

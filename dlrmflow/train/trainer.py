@@ -8,9 +8,12 @@ to ``RUN_DIR/checkpoint.pt`` at the end.
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -18,16 +21,21 @@ import torch.distributed as dist
 from torch import nn
 
 from dlrmflow.config import ConfigError, RunConfig
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.ingest.manifest import Manifest, read_manifest
+from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.tiered import FILE_SUFFIX as TIERED_SUFFIX
 from dlrmflow.kernels.tiered import TieredEmbeddingBag, record_width
 from dlrmflow.memory import tune_allocator
+from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
     CHECKPOINTS_DIR,
+    DATASET_KEY,
     MANIFEST_FILE,
     CheckpointInfo,
+    dataset_digest,
+    differences,
     latest_checkpoint,
     prune_checkpoints,
     restore,
@@ -47,6 +55,7 @@ from dlrmflow.train.evaluate import score, test_loader
 from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.planner import plan_for_config
+from dlrmflow.train.rundir import rank0_lock
 from dlrmflow.train.sharding import ShardingPlan
 
 METRICS_FILE = "metrics.jsonl"
@@ -69,9 +78,28 @@ class TrainResult:
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
     resumed_from_step: int | None = None
     embedding_cache: dict[str, float] = field(default_factory=dict)  # on-disk tables only
+    trained_steps: int = 0  # steps this invocation trained (0: the run had already finished)
+    resumed_from: str | None = None  # the checkpoint it continued from
+    # Fine-tuning (an explicit ``train.resume`` path): key -> [the checkpoint's, this run's].
+    changed_on_resume: dict[str, list] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # e.g. training days without rows
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainResult:
+        """A result read back from ``train_result.json`` (unknown keys are ignored)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class NonFiniteLoss(DlrmflowError):
+    """The loss became NaN or infinite: the model is ruined and is not checkpointed."""
+
+
+class IncompatibleCheckpoint(DlrmflowError):
+    """A checkpoint that does not belong to (or cannot be continued by) this configuration."""
 
 
 def _features(
@@ -110,7 +138,7 @@ def _build_model(
     ranks_per_host = config.distributed.ranks_per_host or env.local_world_size
     plan = plan_for_config(config, spec, env.world_size, ranks_per_host)
     if env.rank == 0:
-        (run_dir / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1))
+        write_atomic(run_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=1))
     stats = CommStats()
     model = ShardedDLRM(spec, config, plan, optimizer, stats=stats)
     return model, model.dense_parameters(), stats, plan
@@ -170,18 +198,16 @@ class _Batches:
         self._env = env
         self._spec = spec
         self._done = False
-        self.exhausted = False  # the epoch's data ran out (not stopped at max_steps)
 
     def next(self) -> Batch | None:
+        """The next batch; None once every rank's share of the epoch has run out."""
         batch = None if self._done else next(self._iter, None)
         self._done = batch is None
         if not self._env.distributed:
-            self.exhausted = batch is None
             return batch
         anyone = torch.tensor([int(batch is not None)])
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
         if not bool(anyone):
-            self.exhausted = True
             return None
         return (
             batch
@@ -190,14 +216,26 @@ class _Batches:
         )
 
 
-def _resume_point(config: RunConfig, run_dir: Path) -> CheckpointInfo | None:
-    """The checkpoint to continue from: ``train.resume`` "auto" (the run dir's newest
-    intact one, if any), "never", or a checkpoint directory."""
-    if config.train.resume == "never":
-        return None
-    if config.train.resume == "auto":
-        return latest_checkpoint(run_dir)
-    path = Path(config.train.resume)
+# What makes two configurations the same run: resuming one's checkpoint under the other
+# with ``train.resume: auto`` would silently mix two runs in one directory.
+RUN_KEYS = (
+    "model",
+    "features",
+    "train.optimizer",
+    "train.lr",
+    "train.embedding_lr",
+    "train.batch_size",
+    "train.seed",
+    "train.shuffle",
+    "train.shuffle_window",
+    "train.num_workers",  # rows are dealt to a rank's reader streams by their number
+)
+# What an explicit ``train.resume`` path (fine-tuning) may not change: the weights and the
+# optimizer state would not fit.
+SHAPE_KEYS = ("model", "features", "train.optimizer")
+
+
+def _read_info(path: Path) -> CheckpointInfo:
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})")
@@ -208,6 +246,163 @@ def _resume_point(config: RunConfig, run_dir: Path) -> CheckpointInfo | None:
     return info
 
 
+@dataclass
+class _Resume:
+    """Where a training invocation starts from."""
+
+    info: CheckpointInfo | None = None  # the checkpoint it loads (None: from scratch)
+    own: bool = False  # one of this run directory's own checkpoints
+    changed: dict[str, list] = field(default_factory=dict)  # what fine-tuning changes now
+    origin: str | None = None  # the checkpoint the run directory's run was fine-tuned from
+
+    def lineage(self, digest: str) -> dict:
+        """What every checkpoint of this run records of where it came from."""
+        changed = self.changed
+        if not changed and self.own and self.info is not None:
+            changed = self.info.manifest.get("changed_on_resume", {})
+        return {"origin": self.origin, "changed_on_resume": changed, "dataset_digest": digest}
+
+
+def _resume_point(config: RunConfig, run_dir: Path, spec: FeatureSpec, digest: str) -> _Resume:
+    """The checkpoint to continue from (``train.resume``).
+
+    "auto" continues the run directory's newest intact checkpoint, which must come from
+    this same run (``RUN_KEYS``, the feature spec and the dataset); "never" starts afresh
+    (the caller removed the directory's previous run); a checkpoint path fine-tunes from
+    it: anything but ``SHAPE_KEYS`` may change, and what did is recorded. A fine-tuned
+    run that already has checkpoints of its own continues from those: re-running the
+    same command never trains twice.
+    """
+    if config.train.resume == "never":
+        return _Resume()
+    own = latest_checkpoint(run_dir)
+    if config.train.resume == "auto":
+        if own is None:
+            return _Resume()
+        _refuse_differences(own, config, spec, digest, RUN_KEYS, "resume: auto")
+        return _Resume(own, True, {}, own.manifest.get("origin"))
+    source = _read_info(Path(config.train.resume))
+    if source.path.parent.resolve() == (run_dir / CHECKPOINTS_DIR).resolve():
+        if own is not None and own.step > source.step:
+            raise IncompatibleCheckpoint(
+                f"{run_dir} holds newer checkpoints (step {own.step}) than {source.path}; "
+                "to go back to it, fine-tune from it into another --run-dir"
+            )
+        _refuse_differences(source, config, spec, digest, SHAPE_KEYS, "fine-tuning")
+        changed = differences(source.manifest, config, digest, RUN_KEYS)
+        return _Resume(source, True, changed, source.manifest.get("origin"))
+    origin = str(source.path.resolve())
+    if own is not None:
+        if own.manifest.get("origin") != origin:
+            raise IncompatibleCheckpoint(
+                f"{run_dir} already holds a run that was not fine-tuned from {source.path}; "
+                "fine-tune into another --run-dir"
+            )
+        _refuse_differences(own, config, spec, digest, RUN_KEYS, "its continuation")
+        return _Resume(own, True, {}, origin)
+    _refuse_differences(source, config, spec, digest, SHAPE_KEYS, "fine-tuning")
+    return _Resume(source, False, differences(source.manifest, config, digest, RUN_KEYS), origin)
+
+
+def _refuse_differences(
+    info: CheckpointInfo,
+    config: RunConfig,
+    spec: FeatureSpec,
+    digest: str,
+    keys: tuple[str, ...],
+    what: str,
+) -> None:
+    """``IncompatibleCheckpoint`` naming every key among ``keys`` (and the feature spec,
+    which must match for the weights to load) in which ``info`` differs from this run."""
+    changed: dict[str, object] = differences(info.manifest, config, digest, keys)
+    if keys is SHAPE_KEYS:
+        changed.pop(DATASET_KEY, None)
+    recorded = info.manifest.get("spec")
+    if recorded is not None and recorded != json.loads(json.dumps(spec.to_dict())):
+        changed.setdefault("feature spec (the tables the dataset gives)", None)
+    if not changed:
+        return
+    shown = ", ".join(
+        key if pair is None else f"{key} {pair[0]!r} -> {pair[1]!r}"
+        for key, pair in sorted(changed.items())
+    )
+    hint = (
+        "start it in another --run-dir, or fine-tune from it with --resume CHECKPOINT_DIR"
+        if what == "resume: auto"
+        else "the checkpoint's weights do not fit this model"
+    )
+    raise IncompatibleCheckpoint(
+        f"checkpoint {info.path} differs from this configuration ({what}): {shown}; {hint}"
+    )
+
+
+def _finished(info: CheckpointInfo, config: RunConfig) -> bool:
+    """Whether the checkpoint already stands where this configuration would stop."""
+    progress = info.manifest["progress"]
+    max_steps = config.train.max_steps or math.inf
+    return progress["epoch"] >= config.train.epochs or progress["step"] >= max_steps
+
+
+def _finished_result(info: CheckpointInfo, run_dir: Path, env: DistEnv) -> TrainResult:
+    """The result of a run that has nothing left to train: its recorded one when that
+    describes this checkpoint, else rebuilt from the checkpoint's progress."""
+    recorded = run_dir / RESULT_FILE
+    with_steps = None
+    if recorded.is_file():
+        with_steps = TrainResult.from_dict(json.loads(recorded.read_text()))
+        if with_steps.steps != info.step or Path(with_steps.checkpoint) != info.path:
+            with_steps = None
+    if with_steps is None:
+        progress = info.manifest["progress"]
+        loss = progress.get("loss")
+        with_steps = TrainResult(
+            steps=info.step,
+            rows=int(progress["rows"]),
+            seconds=float(progress["seconds"]),
+            samples_per_s=int(progress["rows"]) / max(float(progress["seconds"]), 1e-9),
+            final_loss=float("nan") if loss is None else float(loss),
+            checkpoint=str(info.path),
+            world_size=env.world_size,
+        )
+    with_steps.trained_steps = 0
+    with_steps.resumed_from_step = info.step
+    with_steps.resumed_from = str(info.path)
+    return with_steps
+
+
+def _start_afresh(run_dir: Path) -> None:
+    """``train.resume: never``: the directory's previous run (checkpoints, metrics, results)
+    goes, so the new run cannot be mixed with it; said on stderr, never silently."""
+    old = [run_dir / CHECKPOINTS_DIR, run_dir / METRICS_FILE, run_dir / RESULT_FILE]
+    old += [run_dir / "eval.json", run_dir / TIERED_DIR]
+    present = [p for p in old if p.exists()]
+    if not present:
+        return
+    warnings.warn(
+        f"train.resume=never: starting afresh in {run_dir}, removing the previous run's "
+        + ", ".join(p.name for p in present),
+        stacklevel=3,
+    )
+    for path in present:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _rewind_metrics(path: Path, step: int) -> None:
+    """Drop the metrics records past ``step``: a run killed after its last checkpoint
+    logged steps that the resumed run trains again, and must not be listed twice."""
+    if not path.is_file():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
 def train(
     config: RunConfig,
     progress: Callable[[dict], None] | None = None,
@@ -215,21 +410,43 @@ def train(
     """Train a DLRM on every day but the test day, checkpointing as configured.
 
     Run by every rank of a torchrun job (``dlrmflow train --nproc N``), or alone. Each rank
-    reads its own splits; rank 0 writes the metrics, the plan and ``train_result.json``;
-    every rank writes its shards of each checkpoint. A run directory holding a checkpoint
-    continues from it (``train.resume``), bitwise as if it had never stopped.
+    reads its own splits; rank 0 holds the run directory's lock and writes the metrics,
+    the plan and ``train_result.json``; every rank writes its shards of each checkpoint. A
+    run directory holding a checkpoint continues from it (``train.resume``), bitwise as if
+    it had never stopped, and a finished run re-run trains nothing and reports its result.
     ``progress`` receives each metrics record as it is written (the CLI and the Prefect
     flow show it); it must not be slow.
     """
     env = DistEnv.from_env()
     tune_allocator()  # also when called outside the CLI (a Prefect worker, a notebook)
     init_distributed(config, env)
-    rank0 = env.rank == 0
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with rank0_lock(run_dir, "train", env.rank, env.distributed):
+        return _train(config, env, run_dir, progress)
+
+
+def _train(
+    config: RunConfig,
+    env: DistEnv,
+    run_dir: Path,
+    progress: Callable[[dict], None] | None,
+) -> TrainResult:
+    rank0 = env.rank == 0
     seed_everything(config.train.seed, compute_threads(config, env))
     manifest = read_manifest(config.data.url)
+    data_warnings = check_dataset(config.data.url, manifest)
+    for warning in data_warnings if rank0 else []:
+        warnings.warn(warning, stacklevel=2)
+    digest = dataset_digest(manifest)
+    if rank0 and config.train.resume == "never":
+        _start_afresh(run_dir)
     spec, ids = _features(config, manifest, run_dir, env)
+    resume = _resume_point(config, run_dir, spec, digest)
+    if resume.own and not resume.changed and _finished(resume.info, config):
+        result = _finished_result(resume.info, run_dir, env)
+        if env.distributed:
+            dist.barrier()
+        return result
     # Local reader threads, or the reader servers of ``distributed.readers``: same batches.
     loader = make_train_loader(
         config,
@@ -239,6 +456,28 @@ def train(
         rank=env.rank,
         world_size=env.world_size,
     )
+    try:
+        return _train_loop(
+            config, env, run_dir, spec, ids, loader, resume, digest, data_warnings, progress
+        )
+    finally:
+        loader.close()
+
+
+def _train_loop(
+    config: RunConfig,
+    env: DistEnv,
+    run_dir: Path,
+    spec: FeatureSpec,
+    ids: IdMapper,
+    loader,
+    resume: _Resume,
+    digest: str,
+    data_warnings: list[str],
+    progress: Callable[[dict], None] | None,
+) -> TrainResult:
+    rank0 = env.rank == 0
+    resume_from, own = resume.info, resume.own
     model, parameters, stats, plan = _build_model(config, spec, env, run_dir)
     optimizer = dense_optimizer(parameters, config)
     # Summed, then divided by the global batch (all ranks' rows) and multiplied by the world
@@ -249,17 +488,26 @@ def train(
     pipelined = sharded and config.distributed.pipeline
     tiered = isinstance(getattr(model, "embeddings", None), TieredEmbeddingBag)
 
-    # Where the run stands; a checkpoint stores it, a resumed run continues it.
+    # Where the run stands after its last step; a checkpoint stores it, a resumed run
+    # continues it. ``epoch`` is the epoch the next step reads: a checkpoint taken on an
+    # epoch's last step records the next epoch, with its reader at that epoch's start.
     state = {"step": 0, "epoch": 0, "rows": 0, "seconds": 0.0, "loss": None}
-    resume_from = _resume_point(config, run_dir)
+    metrics_path = run_dir / METRICS_FILE
     if resume_from is not None:
         loader_state = restore(resume_from, model, optimizer)
         state.update(resume_from.manifest["progress"])
-        if loader_state is not None:
+        # The reader's position means nothing for other data or another batch size: a
+        # fine-tuning run reads the checkpoint's epoch from its start.
+        repositioned = {DATASET_KEY, "train.batch_size"} & resume.changed.keys()
+        if loader_state is not None and not repositioned:
             loader.load_state_dict(loader_state)
-    metrics_path = run_dir / METRICS_FILE
-    if rank0 and resume_from is None:
-        metrics_path.unlink(missing_ok=True)
+    if rank0:
+        if own:
+            _rewind_metrics(metrics_path, resume_from.step)
+        else:
+            metrics_path.unlink(missing_ok=True)
+    lineage = resume.lineage(digest)
+    trained_from = state["step"]
 
     def start(batch: Batch):
         """Begin fetching what the embeddings need (the sharded input all-to-all)."""
@@ -295,7 +543,7 @@ def train(
             "data_wait_s": loader.wait_seconds,
         }
         if stats is not None:
-            steps_here = max(state["step"] - (resume_from.step if resume_from else 0), 1)
+            steps_here = max(state["step"] - trained_from, 1)
             record["comm_bytes_per_step"] = {
                 kind: n // steps_here for kind, n in stats.snapshot().items()
             }
@@ -328,12 +576,9 @@ def train(
     # The newest checkpoint in this run dir, tracked here rather than listed from the disk:
     # every rank must take the same decisions, and rank 0 prunes while the others go on.
     # One resumed from elsewhere (``train.resume`` naming another run's) does not count.
-    own = resume_from is not None and (
-        resume_from.path.parent.resolve() == (run_dir / CHECKPOINTS_DIR).resolve()
-    )
     saved = {"step": state["step"], "path": resume_from.path if own else None}
 
-    def checkpoint(loader_state: dict) -> None:
+    def checkpoint(loader_state: dict | None) -> None:
         state["seconds"] = elapsed_before + time.perf_counter() - start_time
         saved["path"] = save_checkpoint(
             run_dir,
@@ -345,39 +590,74 @@ def train(
             loader_state=loader_state,
             plan=plan.to_dict() if plan is not None else None,
             metrics=dict(last_eval),
+            extra=lineage,
         )
         saved["step"] = state["step"]
         if rank0:
             prune_checkpoints(run_dir, config.train.keep_checkpoints)
 
+    def check_finite(step: int, value: float) -> None:
+        """Stop every rank at the first step whose loss is NaN or infinite, before that
+        step updates anything: such a model is never checkpointed or reported."""
+        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+        if env.distributed:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if not bool(bad):
+            return
+        last = (
+            f"the last good checkpoint is {saved['path']}"
+            if saved["path"]
+            else ("no checkpoint was written")
+        )
+        raise NonFiniteLoss(
+            f"step {step}: the loss is not finite ({value} on rank {env.rank}); training "
+            f"stopped and this model was not saved ({last}); try a lower train.lr"
+        )
+
     every = config.train.checkpoint_every
-    max_steps = config.train.max_steps or float("inf")
+    max_steps = config.train.max_steps or math.inf
+    # The reader's position after the latest step (None: the start of ``state["epoch"]``).
+    loader_state: dict | None = None
     model.train()
     while state["epoch"] < config.train.epochs and state["step"] < max_steps:
         loader.set_epoch(state["epoch"])
         batches = _Batches(loader, env, spec)
         batch = batches.next()
-        pending = start(batch) if batch is not None else None
+        if batch is None:  # nothing left of this epoch (resumed right at its end)
+            state["epoch"] += 1
+            loader_state = None
+            continue
+        pending = start(batch)
         while batch is not None:
             step = state["step"] + 1
+            last = step >= max_steps
             # A checkpoint after this step records the reader before the next batch is
             # fetched: resuming then reads that batch again, exactly as this run will.
             save_now = every is not None and step % every == 0
-            loader_state = loader.state_dict() if save_now else None
-            # The next batch's input exchange runs while this one computes (pipelined).
-            following = batches.next() if step < max_steps else None
-            following_pending = start(following) if pipelined and following is not None else None
-            if tiered and following is not None:
-                # The next batch's rows load from disk into the cache while this one computes.
-                model.embeddings.prefetch(following.sparse)
+            loader_state = loader.state_dict() if save_now or last else None
+            # Fetched at the last step too: it tells whether this step ends the epoch.
+            following = batches.next()
+            following_pending = None
+            if following is not None and not last:
+                # The next batch's input exchange runs while this one computes (pipelined).
+                following_pending = start(following) if pipelined else None
+                if tiered:
+                    # Its rows load from disk into the cache while this one computes.
+                    model.embeddings.prefetch(following.sparse)
             logits, n = forward(batch, pending)
             loss = loss_fn(logits, batch.labels) * (env.world_size / n)
+            value = loss.item()
+            check_finite(step, value)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # also updates the touched embedding rows (fused optimizer)
             optimizer.step()
             state["step"] = step
             state["rows"] += n
-            window["loss"] += loss.item()
+            if following is None:
+                # The epoch ended with this step: its position is the next epoch's start.
+                state["epoch"] += 1
+                loader_state = None
+            window["loss"] += value
             window["steps"] += 1
             window["rows"] += n
             if step % config.train.log_every == 0:
@@ -386,20 +666,19 @@ def train(
                 evaluate_now()
             if save_now:
                 checkpoint(loader_state)
+            if last:
+                break
             if following is not None and not pipelined:
                 following_pending = start(following)
             batch, pending = following, following_pending
-        if batches.exhausted:
-            state["epoch"] += 1
     if window["steps"]:
         log_window()
-    loader.close()
     if tiered:
         model.embeddings.flush()
     if state["step"] == 0:
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
     if saved["path"] is None or saved["step"] != state["step"]:
-        checkpoint(loader.state_dict())
+        checkpoint(loader_state)
     seconds = time.perf_counter() - start_time
     rows_here = state["rows"] - (resume_from.manifest["progress"]["rows"] if resume_from else 0)
     result = TrainResult(
@@ -418,9 +697,13 @@ def train(
         ),
         resumed_from_step=resume_from.step if resume_from else None,
         embedding_cache=model.embeddings.stats.to_dict() if tiered else {},
+        trained_steps=state["step"] - trained_from,
+        resumed_from=str(resume_from.path) if resume_from else None,
+        changed_on_resume=lineage["changed_on_resume"],
+        warnings=data_warnings,
     )
     if rank0:
-        (run_dir / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
+        write_atomic(run_dir / RESULT_FILE, json.dumps(result.to_dict(), indent=1))
     if env.distributed:
         dist.barrier()
     return result

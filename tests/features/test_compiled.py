@@ -8,10 +8,11 @@ transformed tables and gathering ``order`` from them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.ids import HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.features.transform import BatchTransform, _log1p
+from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, list_splits, make_loader
 
 SPEC = FeatureSpec(
     dense=("I1", "I2", "I3"),
@@ -312,3 +314,158 @@ def test_compiled_path_takes_any_label_type(label_type):
     expected = vectorized(data).take(order)
     assert_same_batch(out, expected)
     assert set(out.labels.tolist()) <= {0.0, 1.0}
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def with_i2(data: pa.Table, values: np.ndarray, null: np.ndarray, cuts: Sequence[int]) -> pa.Table:
+    """``data`` with column I2 replaced (its type kept, nulls where ``null``), chunked at
+    ``cuts``. A null slot keeps the value under it, as Arrow allows."""
+    dense_type = data.schema.field("I2").type
+    column = pa.array(values.astype(dense_type.to_pandas_dtype()), dense_type, mask=null)
+    return chunked(data.set_column(data.schema.get_field_index("I2"), "I2", column), cuts)
+
+
+def every_path(compiled: BatchTransform, vectorized: BatchTransform, data: pa.Table):
+    """Each way a table becomes a batch: (name, thunk)."""
+    order = np.random.default_rng(0).permutation(data.num_rows)
+
+    def written() -> Batch:
+        writer = compiled.window_writer(order)
+        writer.add(data)
+        return writer.finish()
+
+    return [
+        ("validate", lambda: compiled.validate(data)),
+        ("compiled", lambda: compiled(data)),
+        ("window writer", written),
+        ("vectorized", lambda: vectorized(data)),
+    ]
+
+
+PATHS = ["validate", "compiled", "window writer", "vectorized"]
+
+
+def errors(paths: list[tuple[str, Callable[[], object]]]) -> dict[str, str | None]:
+    """The ValueError message of each path (None: it passed)."""
+    found: dict[str, str | None] = {}
+    for name, run in paths:
+        try:
+            run()
+            found[name] = None
+        except ValueError as e:
+            found[name] = str(e)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("dense_type", "bad"),
+    [
+        (pa.float64(), 1e300),
+        (pa.float64(), -1e300),
+        (pa.float64(), 3.5e38),
+        (pa.float64(), -3.5e38),
+        (pa.float64(), 1.7976931348623157e308),
+        (pa.float64(), float("inf")),
+        (pa.float32(), float("-inf")),
+        (pa.float32(), float("inf")),
+        (pa.float16(), float("inf")),  # the compiled path does not take float16: vectorized
+        (pa.float16(), float("-inf")),
+    ],
+)
+@pytest.mark.parametrize("cuts", [(), (100, 400)])
+def test_dense_values_float32_cannot_hold_are_errors_on_every_path(dense_type, bad, cuts):
+    compiled, vectorized = transforms()
+    data = table(777, seed=5, dense_type=dense_type)
+    values = data["I2"].to_numpy().astype(np.float64)  # nulls read as NaN
+    null = data["I2"].is_null().to_numpy(zero_copy_only=False)
+    values[[450, 451]] = bad
+    null[[450, 451]] = [False, True]  # the same value under a null is no value: ignored
+    broken = with_i2(data, values, null, cuts)
+    message = (
+        f"column I2: 1 value(s) infinite or beyond float32's range (e.g. {bad!r}); "
+        "dense values must be finite and within ±3.4028235e+38"
+    )
+    assert errors(every_path(compiled, vectorized, broken)) == dict.fromkeys(PATHS, message)
+
+    # Under the null alone, the value is not there: every path takes the table.
+    null[450] = True
+    hidden = with_i2(data, values, null, cuts)
+    chunk = hidden["I2"].combine_chunks()
+    assert chunk.is_null()[451].as_py()
+    if not pa.types.is_float16(dense_type):  # the value really sits under the null
+        under = np.frombuffer(chunk.buffers()[1], dense_type.to_pandas_dtype())[451]
+        assert under == np.asarray(bad).astype(dense_type.to_pandas_dtype())
+    results = {name: run() for name, run in every_path(compiled, vectorized, hidden)}
+    assert torch.isfinite(results["vectorized"].dense).all()
+    assert_same_batch(results["compiled"], results["vectorized"])
+
+
+@pytest.mark.parametrize(
+    ("dense_type", "extremes"),
+    [
+        (pa.float64(), [F32_MAX, -F32_MAX, 1e38, float("nan")]),
+        (pa.float32(), [F32_MAX, -F32_MAX, float("nan")]),
+        (pa.int64(), [2**63 - 1, -(2**63)]),
+        (pa.uint64(), [2**64 - 1, 0]),
+        (pa.int32(), [2**31 - 1, -(2**31)]),
+    ],
+)
+def test_dense_values_float32_holds_pass_on_every_path(dense_type, extremes):
+    """The largest values of every accepted type that float32 holds are no error."""
+    compiled, vectorized = transforms()
+    data = table(300, seed=6, dense_type=dense_type)
+    values = data["I2"].to_numpy(zero_copy_only=False).astype(object)
+    values[10 : 10 + len(extremes)] = extremes
+    null = data["I2"].is_null().to_numpy(zero_copy_only=False)
+    null[10 : 10 + len(extremes)] = False
+    column = pa.array(
+        [None if n else v for v, n in zip(values.tolist(), null.tolist(), strict=True)],
+        dense_type,
+        from_pandas=True,
+    )
+    data = data.set_column(data.schema.get_field_index("I2"), "I2", column)
+
+    results = {name: run() for name, run in every_path(compiled, vectorized, data)}
+    dense = results["vectorized"].dense
+    assert torch.isfinite(dense).all()
+    assert dense[10, 1].item() == np.log1p(np.float32(max(extremes[0], 0)))
+    assert_same_batch(results["compiled"], results["vectorized"])
+
+
+@pytest.mark.parametrize("validated", [True, False])
+@pytest.mark.parametrize("path", ["compiled", "vectorized"])
+def test_reader_names_file_row_group_and_column_of_a_dense_value_beyond_float32(
+    tmp_path, path, validated
+):
+    """As training reads: the error names where the value is, whether ``validate`` or the
+    transform itself (on either path) finds it."""
+    data = table(600, seed=8, dense_type=pa.float64())
+    values = data["I3"].to_numpy(zero_copy_only=False)
+    values[[250, 251]] = [1e300, -1e300]
+    null = data["I3"].is_null().to_numpy(zero_copy_only=False)
+    null[[250, 251]] = False
+    data = data.set_column(
+        data.schema.get_field_index("I3"), "I3", pa.array(values, pa.float64(), mask=null)
+    )
+    file = tmp_path / "part-0.parquet"
+    pq.write_table(data, file, row_group_size=200)
+    compiled, vectorized = transforms()
+    transform = compiled if path == "compiled" else vectorized
+    dataset = ParquetBatchDataset(
+        list_splits([str(file)]),
+        SPEC.columns,
+        64,
+        shuffle_window=1,
+        validate=transform.validate if validated else None,
+        transform=transform,
+    )
+
+    with pytest.raises(DataError) as info:
+        list(make_loader(dataset, num_workers=0))
+    found_by = "" if validated else "transform failed: ValueError: "
+    assert str(info.value) == (
+        f"{file}, row group 1: {found_by}column I3: 2 value(s) infinite or beyond float32's "
+        "range (e.g. 1e+300); dense values must be finite and within ±3.4028235e+38"
+    )

@@ -276,8 +276,25 @@ def test_infinite_dense_value_is_an_error_but_nan_is_missing():
     transform = vocab_transform()
     transform.validate(pa.Table.from_batches([make_batch()]))  # has a NaN in I2: fine
     bad = make_batch(I2=pa.array([1.0, float("-inf"), 2.0, float("inf"), None]))
-    with pytest.raises(ValueError, match="column I2: 2 infinite value"):
+    message = r"column I2: 2 value\(s\) infinite or beyond float32's range \(e.g. -inf\)"
+    with pytest.raises(ValueError, match=message):
         transform.validate(pa.Table.from_batches([bad]))
+    with pytest.raises(ValueError, match=message):
+        transform(bad)
+
+
+def test_dense_value_beyond_float32_is_an_error():
+    """1e300 is finite in float64 but inf in float32: training would end in NaN loss."""
+    transform = vocab_transform()
+    bad = make_batch(I2=pa.array([1.0, 1e300, 2.0, -3.5e38, None]))
+    message = (
+        r"column I2: 2 value\(s\) infinite or beyond float32's range \(e.g. 1e\+300\); "
+        r"dense values must be finite and within ±3.4028235e\+38"
+    )
+    with pytest.raises(ValueError, match=message):
+        transform.validate(pa.Table.from_batches([bad]))
+    with pytest.raises(ValueError, match=message):
+        transform(bad)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +14,7 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from dlrmflow.ingest.criteo import MalformedDataError, convert_criteo
+from dlrmflow.ingest.criteo import MAX_LINE_BYTES, MalformedDataError, convert_criteo
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.schema import DENSE, SPARSE, criteo_schema
 
@@ -226,22 +228,182 @@ def truncated_gzip(sample: Path, path: Path) -> None:
     path.write_bytes(gzip.compress(sample.read_bytes())[:-20])
 
 
-def wrong_count_not_utf8(sample: Path, path: Path) -> None:
-    path.write_bytes(sample.read_bytes() + b"\xff\xfe\t1\n")
+def not_gzip(sample: Path, path: Path) -> None:
+    path.write_bytes(sample.read_bytes())
 
 
-# pyarrow decodes a bad row's text before calling the handler, and reports that failure.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("make", [truncated_gzip, wrong_count_not_utf8])
+@pytest.mark.parametrize("make", [truncated_gzip, not_gzip])
 def test_unreadable_input_fails_naming_the_file(
     sample: Path, tmp_path: Path, make: Callable[[Path, Path], None]
 ) -> None:
+    """A damaged archive is no line's fault: nothing after the damage can be read."""
     src = tmp_path / "day_3.tsv.gz"
     make(sample, src)
 
     with pytest.raises(MalformedDataError, match=f"{src}: unreadable input"):
         convert_criteo([str(src)], str(tmp_path / "out"), max_bad_fraction=1.0)
     assert list((tmp_path / "out" / "day=0").iterdir()) == []
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "backslashreplace")
+
+
+LONG = 3 * MAX_LINE_BYTES + 5
+
+
+def junk_lines(sample: Path) -> dict[str, tuple[bytes, str, str]]:
+    """Malformed lines by kind: {kind: (raw line without its break, reason, quarantined text)}."""
+    fields = sample_lines(sample)[9].encode().split(b"\t")
+    binary = bytes(b for b in range(256) if b != ord("\n")) * 3  # NUL, \t, \r, \xff, ...
+    split_by_cr = b"\t".join(fields[:20]) + b"\r" + b"\t".join(fields[20:])
+    cr_in_field = b"\t".join(fields[:3] + [fields[3] + b"\r"] + fields[4:])
+    nul_in_field = b"\t".join(
+        fields[:14] + [fields[14][:4] + b"\x00" + fields[14][4:]] + fields[15:]
+    )
+    long = (b"\x00\xff" + bytes(range(32, 127))) * (LONG // 97) + b"\t" * (LONG % 97)
+    return {
+        "not utf-8, wrong count": (b"\xff\xfe\t1", "expected 40 fields, got 2", "\\xff\\xfe\t1"),
+        "binary": (binary, "expected 40 fields, got 4", _text(binary)),
+        "NUL only": (b"\x00" * 50, "expected 40 fields, got 1", "\x00" * 50),
+        "a field split by \\r": (split_by_cr, "expected 40 fields, got 39", _text(split_by_cr)),
+        "\\r in a field": (
+            cr_in_field,
+            "a carriage return (\\r) inside the line",
+            _text(cr_in_field),
+        ),
+        "NUL in an ID": (
+            nul_in_field,
+            f"C1: bad hex '{_text(fields[14][:4])}\x00{_text(fields[14][4:])}'",
+            _text(nul_in_field),
+        ),
+        "empty": (b"", "empty line", ""),
+        "\\r\\n only": (b"\r", "empty line", ""),  # "\r\n" is a line break
+        "long": (
+            long,
+            f"line of {LONG} bytes, longer than the {MAX_LINE_BYTES} a Criteo line can be",
+            _text(long[:1024]) + "...",
+        ),
+    }
+
+
+def with_junk(
+    sample: Path, path: Path, junk: bytes, at: list[int], end: bytes = b"\n"
+) -> list[int]:
+    """The sample with ``junk`` as lines ``at`` (1-based), the file ending in ``end``;
+    returns the junk's line numbers."""
+    lines = [line.encode() for line in sample_lines(sample)]
+    for number in sorted(at):
+        lines.insert(number - 1, junk)
+    path.write_bytes(b"\n".join(lines) + end)
+    return sorted(at)
+
+
+@pytest.mark.parametrize("block_size", [1024, 1 << 24])  # a line spans blocks / one block
+@pytest.mark.parametrize(
+    "kind", list(junk_lines(Path(__file__).parents[1] / "data" / "criteo_sample_200.tsv"))
+)
+def test_any_malformed_line_is_quarantined_and_counted(
+    sample: Path, tmp_path: Path, kind: str, block_size: int
+) -> None:
+    """Whatever bytes a line holds, it is one bad line: never the end of the file."""
+    junk, reason, text = junk_lines(sample)[kind]
+    src = tmp_path / "junk.tsv"
+    numbers = with_junk(sample, src, junk, at=[1, 77, 78, 150, 204])
+
+    result = convert_criteo(
+        [str(src)], str(tmp_path / "out"), max_bad_fraction=0.1, block_size=block_size
+    )
+
+    assert (result.rows, result.bad_lines) == (200, 5)
+    assert result.manifest.generator is not None
+    assert result.manifest.generator["lines"] == [205]
+    records = quarantine_records(result.quarantine_files[0])
+    assert [(r["line"], r["reason"], r["text"]) for r in records] == [
+        (n, reason, text) for n in numbers
+    ]
+    assert day_rows(tmp_path / "out") == [reference_row(line) for line in sample_lines(sample)]
+
+
+@pytest.mark.parametrize("kind", ["binary", "long", "not utf-8, wrong count"])
+def test_file_may_end_without_a_line_break(sample: Path, tmp_path: Path, kind: str) -> None:
+    junk, reason, text = junk_lines(sample)[kind]
+    good, bad = tmp_path / "good.tsv", tmp_path / "bad.tsv"
+    good.write_bytes(sample.read_bytes().rstrip(b"\n"))  # a good last line, no break
+    with_junk(sample, bad, junk, at=[201], end=b"")  # a junk last line, no break
+    expected = [reference_row(line) for line in sample_lines(sample)]
+
+    for block_size in (1024, 1 << 24):
+        out = tmp_path / f"good-{block_size}"
+        result = convert_criteo([str(good)], str(out), block_size=block_size, max_bad_fraction=0)
+        assert (result.rows, day_rows(out)) == (200, expected)
+
+        out = tmp_path / f"bad-{block_size}"
+        result = convert_criteo([str(bad)], str(out), block_size=block_size, max_bad_fraction=0.01)
+        assert (result.rows, day_rows(out)) == (200, expected)
+        assert quarantine_records(result.quarantine_files[0]) == [
+            {"file": str(bad), "line": 201, "reason": reason, "text": text}
+        ]
+
+
+def test_crlf_line_breaks_are_line_breaks(sample: Path, tmp_path: Path) -> None:
+    src = tmp_path / "dos.tsv"
+    src.write_bytes(sample.read_bytes().replace(b"\n", b"\r\n"))
+
+    result = convert_criteo([str(src)], str(tmp_path / "out"), max_bad_fraction=0.0)
+
+    assert (result.rows, result.bad_lines) == (200, 0)
+    assert day_rows(tmp_path / "out") == [reference_row(line) for line in sample_lines(sample)]
+
+
+@pytest.mark.parametrize("kind", ["binary", "not utf-8, wrong count", "long", "empty"])
+def test_malformed_lines_over_the_fraction_fail_with_the_counts(
+    sample: Path, tmp_path: Path, kind: str
+) -> None:
+    junk, _, _ = junk_lines(sample)[kind]
+    src = tmp_path / "junk.tsv"
+    with_junk(sample, src, junk, at=list(range(1, 250, 2))[:23])  # 23 of 223 lines: 10.3%
+
+    with pytest.raises(MalformedDataError) as info:
+        convert_criteo([str(src)], str(tmp_path / "out"), max_bad_fraction=0.1)
+    assert str(info.value).startswith(f"{src}: 23 malformed lines out of 223 (10.3139%) exceed ")
+    assert "\n" not in str(info.value)
+    assert len(quarantine_records(str(tmp_path / "out" / "_quarantine" / "junk.tsv.jsonl"))) == 23
+
+    # One line fewer is within the fraction.
+    with_junk(sample, src, junk, at=list(range(1, 250, 2))[:22])
+    result = convert_criteo([str(src)], str(tmp_path / "out"), max_bad_fraction=0.1)
+    assert (result.rows, result.bad_lines) == (200, 22)
+
+
+def test_convert_command_counts_binary_lines(sample: Path, tmp_path: Path) -> None:
+    """As a user runs it: a binary line is counted, and too many fail in one line."""
+    junk, _, _ = junk_lines(sample)["binary"]
+    command = [
+        str(Path(sys.executable).parent / "dlrmflow"),
+        "convert",
+        "--max-bad-fraction",
+        "0.1",
+    ]
+    few, many = tmp_path / "few.tsv", tmp_path / "many.tsv"
+    with_junk(sample, few, junk, at=[3])
+    with_junk(sample, many, junk, at=list(range(1, 100, 3)))  # 33 of 233
+
+    ok = subprocess.run(
+        [*command, "--input", str(few), "--out", str(tmp_path / "a")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["bad_lines"] == 1 and json.loads(ok.stdout)["rows"] == 200
+
+    failed = subprocess.run(
+        [*command, "--input", str(many), "--out", str(tmp_path / "b")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert failed.returncode == 1
+    assert failed.stdout == ""
+    assert failed.stderr.startswith(f"error: {many}: 33 malformed lines out of 233 ")
+    assert failed.stderr.endswith("\n") and failed.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("block_size", [4096, 1 << 24])  # many blocks a group, many groups a block

@@ -75,7 +75,7 @@ def test_mean_pooling_and_mismatched_keys():
         dense=("a",),
         sparse=(SparseFeature("x", 10, 4, "mean"), SparseFeature("y", 7, 4, "mean")),
     )
-    model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[]))
+    model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[4]))
     pooled = model.embeddings(_kjt()).view(3, 2, 4)
     wx = model.embeddings.table("x")
     torch.testing.assert_close(pooled[1, 0], (wx[2] + wx[3]) / 2)
@@ -96,7 +96,7 @@ def test_one_hot_and_jagged_batches_train_to_identical_weights():
     weights = []
     for sparse in (one_hot, jagged):
         torch.manual_seed(0)
-        model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[]), SGD(lr=0.3))
+        model = DLRM(spec, ModelConfig(embedding_dim=4, bottom_mlp=[4], top_mlp=[4]), SGD(lr=0.3))
         model(dense, sparse).sum().backward()
         weights.append(model.embeddings.weight.clone())
     assert torch.equal(weights[0], weights[1])

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -117,3 +118,35 @@ def test_embeddings_beyond_the_memory_budget_train_from_disk_to_the_same_weights
     assert cache["evictions"] > 0 and 0 < cache["hit_rate"] < 1  # the cache really was small
     got, want = _weights(tmp_path / "disk"), _weights(tmp_path / "memory")
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_manifest_test_day_without_a_file_fails_before_training(tiny_dataset, tmp_path):
+    from dlrmflow.ingest.reader import DataError
+    from tests.ingest.test_manifest import edit_manifest
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+
+    def drop_test_file(m: dict) -> None:
+        m["files"] = [f for f in m["files"] if f["day"] != m["test_day"]]
+        m["rows"] = sum(f["rows"] for f in m["files"])
+
+    edit_manifest(data, drop_test_file)
+    with pytest.raises(DataError, match="test day 2: no file"):
+        train(tiny_run_config(str(data), tmp_path / "run", max_steps=2))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_zero_row_training_day_is_a_warning_the_run_record_keeps(tiny_dataset, tmp_path):
+    from tests.ingest.test_manifest import set_rows, write_empty
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    write_empty(data, 0)
+    set_rows(data, {0: 0})
+    with pytest.warns(UserWarning, match="day 0 has no rows"):
+        result = train(tiny_run_config(str(data), tmp_path / "run", epochs=1))
+    assert result.rows == 6000  # day 1 alone
+    assert any("day 0 has no rows" in w for w in result.warnings)
+    record = json.loads((tmp_path / "run" / "train_result.json").read_text())
+    assert record["warnings"] == result.warnings
