@@ -69,8 +69,9 @@ def _emit_benchmark(result: dict[str, Any], json_out: Path | None) -> None:
     """Print a benchmark's record, and also write it to ``json_out`` when given."""
     _echo_json(result)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        from dlrmflow.outputs import write_atomic
+
+        write_atomic(json_out, json.dumps(result, indent=2) + "\n")
 
 
 @app.command()

@@ -18,6 +18,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from dlrmflow.errors import DlrmflowError
 
@@ -138,3 +139,39 @@ def write_atomic(path: str | Path, data: bytes | str | Callable[[Path], None]) -
         else:
             temporary.write_bytes(data)
     return target
+
+
+def _local(url: str) -> str | None:
+    """The local path an fsspec URL names, or None for another file system."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return (
+        path
+        if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        else None
+    )
+
+
+@contextlib.contextmanager
+def open_output(url: str) -> Iterator[BinaryIO]:
+    """A binary file to write the output at ``url`` (any fsspec URL) through.
+
+    Local files go through ``atomic_path``; other file systems (object stores, memory://)
+    publish an object only when it is closed whole, so they are written directly.
+    """
+    import fsspec
+
+    local = _local(url)
+    if local is None:
+        with fsspec.open(url, "wb") as f:
+            yield f
+        return
+    with atomic_path(local) as temporary, open(temporary, "wb") as f:
+        yield f
+
+
+def write_url(url: str, data: bytes | str) -> None:
+    """Write ``data`` (text as UTF-8) to ``url`` whole, as ``open_output`` does."""
+    with open_output(url) as f:
+        f.write(data.encode() if isinstance(data, str) else data)

@@ -43,6 +43,7 @@ from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
+from dlrmflow.outputs import write_atomic
 from dlrmflow.train.sharding import SHARDING_TYPES
 
 TIERED_FULL = {"rows": 100_000, "dim": 64, "batch": 4096, "warmup": 8, "steps": 24, "repeats": 3}
@@ -489,7 +490,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         "plots": sorted(PLOTS.values()),
         "machine": describe_machine(),
     }
-    (out / "report.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_atomic(out / "report.json", json.dumps(record, indent=2) + "\n")
     machine = record["machine"]
     header = "\n\n".join(
         [
@@ -506,5 +507,5 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         tiered_section(tiered),
         torchrec_section(comparison, missing),
     ]
-    (out / "report.md").write_text("\n\n".join(sections) + "\n")
+    write_atomic(out / "report.md", "\n\n".join(sections) + "\n")
     return record

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrmflow.features import jit
+from dlrmflow.outputs import write_url
 
 if TYPE_CHECKING:
     from dlrmflow.features.spec import FeatureSpec
@@ -397,8 +398,7 @@ class Vocabulary:
             arrays[f"counts_{i}"] = self.counts[name]
         buf = io.BytesIO()
         np.savez(buf, **arrays)  # uncompressed: IDs are high-entropy, zlib buys little
-        with fsspec.open(url, "wb") as f:
-            f.write(buf.getvalue())
+        write_url(url, buf.getvalue())
 
     @classmethod
     def load(cls, url: str) -> Vocabulary:

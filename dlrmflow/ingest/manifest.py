@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlrmflow.ingest.reader import DataError
+from dlrmflow.outputs import write_url
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -221,9 +222,7 @@ def join_url(root: str, *parts: str) -> str:
 def write_json(root: str, name: str, data: object) -> str:
     """Write ``data`` as indented JSON to file ``name`` under ``root``; returns its URL."""
     url = join_url(root, name)
-    with fsspec.open(url, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+    write_url(url, json.dumps(data, indent=2) + "\n")
     return url
 
 

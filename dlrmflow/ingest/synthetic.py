@@ -38,6 +38,7 @@ from dlrmflow.ingest.schema import (
     criteo_schema,
     schema_to_json,
 )
+from dlrmflow.outputs import open_output
 
 # Signal strength of the hidden click model. Together they give a Bayes AUC of 0.77-0.81 on
 # the default config, depending on the seed (real Criteo models reach ~0.80). The signal sits
@@ -156,7 +157,7 @@ def generate_dataset(
         rel = f"day={day}/part-00000.parquet"
         try:
             fs.makedirs(join_url(root_path, f"day={day}"), exist_ok=True)
-            with fs.open(join_url(root_path, rel), "wb") as f:
+            with open_output(join_url(root, rel)) as f:
                 positives, probs, labels = _write_day(f, truth, config, day, progress)
         except OSError as e:
             raise OSError(f"{join_url(root, rel)}: cannot write day {day}: {e}") from e
