@@ -22,9 +22,11 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,9 +186,20 @@ def save_checkpoint(
             dcp.save(state, checkpoint_id=str(partial))
     except (Exception, CheckpointException) as e:  # reported below with the step
         error = e
+    # Each rank hashes the files it wrote, all ranks at once, and rank 0 gathers the
+    # digests: no rank reads the others' shards, whatever the checkpoint's size.
+    files: dict[str, str] = {}
+    if error is None:
+        try:
+            files = _digests(_written_by(partial, rank))
+        except OSError as e:
+            error = e
+    if dist.is_initialized():
+        every: list[dict[str, str] | None] = [None] * _world()
+        dist.all_gather_object(every, files)
+        files = {name: d for part in every if part for name, d in part.items()}
     if error is None and rank == 0:
         try:
-            files = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
             manifest = {
                 "step": step,
                 "progress": progress,
@@ -196,7 +209,7 @@ def save_checkpoint(
                 "plan": plan,
                 "metrics": metrics or {},
                 **(extra or {}),
-                "files": files,
+                "files": dict(sorted(files.items())),
                 "created": time.time(),
             }
             (partial / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
@@ -308,39 +321,81 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def verify(info: CheckpointInfo) -> str | None:
-    """Why the checkpoint is unusable (a missing or altered file), or None if it is intact."""
-    for name, digest in info.manifest["files"].items():
-        path = info.path / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if _sha256(path) != digest:
-            return f"{path} does not match its checksum"
+# Files hashed at once by one process: SHA-256 runs outside the GIL on large reads.
+HASH_THREADS = 4
+
+
+def _digests(paths: list[Path]) -> dict[str, str]:
+    """``{file name: SHA-256}`` of ``paths``, hashed by a few threads."""
+    if not paths:
+        return {}
+    with ThreadPoolExecutor(min(HASH_THREADS, len(paths)), thread_name_prefix="sha") as pool:
+        return dict(zip((p.name for p in paths), pool.map(_sha256, paths), strict=True))
+
+
+def _written_by(directory: Path, rank: int) -> list[Path]:
+    """The files of a DCP checkpoint that ``rank`` wrote: its ``__<rank>_<n>.distcp``
+    shards, and for rank 0 the rest (DCP's ``.metadata``, written by the coordinator)."""
+    mine = []
+    for path in sorted(directory.iterdir()):
+        if not path.is_file() or path.name == MANIFEST_FILE:
+            continue
+        shard = re.match(r"__(\d+)_\d+\.distcp$", path.name)
+        if (int(shard.group(1)) if shard else 0) == rank:
+            mine.append(path)
+    return mine
+
+
+def _check(info: CheckpointInfo, names: list[str]) -> str | None:
+    """The first of ``names`` that is missing or altered, as a reason; else None."""
+    present = [n for n in names if (info.path / n).is_file()]
+    missing = [n for n in names if n not in present]
+    if missing:
+        return f"{info.path / missing[0]} is missing"
+    found = _digests([info.path / n for n in present])
+    for name in names:
+        if found[name] != info.manifest["files"][name]:
+            return f"{info.path / name} does not match its checksum"
     return None
+
+
+def verify(info: CheckpointInfo) -> str | None:
+    """Why the checkpoint is unusable (a missing or altered file), or None if it is intact.
+
+    A collective when distributed: every rank checks every ``world_size``-th file (at any
+    world size, not only the one that wrote it), and every rank gets the same answer.
+    """
+    names = sorted(info.manifest["files"])
+    problem = _check(info, names[_rank() :: _world()])
+    if not dist.is_initialized():
+        return problem
+    problems: list[str | None] = [None] * _world()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
 
 
 def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     """The newest intact checkpoint; corrupt ones are skipped with a warning naming them.
 
-    Distributed: rank 0 verifies and tells the others, so every rank resumes from the same.
+    Distributed: rank 0 lists the checkpoints and every rank verifies its share of each,
+    newest first, so every rank resumes from the same one.
     """
-    chosen: list[Any] = [None]
+    listed: list[Any] = [None]
     if _rank() == 0:
-        for info in reversed(list_checkpoints(run_dir)):
-            problem = verify(info)
-            if problem is None:
-                chosen[0] = str(info.path)
-                break
+        listed[0] = [(str(c.path), c.manifest) for c in reversed(list_checkpoints(run_dir))]
+    if dist.is_initialized():
+        dist.broadcast_object_list(listed, src=0)
+    for path, manifest in listed[0]:
+        info = CheckpointInfo(Path(path), manifest)
+        problem = verify(info)
+        if problem is None:
+            return info
+        if _rank() == 0:
             warnings.warn(
                 f"checkpoint {info.path.name} is corrupt ({problem}); using an older one",
                 stacklevel=2,
             )
-    if dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0)
-    if chosen[0] is None:
-        return None
-    path = Path(chosen[0])
-    return CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
+    return None
 
 
 def restore(
@@ -398,13 +453,18 @@ def prune_checkpoints(run_dir: Path, keep: int, metric: str = "auc") -> None:
         shutil.rmtree(info.path, ignore_errors=True)
 
 
-def find_checkpoint(path: str | Path) -> CheckpointInfo:
+def find_checkpoint(path: str | Path, *, verified: bool = True) -> CheckpointInfo:
     """The checkpoint ``path`` names: a checkpoint directory (verified against its
-    checksums), or a run directory (its newest intact checkpoint)."""
+    checksums), or a run directory (its newest intact checkpoint). ``verified=False``
+    only reads the manifest (of the newest complete checkpoint), for its configuration."""
     path = Path(path)
+    if not verified and not (path / MANIFEST_FILE).is_file():
+        found = list_checkpoints(path)
+        if found:
+            return found[-1]
     if (path / MANIFEST_FILE).is_file():
         info = CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
-        problem = verify(info)
+        problem = verify(info) if verified else None
         if problem is not None:
             raise ValueError(f"{path}: corrupt checkpoint ({problem})")
         return info

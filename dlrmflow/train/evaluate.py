@@ -136,7 +136,8 @@ def evaluate(
     run_dir = Path(run_dir)
     env = DistEnv.from_env()
     if env.distributed:
-        info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
+        # Only the configuration, to join the job; every rank verifies its share below.
+        info = find_checkpoint(checkpoint if checkpoint is not None else run_dir, verified=False)
         init_distributed(build_config(info.manifest["config"]), env)
     with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
         return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress)

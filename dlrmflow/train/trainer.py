@@ -83,6 +83,8 @@ class TrainResult:
     # Fine-tuning (an explicit ``train.resume`` path): key -> [the checkpoint's, this run's].
     changed_on_resume: dict[str, list] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # e.g. training days without rows
+    checkpoint_save_s: float = 0.0  # writing (and hashing) this invocation's checkpoints
+    checkpoint_verify_s: float = 0.0  # verifying the checkpoint it resumed from
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -254,6 +256,7 @@ class _Resume:
     own: bool = False  # one of this run directory's own checkpoints
     changed: dict[str, list] = field(default_factory=dict)  # what fine-tuning changes now
     origin: str | None = None  # the checkpoint the run directory's run was fine-tuned from
+    verify_seconds: float = 0.0  # finding and verifying it
 
     def lineage(self, digest: str) -> dict:
         """What every checkpoint of this run records of where it came from."""
@@ -441,9 +444,12 @@ def _train(
     if rank0 and config.train.resume == "never":
         _start_afresh(run_dir)
     spec, ids = _features(config, manifest, run_dir, env)
+    verify_start = time.perf_counter()
     resume = _resume_point(config, run_dir, spec, digest)
+    resume.verify_seconds = time.perf_counter() - verify_start
     if resume.own and not resume.changed and _finished(resume.info, config):
         result = _finished_result(resume.info, run_dir, env)
+        result.checkpoint_verify_s = resume.verify_seconds
         if env.distributed:
             dist.barrier()
         return result
@@ -576,10 +582,11 @@ def _train_loop(
     # The newest checkpoint in this run dir, tracked here rather than listed from the disk:
     # every rank must take the same decisions, and rank 0 prunes while the others go on.
     # One resumed from elsewhere (``train.resume`` naming another run's) does not count.
-    saved = {"step": state["step"], "path": resume_from.path if own else None}
+    saved = {"step": state["step"], "path": resume_from.path if own else None, "seconds": 0.0}
 
     def checkpoint(loader_state: dict | None) -> None:
-        state["seconds"] = elapsed_before + time.perf_counter() - start_time
+        began = time.perf_counter()
+        state["seconds"] = elapsed_before + began - start_time
         saved["path"] = save_checkpoint(
             run_dir,
             model=model,
@@ -595,6 +602,7 @@ def _train_loop(
         saved["step"] = state["step"]
         if rank0:
             prune_checkpoints(run_dir, config.train.keep_checkpoints)
+        saved["seconds"] += time.perf_counter() - began
 
     def check_finite(step: int, value: float) -> None:
         """Stop every rank at the first step whose loss is NaN or infinite, before that
@@ -701,6 +709,8 @@ def _train_loop(
         resumed_from=str(resume_from.path) if resume_from else None,
         changed_on_resume=lineage["changed_on_resume"],
         warnings=data_warnings,
+        checkpoint_save_s=saved["seconds"],
+        checkpoint_verify_s=resume.verify_seconds,
     )
     if rank0:
         write_atomic(run_dir / RESULT_FILE, json.dumps(result.to_dict(), indent=1))

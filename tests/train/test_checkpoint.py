@@ -284,3 +284,25 @@ def test_resuming_from_another_runs_checkpoint_writes_one_of_its_own(
     assert result.resumed_from_step == 4
     assert Path(result.checkpoint).parent == tmp_path / "b" / "checkpoints"
     assert [c.step for c in list_checkpoints(tmp_path / "b")] == [4]
+
+
+@pytest.mark.parametrize("victim", ["__0_0.distcp", "__1_0.distcp", ".metadata"])
+def test_each_rank_hashes_its_own_files_and_any_corrupt_one_is_skipped(
+    uninterrupted: Path, tiny_dataset: str, tmp_path: Path, victim: str
+) -> None:
+    """Written at world size 2: the manifest holds every rank's digests (each rank hashed
+    the files it wrote), and a damaged file of either rank, or DCP's metadata, makes the
+    2-rank resume fall back to the previous checkpoint."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    newest = list_checkpoints(run_dir)[-1]
+    assert set(newest.manifest["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    shard = newest.path / victim
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    cfg = _config(tiny_dataset, run_dir)
+    cfg.train.max_steps = STEPS + EVERY  # more steps: the newest intact one is resumed
+    result = launch_training(cfg)
+    assert result.resumed_from_step == STEPS - EVERY, victim
+    assert result.checkpoint_verify_s > 0 and result.checkpoint_save_s > 0
