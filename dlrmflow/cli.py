@@ -43,7 +43,11 @@ SetOpt = Annotated[
 
 
 def _config(path: Path | None, sets: list[str] | None, **flags: Any) -> RunConfig:
-    return apply_overrides(load_config(path, sets), flags)
+    """Defaults, then ``path``, then DLRMFLOW_SECTION__KEY variables, then ``sets``, then
+    the command's flags (``{"section.key": value}``, None when not given)."""
+    from dlrmflow.config import resolve_config
+
+    return resolve_config(path, sets, flags).config
 
 
 class _Progress:
@@ -79,11 +83,21 @@ def config(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Print the resolved configuration (defaults + file + overrides) as YAML."""
+    """Print the resolved configuration (defaults + file + DLRMFLOW_SECTION__KEY environment
+    variables + --set overrides) as YAML, then, as YAML comments, where each value that is
+    not a default came from."""
     import yaml
 
-    resolved = _config(config, set_)
-    typer.echo(yaml.safe_dump(resolved.model_dump(), sort_keys=False).rstrip())
+    from dlrmflow.config import resolve_config
+
+    resolved = resolve_config(config, set_)
+    typer.echo(yaml.safe_dump(resolved.config.model_dump(), sort_keys=False).rstrip())
+    if not resolved.sources:
+        typer.echo("# sources: all defaults")
+        return
+    typer.echo("# sources:")
+    for key, source in resolved.sources.items():
+        typer.echo(f"#   {key}: {source}")
 
 
 @app.command()

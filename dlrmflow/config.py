@@ -1,17 +1,21 @@
 """The run configuration: one typed, validated model used by every command.
 
 A configuration comes from defaults, then an optional file (YAML, JSON or TOML), then
-``section.key=value`` overrides from the command line, in that order. Unknown keys and bad
-values fail with an error that names the key, so a typo never silently falls back to a
-default.
+``DLRMFLOW_SECTION__KEY=value`` environment variables, then ``section.key=value`` overrides
+from the command line, in that order (a command's own flags come last). Unknown keys and bad
+values fail with an error that names the key (and the variable, for the environment), so a
+typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import (
@@ -30,8 +34,6 @@ from dlrmflow.train.sharding import ShardingType
 
 class ConfigError(DlrmflowError, ValueError):
     """A configuration file or override that cannot be used; the message names the key."""
-
-
 
 
 def _not_bool(value: Any) -> Any:
@@ -214,52 +216,216 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _apply_override(data: dict[str, Any], override: str) -> None:
-    key, sep, raw = override.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"override {override!r}: expected KEY=VALUE, e.g. train.lr=0.1")
+def _parse_value(what: str, raw: str) -> Any:
+    """A value written as text (``--set``, the environment) read as YAML: 0.1, [64, 32]."""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        return yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+        raise ConfigError(f"{what}: cannot parse value {raw!r}: {e}") from e
+
+
+def _set_key(data: dict[str, Any], key: str, value: Any, what: str) -> None:
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {part} is not a section")
+            raise ConfigError(f"{what}: {part} is not a section")
         node = child
     node[parts[-1]] = value
 
 
-def _format_errors(err: ValidationError) -> str:
+def _apply_override(data: dict[str, Any], override: str) -> str:
+    """Apply ``section.key=value`` to ``data``; returns the key."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE, e.g. train.lr=0.1")
+    _set_key(data, key, _parse_value(f"override {key}", raw), f"override {key}")
+    return key
+
+
+# Configuration from the environment: DLRMFLOW_SECTION__KEY=value (DLRMFLOW_RUN_DIR for a
+# top-level key), values read as YAML like --set's. This is a small reader of os.environ
+# on top of the --set machinery rather than pydantic-settings (installed, 2.16.3, with
+# prefect): as a BaseSettings, RunConfig would read the environment wherever it is built
+# (checkpoint manifests, flow parameters, every rank); its env source parses lists as JSON
+# where --set takes YAML, silently ignores a variable naming no section
+# (DLRMFLOW_TRIAN__LR), cannot name the variable in an error, and sits between the file
+# and --set only with both split into custom sources.
+ENV_PREFIX = "DLRMFLOW_"
+ENV_SEPARATOR = "__"
+# DLRMFLOW_ variables that mean something else; never read as configuration. (Only names
+# with the separator or naming a top-level key are configuration; these are listed anyway,
+# so that a future key of the same name cannot take them over.)
+RESERVED_ENV = frozenset(
+    {
+        "DLRMFLOW_DEBUG",  # tracebacks instead of one-line errors (dlrmflow.errors)
+        "DLRMFLOW_HELD_RUN_DIRS",  # run directories a parent holds (dlrmflow.train.rundir)
+        "DLRMFLOW_MMAP_THRESHOLD",  # glibc's mmap threshold (dlrmflow.memory)
+    }
+)
+
+
+def env_key(name: str) -> str | None:
+    """The configuration key an environment variable sets (``DLRMFLOW_TRAIN__LR``:
+    ``train.lr``), or None when it is not configuration. The key may not exist."""
+    if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+        return None
+    rest = name[len(ENV_PREFIX) :].lower()
+    if ENV_SEPARATOR in rest:
+        return ".".join(rest.split(ENV_SEPARATOR))
+    return rest if rest in RunConfig.model_fields else None
+
+
+def _known_key(key: str) -> bool:
+    section, _, rest = key.partition(".")
+    if section not in RunConfig.model_fields:
+        return False
+    if not rest:
+        return True
+    model = RunConfig.model_fields[section].annotation
+    return isinstance(model, type) and issubclass(model, _Section) and rest in model.model_fields
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[str, str, Any]]:
+    """``(variable, key, value)`` for each configuration variable in ``environ`` (default:
+    ``os.environ``), whole sections before their keys; an unknown key is a ``ConfigError``
+    naming every such variable."""
+    environ = os.environ if environ is None else environ
+    found = [(name, key) for name in environ if (key := env_key(name)) is not None]
+    unknown = [
+        f"environment variable {name}: {key}: unknown key"
+        for name, key in sorted(found)
+        if not _known_key(key)
+    ]
+    if unknown:
+        raise ConfigError("invalid configuration: " + "; ".join(unknown))
+    found.sort(key=lambda item: (item[1].count("."), item[0]))
+    return [
+        (name, key, _parse_value(f"environment variable {name}", environ[name]))
+        for name, key in found
+    ]
+
+
+class Source(NamedTuple):
+    """Where a key's value came from: a file, an environment variable, --set or a flag."""
+
+    kind: Literal["file", "env", "set", "flag"]
+    name: str
+
+    def __str__(self) -> str:
+        return {
+            "file": f"file {self.name}",
+            "env": f"environment {self.name}",
+            "set": "--set",
+            "flag": "flag",
+        }[self.kind]
+
+
+@dataclass
+class ResolvedConfig:
+    """A ``RunConfig`` and, for each key a layer set, the last layer that set it."""
+
+    config: RunConfig
+    sources: dict[str, Source] = field(default_factory=dict)
+
+
+def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        elif not isinstance(value, Mapping):
+            yield f"{prefix}{key}"
+
+
+def _set_origin(origins: dict[str, Source], key: str, source: Source) -> None:
+    # A whole section set again replaces what set its keys before.
+    for old in [k for k in origins if k.startswith(key + ".")]:
+        del origins[old]
+    origins[key] = source
+
+
+def _origin_of(origins: Mapping[str, Source], key: str) -> Source | None:
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if (source := origins.get(".".join(parts[:n]))) is not None:
+            return source
+    return None
+
+
+def _format_errors(err: ValidationError, origins: Mapping[str, Source] | None = None) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        origin = _origin_of(origins or {}, key)
+        where = f"environment variable {origin.name}: " if origin and origin.kind == "env" else ""
         if e["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key")
+            lines.append(f"{where}{key}: unknown key")
         elif isinstance(e.get("input"), dict):
-            lines.append(f"{key}: {e['msg']}")
+            lines.append(f"{where}{key}: {e['msg']}")
         else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{where}{key}: {e['msg']} (got {e.get('input')!r})")
     return "invalid configuration: " + "; ".join(lines)
 
 
-def build_config(data: dict[str, Any]) -> RunConfig:
-    """Validate a nested mapping into a ``RunConfig``, raising ``ConfigError`` naming keys."""
+def build_config(data: dict[str, Any], origins: Mapping[str, Source] | None = None) -> RunConfig:
+    """Validate a nested mapping into a ``RunConfig``, raising ``ConfigError`` naming keys
+    (and the environment variable that set one, given ``origins``)."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
+        raise ConfigError(_format_errors(e, origins)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults, then the file at ``path``, then ``section.key=value`` overrides."""
+def resolve_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    *,
+    env: bool | Mapping[str, str] = True,
+) -> ResolvedConfig:
+    """Defaults, then the file at ``path``, then the environment's ``DLRMFLOW_SECTION__KEY``
+    variables (``env``: True for ``os.environ``, a mapping, or False for none), then
+    ``section.key=value`` overrides, then ``flags`` (``{"section.key": value}``, None
+    skipped), with where each set key came from."""
     data = _read_file(path) if path is not None else {}
+    origins: dict[str, Source] = {}
+    for key in _leaves(data):
+        origins[key] = Source("file", str(path))
+    if env is not False:
+        for name, key, value in env_overrides(None if env is True else env):
+            _set_key(data, key, value, f"environment variable {name}")
+            _set_origin(origins, key, Source("env", name))
     for override in overrides or []:
-        _apply_override(data, override)
-    return build_config(data)
+        key = _apply_override(data, override)
+        _set_origin(origins, key, Source("set", override))
+    config = build_config(data, origins)
+    set_keys = set(_leaves(data))
+    if flags:
+        given = {key: value for key, value in flags.items() if value is not None}
+        config = apply_overrides(config, given)
+        for key in given:
+            _set_origin(origins, key, Source("flag", key))
+            set_keys.add(key)
+    sources = {}
+    for key in _leaves(config.model_dump()):
+        if key in set_keys and (source := _origin_of(origins, key)) is not None:
+            sources[key] = source
+    return ResolvedConfig(config, sources)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    env: bool | Mapping[str, str] = True,
+) -> RunConfig:
+    """Defaults, then the file at ``path``, then the environment (unless ``env`` is False:
+    a rank reading the configuration its launcher resolved, which already holds the
+    environment's values and any --set that overrode them), then ``section.key=value``
+    overrides."""
+    return resolve_config(path, overrides, env=env).config
 
 
 def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
