@@ -4,15 +4,83 @@ The compiled kernels (the TBE backward, the feature transform) know addresses th
 write to well before they get there: rows of a table scattered far beyond the caches, or
 rows of a shuffled window spread over many batches. Asking for such a cache line early
 keeps several trips to memory in flight instead of stalling on each in turn; the
-hardware's own prefetcher only follows a few sequential streams.
+hardware's own prefetcher only follows a few sequential streams. Measured here against the
+same kernels with the prefetch compiled to nothing (2 cores shared with other jobs, one
+thread, best of 15, two runs each):
+
+- the TBE backward of a batch of 4096 over Criteo's 26 tables capped at 200k rows, dim
+  128: row-wise Adagrad 8.6 against 13.3 ms one-hot, 65 against 95-97 ms with 20 IDs a
+  bag; SGD 6.1-6.6 against 7.2 ms one-hot;
+- the feature transform writing 26 hashed columns into a shuffled 4M-row window: 43-45
+  against 56-57 ns a row.
+
+The intrinsic's name follows LLVM's pointer types, so it depends on the LLVM that numba
+ships. Before the first kernel that uses it is compiled, a probe compiles one call of each
+name in ``INTRINSICS`` for this machine and the first that becomes a prefetch is used;
+where none does (it fails to compile, or leaves a call to an unknown function, which would
+crash when run), the prefetch compiles to nothing: the kernels' results are the same,
+they only lose the overlap.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+__all__ = ["INTRINSICS", "intrinsic_name", "lowers_to_prefetch", "prefetch", "prefetch_read"]
+
+# The names the prefetch has had: with opaque pointers (LLVM 15 and later), then with the
+# typed ``i8*``. Read when a kernel using the prefetch is compiled, not when numba loads
+# one from its cache.
+INTRINSICS: tuple[str, ...] = ("llvm.prefetch.p0", "llvm.prefetch.p0i8")
+
+_BYTE_POINTER = ir.IntType(8).as_pointer()
+_I32 = ir.IntType(32)
+_SIGNATURE = ir.FunctionType(ir.VoidType(), [_BYTE_POINTER, _I32, _I32, _I32])
+
+
+@functools.cache
+def lowers_to_prefetch(name: str) -> bool:
+    """Whether LLVM compiles a call of the intrinsic ``name`` for this machine without a
+    call left to a function of that name (a recognised intrinsic leaves an instruction,
+    or nothing on a machine without one). Only plain ``llvm.`` names are tried: they are
+    written as they are in the assembly, where an unresolved call would show them."""
+    if not re.fullmatch(r"llvm(\.\w+)+", name, flags=re.ASCII):
+        return False
+    module = ir.Module("prefetch_probe")
+    try:
+        probe = ir.Function(module, ir.FunctionType(ir.VoidType(), [_BYTE_POINTER]), "probe")
+        builder = ir.IRBuilder(probe.append_basic_block())
+        builder.call(ir.Function(module, _SIGNATURE, name), [probe.args[0], *_flags(1, 3)])
+        builder.ret_void()
+        parsed = llvm.parse_assembly(str(module))
+        parsed.verify()
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        machine = llvm.Target.from_default_triple().create_target_machine(
+            cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten()
+        )
+        assembly = machine.emit_assembly(parsed)
+    except Exception:  # noqa: BLE001 - any failure means: compile the prefetch to nothing
+        return False
+    return name not in assembly
+
+
+def intrinsic_name() -> str | None:
+    """The first of ``INTRINSICS`` that this LLVM compiles to a prefetch; None: none does,
+    and the prefetch compiles to nothing."""
+    return next((name for name in INTRINSICS if lowers_to_prefetch(name)), None)
+
+
+def _flags(write: int, locality: int) -> list[ir.Constant]:
+    """The intrinsic's last three arguments; the last one says: a data line."""
+    return [ir.Constant(_I32, write), ir.Constant(_I32, locality), ir.Constant(_I32, 1)]
 
 
 def _prefetch_intrinsic(write: int, locality: int):  # noqa: ANN202 - a numba intrinsic
@@ -20,16 +88,11 @@ def _prefetch_intrinsic(write: int, locality: int):  # noqa: ANN202 - a numba in
 
     def typer(typingctx, address):  # noqa: ARG001 - numba's intrinsic signature
         def codegen(context, builder, signature, args):  # noqa: ARG001
-            byte_pointer = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            function = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
-                "llvm.prefetch.p0",
-            )
-            pointer = builder.inttoptr(args[0], byte_pointer)
-            flags = [ir.Constant(i32, write), ir.Constant(i32, locality), ir.Constant(i32, 1)]
-            builder.call(function, [pointer, *flags])  # the last flag: a data line
+            name = intrinsic_name()
+            if name is not None:
+                function = cgutils.get_or_insert_function(builder.module, _SIGNATURE, name)
+                pointer = builder.inttoptr(args[0], _BYTE_POINTER)
+                builder.call(function, [pointer, *_flags(write, locality)])
             return context.get_dummy_value()
 
         return types.void(types.uintp), codegen

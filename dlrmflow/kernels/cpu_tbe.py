@@ -24,7 +24,7 @@ row of the output gradient, a contiguous stretch, which the CPU streams in faste
 the scattered rows a split by row would read. Steps below 16 MB of gradients stay on
 one thread (see ``_MIN_SPLIT``).
 
-The parts run on torch's own OpenMP threads (``_omp_team``), or where that runtime is not
+The parts run on torch's own OpenMP threads (``_omp_runner``), or where that runtime is not
 reachable, on a small pool of Python threads; either way the compiled loops run without
 the GIL. Not numba's parallel mode: its default thread layer refuses calls from two
 threads at once (the readers make such calls), and its OpenMP layer would be a second
@@ -49,8 +49,8 @@ _SGD, _ROWWISE_ADAGRAD = 0, 1
 
 # Rows fetched ahead of use: the rows a step touches are scattered over tables far larger
 # than the caches, so each costs a trip to memory; asking for them this many rows early
-# keeps several trips in flight (measured at dim 128: the update pass alone 25-35%
-# faster, the whole compiled step 5-10%).
+# keeps several trips in flight (measured at dim 128, the whole backward: 32-35% less time
+# with row-wise Adagrad, 0-15% with SGD; see ``dlrmflow.prefetch``).
 _AHEAD = 8
 _LINE = 64
 # Pass 1 looks up each row's slot in a per-row array as large as the group's tables; the
@@ -416,26 +416,78 @@ def _helpers(workers: int) -> ThreadPoolExecutor:
         return _pool[2]
 
 
+# A step's parts go to torch's own OpenMP threads through libgomp's ``GOMP_parallel``, an
+# entry point of a runtime torch ships privately. Why: after each torch op those threads
+# spin a while waiting for the next one, holding the cores, so a Python thread of ours
+# that wakes then may wait its turn, while a region on their team starts at once. What it
+# buys, measured here (2 cores shared with other jobs; the backward of a batch of 4096
+# over Criteo's 26 tables capped at 200k rows, dim 128, row-wise Adagrad; best of 60
+# rounds alternating the two, two runs): nothing beyond the noise, one-hot 10.5-13.3 ms
+# on torch's team against 11.1-11.9 ms on the pool, 20 IDs a bag 40.5-68.1 against
+# 39.7-62.6 ms. Anything unexpected about that runtime (not mapped, not loadable, no such
+# symbol, a call that fails or does not run the work) sends the steps to the pool of
+# Python threads, with bitwise the same results.
+OmpRunner = Callable[[Callable[[], None], int], None]
 _OMP_BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _IMPORT_PID = os.getpid()
-_omp: tuple[int, ctypes.CDLL | None] | None = None  # (pid, torch's libgomp or None)
+_omp: tuple[int, OmpRunner | None] | None = None  # (pid, the runner or None)
 
 
-def _omp_team() -> ctypes.CDLL | None:
-    """torch's OpenMP runtime, when it is GNU libgomp (Linux wheels) and usable here.
+def _omp_runner() -> OmpRunner | None:
+    """``run(body, threads)`` running ``body()`` on ``threads`` of torch's OpenMP threads
+    (this one among them), or None where the pool of Python threads must do instead.
 
-    A step's parts run best on torch's own OpenMP threads: after each torch op they spin
-    a while waiting for the next one, holding the cores, so a thread of our own that
-    wakes then waits its turn (measured: up to 3-6 ms of a ~9 ms backward at dim 128),
-    while a parallel region on their team starts at once. Not after a fork: libgomp's
-    threads do not survive one, and a parallel region in the child would hang, so a
-    forked child (and any platform without torch's libgomp) uses a pool of Python threads.
+    None in a forked child: libgomp's threads do not survive a fork, and a parallel region
+    there would hang.
     """
     global _omp
     pid = os.getpid()
     if _omp is None or _omp[0] != pid:
-        _omp = (pid, _load_torch_libgomp() if pid == _IMPORT_PID else None)
+        _omp = (pid, _load_omp_runner() if pid == _IMPORT_PID else None)
     return _omp[1]
+
+
+def _give_up_omp() -> None:
+    """Send this process's later steps to the pool of Python threads."""
+    global _omp
+    _omp = (os.getpid(), None)
+
+
+def _load_omp_runner() -> OmpRunner | None:
+    """The runner over torch's libgomp, if it loads, has ``GOMP_parallel`` and passes a
+    trial region; else None."""
+    library = _load_torch_libgomp()
+    if library is None:
+        return None
+    try:
+        parallel = library.GOMP_parallel
+        # void GOMP_parallel(void (*fn)(void *), void *data, unsigned threads, unsigned flags)
+        parallel.argtypes = [_OMP_BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        parallel.restype = None
+    except AttributeError:
+        return None
+
+    def run(body: Callable[[], None], threads: int) -> None:
+        parallel(_OMP_BODY(lambda _: body()), None, threads, 0)
+
+    return run if _runs_as_expected(run) else None
+
+
+def _runs_as_expected(run: OmpRunner) -> bool:
+    """Whether a region of two threads runs its body once or twice (a team may be given
+    fewer threads), this thread's call among them, and returns without an error."""
+    callers: list[int] = []
+    lock = threading.Lock()
+
+    def body() -> None:
+        with lock:
+            callers.append(threading.get_ident())
+
+    try:
+        run(body, 2)
+    except Exception:  # noqa: BLE001 - any failure of the runtime means: do without it
+        return False
+    return 1 <= len(callers) <= 2 and threading.get_ident() in callers
 
 
 def _load_torch_libgomp() -> ctypes.CDLL | None:
@@ -448,7 +500,10 @@ def _load_torch_libgomp() -> ctypes.CDLL | None:
         return None
     for path in sorted(paths):
         if os.path.dirname(os.path.realpath(path)) == os.path.realpath(torch_lib):
-            return ctypes.CDLL(path)
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                return None
     return None
 
 
@@ -487,15 +542,18 @@ def _share(run: Callable[[int], None], parts: int, threads: int) -> None:
                 if state["finished"] == parts:
                     done.set()
 
-    team = _omp_team()
-    if team is not None:
-        # GOMP_parallel(body, data, threads, flags): this thread runs the body too.
-        team.GOMP_parallel(_OMP_BODY(lambda _: work()), None, threads, 0)
-    else:
+    runner = _omp_runner()
+    if runner is not None:
+        try:
+            runner(work, threads)
+        except Exception:  # noqa: BLE001 - the runtime failed: the pool takes over
+            _give_up_omp()
+            runner = None
+    if runner is None:
         pool = _helpers(threads - 1)
         for _ in range(threads - 1):
             pool.submit(work)
-        work()
+    work()  # whatever is left: nothing, unless the region did not run the work
     done.wait()
     if state["error"] is not None:
         raise state["error"]

@@ -39,7 +39,6 @@ import math
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +47,16 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
-from dlrmflow.kernels import cpu_tbe
+from dlrmflow.kernels import cpu_tbe, triton_tbe
+from dlrmflow.kernels.tbe_layout import (
+    SGD,
+    Adam,
+    GroupLookup,
+    Optimizer,
+    RowWiseAdagrad,
+    TableGroup,
+    groups_of,
+)
 
 # The CSR product is stable API in practice; torch still prints a beta notice on first use.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -99,62 +107,6 @@ def init_table_rows(
         ]
 
 
-@dataclass(frozen=True)
-class SGD:
-    lr: float
-    weight_decay: float = 0.0
-
-
-@dataclass(frozen=True)
-class RowWiseAdagrad:
-    lr: float
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
-@dataclass(frozen=True)
-class Adam:
-    lr: float
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
-Optimizer = SGD | RowWiseAdagrad | Adam
-
-
-@dataclass(frozen=True)
-class _Group:
-    """A run of consecutive tables sharing one dim: one 2-D view of the flat weight."""
-
-    first_key: int
-    end_key: int
-    dim: int
-    first_row: int  # global row of the group's first row (row-wise state is indexed by it)
-    num_rows: int
-    first_element: int  # position of the group's first element in the flat weight
-    first_column: int  # where its tables start in the pooled output
-    has_mean: bool
-
-
-@dataclass
-class _Lookup:
-    """What backward needs of one group's lookup.
-
-    ``ids`` are group-local rows, one per looked-up ID; ``positions`` are the bags they
-    pooled into, sample-major (``sample * n_keys + key``, the rows of the output slice
-    viewed as ``[B * n_keys, dim]``), or None when ID ``i`` pooled into bag ``i``.
-    ``key_counts`` is the number of IDs of each key when ``ids`` are key-major (the jagged
-    form), None when they are sample-major (the one-hot form).
-    """
-
-    ids: torch.Tensor
-    positions: torch.Tensor | None
-    divisor: torch.Tensor | None  # per ID: its bag's length for mean pooling, else 1
-    weights: torch.Tensor | None  # per-sample weights
-    key_counts: list[int] | None = None
-
-
 class _FusedLookup(torch.autograd.Function):
     """Forward returns the pooled lookups; backward applies the optimizer and returns None."""
 
@@ -164,7 +116,7 @@ class _FusedLookup(torch.autograd.Function):
         trigger: torch.Tensor,
         module: TableBatchedEmbeddingBag,
         pooled: torch.Tensor,
-        lookups: list[_Lookup],
+        lookups: list[GroupLookup],
     ) -> torch.Tensor:
         ctx.module = module
         ctx.lookups = lookups
@@ -202,7 +154,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         self.lr = optimizer.lr
         sizes = [t.num_embeddings for t in tables]
         dims = [t.embedding_dim for t in tables]
-        self.groups = _groups(self.tables)
+        self.groups = groups_of(self.tables)
         # Row of each table inside its group's 2-D view, indexed by key.
         local_start = [0] * len(tables)
         for group in self.groups:
@@ -283,8 +235,6 @@ class TableBatchedEmbeddingBag(nn.Module):
             if not self._cpu_ids(kjt.values):  # the compiled pass checks the IDs as it goes
                 self._check_jagged(kjt)
             if self._on_triton():
-                from dlrmflow.kernels import triton_tbe
-
                 parts = [
                     triton_tbe.lookup_jagged(self.weight, g, kjt, self._local_start, self._is_mean)
                     for g in self.groups
@@ -302,8 +252,6 @@ class TableBatchedEmbeddingBag(nn.Module):
         """CUDA weights with triton installed run the Triton kernels (``triton_tbe``)."""
         if not self.weight.is_cuda:
             return False
-        from dlrmflow.kernels import triton_tbe
-
         return triton_tbe.available()
 
     def _fusable(self) -> bool:
@@ -327,7 +275,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         bag positions) by one compiled pass (``cpu_tbe``)."""
         return cpu_tbe.supports(self.weight) and ids.device.type == "cpu"
 
-    def _row_state(self, group: _Group) -> torch.Tensor:
+    def _row_state(self, group: TableGroup) -> torch.Tensor:
         """Row-wise Adagrad's sums of squares of the group's rows (a view)."""
         return self.sum_squares[group.first_row : group.first_row + group.num_rows]
 
@@ -345,7 +293,7 @@ class TableBatchedEmbeddingBag(nn.Module):
             -1, table.embedding_dim
         )
 
-    def _view(self, flat: torch.Tensor, group: _Group) -> torch.Tensor:
+    def _view(self, flat: torch.Tensor, group: TableGroup) -> torch.Tensor:
         end = group.first_element + group.num_rows * group.dim
         return flat[group.first_element : end].view(-1, group.dim)
 
@@ -370,7 +318,9 @@ class TableBatchedEmbeddingBag(nn.Module):
                 f"table's [0, {self.tables[key].num_embeddings}) rows"
             )
 
-    def _lookup_one_hot(self, group: _Group, rows: torch.Tensor) -> tuple[torch.Tensor, _Lookup]:
+    def _lookup_one_hot(
+        self, group: TableGroup, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, GroupLookup]:
         n_keys = group.end_key - group.first_key
         keys = slice(group.first_key, group.end_key)
         if self._cpu_ids(rows):
@@ -399,9 +349,11 @@ class TableBatchedEmbeddingBag(nn.Module):
             ids = ids.index_select(0, positions)
         # A bag of one is its own mean, so mean pooling needs no divisor here.
         pooled = gathered.view(rows.shape[0], n_keys * group.dim)
-        return pooled, _Lookup(ids, positions, divisor=None, weights=None)
+        return pooled, GroupLookup(ids, positions, divisor=None, weights=None)
 
-    def _lookup_jagged(self, group: _Group, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, _Lookup]:
+    def _lookup_jagged(
+        self, group: TableGroup, kjt: KeyedJaggedTensor
+    ) -> tuple[torch.Tensor, GroupLookup]:
         batch = kjt.stride
         n_keys = group.end_key - group.first_key
         offsets = kjt.offsets()[group.first_key * batch : group.end_key * batch + 1]
@@ -446,10 +398,10 @@ class TableBatchedEmbeddingBag(nn.Module):
         if positions is None:
             bag = torch.arange(n_keys * batch).repeat_interleave(lengths, output_size=n_ids)
             positions = (bag % batch) * n_keys + bag // batch
-        return pooled, _Lookup(ids, positions, divisor, weights, key_counts)
+        return pooled, GroupLookup(ids, positions, divisor, weights, key_counts)
 
     @torch.no_grad()
-    def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[_Lookup]) -> None:
+    def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[GroupLookup]) -> None:
         if isinstance(self.optimizer, Adam):
             self.step += 1
         for g, (group, lookup) in enumerate(zip(self.groups, lookups, strict=True)):
@@ -480,8 +432,6 @@ class TableBatchedEmbeddingBag(nn.Module):
                 )
                 continue
             if self._fused_on_triton():
-                from dlrmflow.kernels import triton_tbe
-
                 # Reduce and update in one kernel: the row gradients never reach memory.
                 triton_tbe.reduce_and_update(
                     self.weight,
@@ -500,11 +450,11 @@ class TableBatchedEmbeddingBag(nn.Module):
                 rows, row_grads = self.gradient_hook(g, rows, row_grads)
             self._update(group, rows, row_grads, g)
 
-    def _group_width(self, group: _Group) -> int:
+    def _group_width(self, group: TableGroup) -> int:
         return (group.end_key - group.first_key) * group.dim
 
     def _update(
-        self, group: _Group, rows: torch.Tensor, grads: torch.Tensor, group_index: int = 0
+        self, group: TableGroup, rows: torch.Tensor, grads: torch.Tensor, group_index: int = 0
     ) -> None:
         """One optimizer step on the (unique, sorted) group-local ``rows``."""
         opt, lr = self.optimizer, self.lr
@@ -577,35 +527,6 @@ def _reduce_by_row(
         check_invariants=False,  # built sorted and in range above
     )
     return rows, incidence @ bag_grads
-
-
-def _groups(tables: list[SparseFeature]) -> list[_Group]:
-    groups: list[_Group] = []
-    row = element = column = 0
-    start = 0
-    for k in range(1, len(tables) + 1):
-        if k < len(tables) and tables[k].embedding_dim == tables[start].embedding_dim:
-            continue
-        members = tables[start:k]
-        dim = members[0].embedding_dim
-        num_rows = sum(t.num_embeddings for t in members)
-        groups.append(
-            _Group(
-                first_key=start,
-                end_key=k,
-                dim=dim,
-                first_row=row,
-                num_rows=num_rows,
-                first_element=element,
-                first_column=column,
-                has_mean=any(t.pooling == "mean" for t in members),
-            )
-        )
-        row += num_rows
-        element += num_rows * dim
-        column += len(members) * dim
-        start = k
-    return groups
 
 
 def _check_config(tables: Sequence[SparseFeature], optimizer: Optimizer) -> None:

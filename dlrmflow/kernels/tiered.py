@@ -47,14 +47,8 @@ from torch import nn
 
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
-from dlrmflow.kernels.tbe import (
-    INIT_BLOCK_ROWS,
-    Adam,
-    Optimizer,
-    RowWiseAdagrad,
-    TableBatchedEmbeddingBag,
-    init_table_rows,
-)
+from dlrmflow.kernels.tbe import INIT_BLOCK_ROWS, TableBatchedEmbeddingBag, init_table_rows
+from dlrmflow.kernels.tbe_layout import Adam, Optimizer, RowWiseAdagrad
 
 __all__ = ["CacheStats", "TieredEmbeddingBag"]
 

@@ -1,8 +1,9 @@
 """Triton GPU kernels of the table-batched embedding bag: pooled lookup and fused optimizer.
 
 Each public function is the CUDA twin of one CPU step of ``TableBatchedEmbeddingBag`` in
-``dlrmflow.kernels.tbe`` and takes the same flat weight, row-wise state, ``_Group`` layout and
-``_Lookup`` record, so the module dispatches on its tensors' device with a line per step:
+``dlrmflow.kernels.tbe`` and takes the same flat weight, row-wise state, ``TableGroup``
+layout and ``GroupLookup`` record (``tbe_layout``), so the module dispatches on its tensors'
+device with a line per step:
 
 - ``lookup_jagged``     for ``TableBatchedEmbeddingBag._lookup_jagged``;
 - ``reduce_by_row``     for ``_reduce_by_row`` (when a gradient hook needs the row gradients);
@@ -32,9 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlrmflow.features.batch import KeyedJaggedTensor
-
-# The module, not its names: tbe.py may import this module at its top without a cycle.
-from dlrmflow.kernels import tbe
+from dlrmflow.kernels.tbe_layout import SGD, GroupLookup, RowWiseAdagrad, TableGroup
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -182,11 +181,11 @@ def _block(dim: int) -> int:
 
 def lookup_jagged(
     weight: torch.Tensor,
-    group: tbe._Group,
+    group: TableGroup,
     kjt: KeyedJaggedTensor,
     local_start: torch.Tensor,
     is_mean: torch.Tensor,
-) -> tuple[torch.Tensor, tbe._Lookup]:
+) -> tuple[torch.Tensor, GroupLookup]:
     """The pooled rows ``[B, n_keys * dim]`` (sample-major) of one group, and its lookup record.
 
     The same result as ``TableBatchedEmbeddingBag._lookup_jagged(group, kjt)``: ``weight``,
@@ -227,7 +226,7 @@ def lookup_jagged(
             HAS_MEAN=group.has_mean,
         )
     weights = None if kjt.weights is None else kjt.weights[first:last]
-    return pooled, tbe._Lookup(ids, positions, divisor, weights)
+    return pooled, GroupLookup(ids, positions, divisor, weights)
 
 
 def _reduction_args(
@@ -261,16 +260,16 @@ def _reduction_args(
 def _update_args(
     weight: torch.Tensor,
     sum_squares: torch.Tensor | None,
-    group: tbe._Group,
-    optimizer: tbe.SGD | tbe.RowWiseAdagrad,
+    group: TableGroup,
+    optimizer: SGD | RowWiseAdagrad,
     lr: float,
 ) -> dict[str, object]:
     """The row kernel's arguments to apply ``optimizer`` to the group's rows."""
-    if not isinstance(optimizer, tbe.SGD | tbe.RowWiseAdagrad):
+    if not isinstance(optimizer, SGD | RowWiseAdagrad):
         raise TypeError(
             f"the Triton TBE kernels implement SGD and RowWiseAdagrad, not {optimizer!r}"
         )
-    adagrad = isinstance(optimizer, tbe.RowWiseAdagrad)
+    adagrad = isinstance(optimizer, RowWiseAdagrad)
     if adagrad and sum_squares is None:
         raise ValueError("RowWiseAdagrad needs its sum_squares state")
     return {
@@ -350,10 +349,10 @@ def reduce_by_row(
 def update_rows(
     weight: torch.Tensor,
     sum_squares: torch.Tensor | None,
-    group: tbe._Group,
+    group: TableGroup,
     rows: torch.Tensor,
     grads: torch.Tensor,
-    optimizer: tbe.SGD | tbe.RowWiseAdagrad,
+    optimizer: SGD | RowWiseAdagrad,
     lr: float,
 ) -> None:
     """One optimizer step on the unique group-local ``rows``, as ``TBE._update`` takes one.
@@ -368,12 +367,12 @@ def update_rows(
 def reduce_and_update(
     weight: torch.Tensor,
     sum_squares: torch.Tensor | None,
-    group: tbe._Group,
+    group: TableGroup,
     ids: torch.Tensor,
     bag_grads: torch.Tensor,
     bags: torch.Tensor | None,
     scale: torch.Tensor | None,
-    optimizer: tbe.SGD | tbe.RowWiseAdagrad,
+    optimizer: SGD | RowWiseAdagrad,
     lr: float,
 ) -> None:
     """``update_rows(..., *reduce_by_row(ids, bag_grads, bags, scale), ...)`` in one kernel.

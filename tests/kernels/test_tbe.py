@@ -337,8 +337,8 @@ def test_compiled_step_split_over_threads_is_bitwise_the_same(optimizer, form, t
     # update is computed alike: the weights are bitwise those of one thread, on torch's
     # OpenMP threads and on the fallback pool of Python threads.
     if team == "python":
-        monkeypatch.setattr(cpu_tbe, "_omp_team", lambda: None)
-    elif cpu_tbe._omp_team() is None:
+        monkeypatch.setattr(cpu_tbe, "_omp_runner", lambda: None)
+    elif cpu_tbe._omp_runner() is None:
         pytest.skip("torch here has no GNU OpenMP runtime to share")
 
     def train(threads: int) -> torch.Tensor:
@@ -389,7 +389,7 @@ def test_a_forked_child_steps_without_torchs_openmp_threads():
         tbe(kjt).backward(_grad_out(0, tbe, kjt.stride))
 
     def child() -> None:
-        assert cpu_tbe._omp_team() is None
+        assert cpu_tbe._omp_runner() is None
         step()
 
     with pytest.MonkeyPatch.context() as patch:
