@@ -6,8 +6,10 @@ import json
 import matplotlib.image
 import pytest
 
+from dlrmflow.bench.machine import available_cores
 from dlrmflow.bench.report import PLOTS, run_report, torchrec_section
-from dlrmflow.bench.torchrec_compare import MODES, torchrec_missing
+from dlrmflow.bench.torchrec_compare import MODES, WORLD_SIZES, torchrec_missing
+from dlrmflow.memory import applied_threshold
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TORCHREC_INSTALLED = importlib.util.find_spec("torchrec") is not None
@@ -93,17 +95,56 @@ def test_torchrec_section_matches_the_environment(report):
 def test_torchrec_comparison_record(report):
     comparison = report[1]["torchrec"]
     assert set(comparison["ratios"]) == set(MODES)
-    for name, (world, sharding) in MODES.items():
+    for name, mode in MODES.items():
         r = comparison["results"][name]
-        assert r["torchrec"]["shardings"] == [sharding or "table_wise"]
+        assert r["torchrec"]["shardings"] == [mode.sharding]
         assert r["ours"]["samples_per_s"] > 0 and r["torchrec"]["samples_per_s"] > 0
         assert (
             comparison["ratios"][name]
             == r["ours"]["samples_per_s"] / r["torchrec"]["samples_per_s"]
         )
-        if world > 1:
-            assert r["ours"]["shardings"] == [sharding]
+        if mode.ours == "sharded":
+            assert r["ours"]["shardings"] == [mode.sharding]
+            assert r["ours_model"].startswith("ShardedDLRM")
+        else:
+            assert "one process" in r["ours_model"]
+    # At world size 1 both of our models face the one TorchRec run.
+    results = comparison["results"]
+    assert results["w1_plain"]["torchrec"] == results["w1_table_wise"]["torchrec"]
     assert comparison["versions"]["torchrec"]
+    assert comparison["pick"] == "best round of each side"
     markdown = (report[0] / "report.md").read_text()
     for name in MODES:
         assert f"| {name} |" in markdown
+
+
+@pytest.mark.skipif(not TORCHREC_INSTALLED, reason="the optional torchrec extra is not installed")
+def test_torchrec_sides_share_threads_and_allocator(report):
+    comparison = report[1]["torchrec"]
+    cores = available_cores()
+    per_rank = {f"w{w}": max(1, cores // w) for w in WORLD_SIZES}
+    assert comparison["threads"] == {"cores": cores, "per_rank": per_rank}
+    processes = comparison["processes"]
+    assert sorted((p["world"], p["rank"]) for p in processes) == [(1, 0), (2, 0), (2, 1)]
+    for p in processes:
+        # Both sides ran in each of these processes, so these are both sides' settings.
+        assert p["torch_threads"] == per_rank[f"w{p['world']}"]
+        assert p["malloc_mmap_threshold"] == applied_threshold()
+
+
+def test_every_benchmark_records_equal_threads_and_allocator(report):
+    _, record = report
+    setting = applied_threshold()  # run_report tuned this process as the CLI does
+    for name, r in record["ingest"]["results"].items():
+        assert r["pyarrow_decode_threads"] == r["reader_threads_total"], name
+    assert record["ingest"]["machine"]["malloc_mmap_threshold"] == setting
+    assert record["kernels"]["malloc_mmap_threshold"] == setting
+    assert record["kernels"]["naive_baseline"].startswith("naive user")
+    train = record["train"]
+    for world in (1, 2):
+        job = [p for p in train["processes"] if p["world"] == world]
+        assert sum(p["torch_threads"] for p in job) == train["threads"]["baseline"]
+    assert {p["malloc_mmap_threshold"] for p in train["processes"]} == {setting}
+    markdown = (report[0] / "report.md").read_text()
+    assert "Naive line: naive user" in markdown and "naive user / ours" in markdown
+    assert "ours CPU s per M rows" in markdown

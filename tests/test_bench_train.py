@@ -2,10 +2,20 @@
 
 import math
 
+import pytest
 from typer.testing import CliRunner
 
-from dlrmflow.bench.train import QUICK, _run_job, benchmark_modes, run_baseline
+from dlrmflow.bench.machine import available_cores, thread_budget
+from dlrmflow.bench.train import (
+    BASELINE_KEY,
+    QUICK,
+    WORLD_SIZES,
+    _run_job,
+    benchmark_modes,
+    run_train_benchmark,
+)
 from dlrmflow.cli import app
+from dlrmflow.memory import tune_allocator
 from dlrmflow.train.sharding import SHARDING_TYPES
 
 
@@ -18,10 +28,11 @@ def test_modes_cover_every_sharding_type_and_codec():
 
 
 def test_two_rank_modes_report_throughput_and_bytes_by_codec():
-    baseline = run_baseline(QUICK, warmup=1, steps=2)
-    assert baseline["samples_per_s"] > 0
     modes = [m for m in benchmark_modes(2) if m["name"] in ("w2_row_wise_fp32", "w2_row_wise_fp16")]
-    results = _run_job(2, QUICK, modes, warmup=1, steps=2)
+    ranks = _run_job(2, QUICK, modes, warmup=1, steps=2, threads=1)
+    assert [r.rank for r in ranks] == [0, 1]
+    results = ranks[0].result
+    assert BASELINE_KEY not in results  # the baseline runs in the one-process job only
     fp32, fp16 = results["w2_row_wise_fp32"], results["w2_row_wise_fp16"]
     for r in (fp32, fp16):
         assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0
@@ -31,6 +42,40 @@ def test_two_rank_modes_report_throughput_and_bytes_by_codec():
     assert fp32["bytes_per_step"]["forward"] == 128 * 26 * 8 * 4
     assert fp16["bytes_per_step"]["forward"] == 128 * 26 * 8 * 2
     assert fp16["bytes_per_step"]["backward"] == fp32["bytes_per_step"]["backward"]
+
+
+@pytest.fixture(scope="module")
+def record():
+    return run_train_benchmark(quick=True, steps=2)
+
+
+def test_record_gives_every_side_the_same_cores(record):
+    budget = thread_budget(WORLD_SIZES)
+    threads = record["threads"]
+    assert threads["cores"] == available_cores() and threads["total_per_job"] == budget
+    # The baseline uses the whole budget; every job splits the same budget over its ranks.
+    assert threads["baseline"] == record["baseline_result"]["torch_threads"] == budget
+    assert threads["per_rank"] == {f"w{w}": budget // w for w in WORLD_SIZES}
+    processes = record["processes"]
+    assert sorted((p["world"], p["rank"]) for p in processes) == [(1, 0), (2, 0), (2, 1)]
+    for world in WORLD_SIZES:
+        job = [p for p in processes if p["world"] == world]
+        assert sum(p["torch_threads"] for p in job) == budget, world
+
+
+def test_record_lists_the_allocator_setting_of_every_process(record):
+    # Each rank, the baseline's among them, ran under the setting this process gets.
+    expected = tune_allocator()
+    assert [p["malloc_mmap_threshold"] for p in record["processes"]] == [expected] * 3
+
+
+def test_record_has_a_ratio_per_mode_against_the_baseline(record):
+    names = {m["name"] for w in WORLD_SIZES for m in benchmark_modes(w)}
+    assert set(record["results"]) == set(record["ratios"]) == names
+    base = record["baseline_result"]["samples_per_s"]
+    assert base > 0 and "single-process DLRM" in record["baseline"]
+    for name, ratio in record["ratios"].items():
+        assert ratio == record["results"][name]["samples_per_s"] / base
 
 
 def test_cli_lists_the_command():

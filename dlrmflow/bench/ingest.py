@@ -1,69 +1,85 @@
 """Ingest benchmark: our reader + feature transform against plain pyarrow decode.
 
-Both sides read the same row groups of the same files with N-way parallelism (N readers
-for ours, each preparing windows in the threads ``reader_threads`` gives it: two where the
-cores allow, else one; N decode threads for the baseline). The cases take turns within
-each of ``repeats`` rounds and the best run of each counts, so that a noisy neighbour hurts
-all alike. The baseline only decodes Parquet into Arrow; ours also shuffles, batches and
+Both sides read the same row groups of the same files with the same number of threads:
+ours runs N readers, each preparing windows in the threads ``reader_threads`` gives it
+(two where the cores allow, else one), and the baseline decodes the splits in a pool of
+as many threads in total. Both open each split's file natively, with Arrow's pre-buffered
+reads (``pq.read_table``'s default) and without Arrow's own thread pool, and both keep a
+file's footer from its first read for its other row groups (ours once per reader and
+pass, the baseline once per run: with several readers ours reads a footer a few more
+times, which only favours the baseline). Both run in this process, under the allocator
+setting of ``dlrmflow.memory`` (applied here too, so that a run outside the CLI is tuned
+as well).
+
+The cases take turns within each of ``repeats`` rounds, after one untimed round, and the
+best run of each counts (``dlrmflow.bench.turns``), so that a noisy neighbour hurts all
+alike. The baseline only decodes Parquet into Arrow; ours also shuffles, batches and
 turns rows into tensors (dense log transform, sparse-ID hashing, jagged layout), so a
 ratio near 1 means preprocessing is hidden behind decode. CPU seconds per million rows
-are reported too: wall-clock ratios can hide work done on a spare core.
+(of the whole process, every thread) are reported beside rows/s: wall-clock ratios can
+hide work done on a spare core.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
-from dlrmflow.bench.machine import describe_machine
+from dlrmflow.bench.machine import available_cores, describe_machine
+from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.config import DataConfig, FeaturesConfig, ModelConfig
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import ParquetBatchDataset, Split, list_splits, make_loader
+from dlrmflow.ingest.reader import (
+    ParquetBatchDataset,
+    Split,
+    list_splits,
+    make_loader,
+    reader_threads,
+)
 from dlrmflow.ingest.synthetic import generate_dataset
+from dlrmflow.memory import tune_allocator
 
 
-def _best_rates(
-    cases: dict[str, Callable[[], int]], repeats: int
-) -> dict[str, tuple[float, float]]:
-    """Each case's best rows/s over ``repeats`` runs, and the CPU seconds per million rows
-    of that run.
-
-    The cases take turns within each repeat, so that a noisy neighbour or a drift of the
-    machine's speed hurts them all alike rather than whichever case ran during it.
-    """
-    best: dict[str, tuple[float, float]] = {case: (0.0, 0.0) for case in cases}
-    for _ in range(repeats):
-        for case, run in cases.items():
-            start, cpu = time.perf_counter(), time.process_time()
-            rows = run()
-            rate = rows / (time.perf_counter() - start)
-            if rate > best[case][0]:
-                best[case] = (rate, (time.process_time() - cpu) / rows * 1e6)
-    return best
+def _rate(run: Callable[[], int]) -> tuple[float, float]:
+    """Rows/s of one run and the process's CPU seconds per million rows during it."""
+    start, cpu = time.perf_counter(), time.process_time()
+    rows = run()
+    return rows / (time.perf_counter() - start), (time.process_time() - cpu) / rows * 1e6
 
 
-def pyarrow_decode(splits: Sequence[Split], columns: list[str], workers: int) -> int:
-    """The baseline: decode every split's columns with ``workers`` threads; returns rows."""
+def pyarrow_decode(splits: Sequence[Split], columns: list[str], threads: int) -> int:
+    """The baseline: decode every split's columns in a pool of ``threads`` threads; the
+    first read of a file keeps its footer for the file's other row groups; returns rows."""
+    footers: dict[str, pq.FileMetaData] = {}
 
     def read(split: Split) -> int:
-        with fsspec.open(split.path, "rb") as f:
-            table = pq.ParquetFile(f).read_row_group(
-                split.row_group, columns=columns, use_threads=False
-            )
+        with _open(split.path) as f:
+            parquet = pq.ParquetFile(f, metadata=footers.get(split.path), pre_buffer=True)
+            footers[split.path] = parquet.metadata
+            table = parquet.read_row_group(split.row_group, columns=columns, use_threads=False)
         return table.num_rows
 
-    with ThreadPoolExecutor(workers) as pool:
+    with ThreadPoolExecutor(threads) as pool:
         return sum(pool.map(read, splits))
+
+
+def _open(path: str):
+    """``path`` as Arrow opens a local path itself (a native file), else through fsspec."""
+    fs, local_path = fsspec.core.url_to_fs(path)
+    if isinstance(fs, LocalFileSystem):
+        return pa.OSFile(local_path)
+    return fs.open(local_path, "rb")
 
 
 def reader_rows(
@@ -74,7 +90,8 @@ def reader_rows(
     transform: BatchTransform | None,
     shuffle: bool = True,
 ) -> int:
-    """Ours: the reader with ``workers`` reader threads (+ transform when given); returns rows."""
+    """Ours: ``workers`` readers of ``reader_threads(workers)`` threads each (+ transform
+    when given); returns rows."""
     dataset = ParquetBatchDataset(
         splits,
         columns,
@@ -84,7 +101,7 @@ def reader_rows(
         transform=transform,
     )
     rows = 0
-    for batch in make_loader(dataset, num_workers=workers):
+    for batch in make_loader(dataset, num_workers=workers, threads=reader_threads(workers)):
         rows += len(batch) if transform is not None else batch.num_rows
     return rows
 
@@ -98,6 +115,17 @@ def run_ingest_benchmark(
     repeats: int = 5,
 ) -> dict[str, object]:
     """Measure rows/s of both sides at each worker count and return the JSON record."""
+    tune_allocator()
+    torch_threads = torch.get_num_threads()
+    try:
+        return _ingest_record(rows, data_url, workers, batch_size, repeats)
+    finally:
+        torch.set_num_threads(torch_threads)  # the next benchmark in this process starts as it did
+
+
+def _ingest_record(
+    rows: int, data_url: str | None, workers: Sequence[int], batch_size: int, repeats: int
+) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="dlrmflow-bench-") as tmp:
         if data_url is None:
             data_url = f"{tmp}/data"
@@ -110,25 +138,32 @@ def run_ingest_benchmark(
         splits = list_splits(manifest.day_paths(data_url))
         total = sum(s.num_rows for s in splits)
         columns = spec.columns
-        pyarrow_decode(splits, columns, max(workers))  # warm the page cache for both sides
-
         results: dict[str, dict[str, float]] = {}
         ratios: dict[str, float] = {}
         for n in workers:
+            threads = n * reader_threads(n)  # ours in total; the baseline gets as many
             # As in training: torch keeps the cores the readers leave (see compute_threads).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) - n))
-            best = _best_rates(
+            torch.set_num_threads(max(1, available_cores() - n))
+            best = best_of_turns(
                 {
-                    "base": lambda n=n: pyarrow_decode(splits, columns, n),
-                    "ours": lambda n=n: reader_rows(splits, columns, n, batch_size, transform),
-                    "read_only": lambda n=n: reader_rows(splits, columns, n, batch_size, None),
+                    "base": lambda t=threads: _rate(lambda: pyarrow_decode(splits, columns, t)),
+                    "ours": lambda n=n: _rate(
+                        lambda: reader_rows(splits, columns, n, batch_size, transform)
+                    ),
+                    "read_only": lambda n=n: _rate(
+                        lambda: reader_rows(splits, columns, n, batch_size, None)
+                    ),
                     # The row shuffle's scattered writes are a large share of the cost; this
                     # isolates it.
-                    "unshuffled": lambda n=n: reader_rows(
-                        splits, columns, n, batch_size, transform, False
+                    "unshuffled": lambda n=n: _rate(
+                        lambda: reader_rows(splits, columns, n, batch_size, transform, False)
                     ),
                 },
                 repeats,
+                key=lambda r: r[0],
+                # Untimed: the page cache, the reader's compiled code and thread pools warm
+                # for every case alike.
+                warmup_rounds=1,
             )
             (base, base_cpu), (ours, ours_cpu) = best["base"], best["ours"]
             (read_only, read_cpu), (unshuffled, unshuffled_cpu) = (
@@ -136,6 +171,9 @@ def run_ingest_benchmark(
                 best["unshuffled"],
             )
             results[f"workers_{n}"] = {
+                "pyarrow_decode_threads": threads,
+                "reader_threads_per_worker": reader_threads(n),
+                "reader_threads_total": threads,
                 "pyarrow_decode_rows_per_s": base,
                 "reader_transform_rows_per_s": ours,
                 "reader_only_rows_per_s": read_only,
@@ -150,12 +188,16 @@ def run_ingest_benchmark(
             ratios[f"reader_transform_no_shuffle_vs_pyarrow_decode_{n}w"] = unshuffled / base
     return {
         "benchmark": "ingest",
-        "baseline": "pyarrow.parquet read_row_group of the same splits and columns, "
-        "N threads (use_threads=False each)",
+        "baseline": "pyarrow.parquet ParquetFile.read_row_group of the same splits and columns "
+        "in a pool of as many threads as our N readers run in total, native files, "
+        "pre_buffer=True, use_threads=False, each file's footer kept from its first read (as ours)",
+        "footers": "kept from a file's first read for its other row groups on both sides "
+        "(ours per reader, the baseline per run)",
         "rows": total,
         "splits": len(splits),
         "batch_size": batch_size,
         "repeats": repeats,
+        "warmup_rounds": 1,
         "results": results,
         "ratios": ratios,
         "machine": describe_machine(),

@@ -16,8 +16,9 @@ same transform, and every reader prepares its windows in one thread:
   over Flight on loopback, read as two streams (``train.num_workers=2``);
 * ``remote_2_servers``: two such servers, one stream each.
 
-All cases read the same epoch and deliver identical batches. ``ratios`` divide each case's
-samples/s by the baseline's, measured in the same run.
+All cases read the same epoch and deliver identical batches; they take turns within each
+of ``repeats`` rounds and each keeps its best (``dlrmflow.bench.turns``). ``ratios``
+divide each case's samples/s by the baseline's, measured in the same run.
 
 On loopback the servers share this machine's cores with the trainer process. With few cores
 (2 on the development machine) a second server cannot add CPU that the local readers lack:
@@ -39,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from dlrmflow.bench.machine import describe_machine
+from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.config import DataConfig, RunConfig, build_config
 from dlrmflow.features.ids import IdMapper
 from dlrmflow.features.spec import FeatureSpec
@@ -177,14 +179,7 @@ def run_readers_benchmark(
             "remote_1_server": lambda: remote(servers[:1]),
             "remote_2_servers": lambda: remote(servers),
         }
-        # Cases take turns within each repeat and each keeps its best run, so that a noisy
-        # neighbour hurts them all alike.
-        results: dict[str, dict[str, float]] = {}
-        for _ in range(repeats):
-            for case, run in cases.items():
-                r = run()
-                if case not in results or r["samples_per_s"] > results[case]["samples_per_s"]:
-                    results[case] = r
+        results = best_of_turns(cases, repeats, key=lambda r: r["samples_per_s"])
     base = results[BASELINE]["samples_per_s"]
     return {
         "benchmark": "readers",

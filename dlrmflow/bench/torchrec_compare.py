@@ -5,60 +5,80 @@ CPU build); ``torchrec_missing`` says why it cannot be imported, and the report 
 this comparison and says so.
 
 Both sides train the config of ``dlrmflow.bench.train`` (26 one-hot tables, the same MLPs,
-batch per rank, Zipf IDs) on the very same pre-built batches, one thread per rank, gloo:
+batch per rank, Zipf IDs) on the very same pre-built batches, gloo:
 
-- ours: the single-process ``DLRM``, or the sharded DLRM with its pipelined input exchange
-  (``dlrmflow.bench.train``'s modes);
+- ours: the sharded DLRM with its pipelined input exchange (``dlrmflow.bench.train``'s
+  modes), and at world size 1 also the plain one-process ``DLRM`` (no distribution layer);
 - TorchRec: ``torchrec.models.dlrm.DLRM`` over an ``EmbeddingBagCollection``, sharded by
   ``DistributedModelParallel`` with FBGEMM's fused ``EXACT_ROWWISE_ADAGRAD`` (the optimizer
   ours fuses, same lr and eps) and ``TrainPipelineSparseDist``, which overlaps the next
   batch's input distribution with this one's compute as ours does. Its planner is
   constrained to the sharding type under test. TorchRec's sharder offers row-wise sharding
-  on CUDA only; its CPU kernels run it, so the comparison's sharder adds it.
+  on CUDA only; its CPU kernels run it, so the comparison's sharder adds it. At world size
+  1 this is how TorchRec trains in one process, so both of our world-size-1 models are
+  compared with it: the plain one (what a user of ours runs in one process) and the
+  sharded one (the same distribution layer as TorchRec's).
 
-Inside each job the two sides take turns, mode by mode, for ``rounds`` rounds, and the
-best round counts, so that a noisy neighbour hurts both alike. Ratios are our samples/s
-over TorchRec's (> 1: ours faster). "single_process" compares our one-process DLRM (no
-communication at all) with TorchRec's model-parallel DLRM at world size 1.
+Both sides run in the same spawned processes (``dlrmflow.bench.spawn``: the same
+allocator setting, recorded per process) with the same torch threads: at world size 1 all
+of the machine's cores, at world size N a 1/N share per rank. Inside each job the sides
+take turns, case by case, for ``rounds`` rounds of ``steps`` timed steps after the same
+warm-up, and each case's best round counts (``dlrmflow.bench.turns``), so that a noisy
+neighbour hurts both alike. Ratios are our samples/s over TorchRec's (> 1: ours faster).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dlrmflow.bench.machine import describe_machine
+from dlrmflow.bench.machine import available_cores, describe_machine
+from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.bench.train import (
-    COLLECTIVE_TIMEOUT,
     FULL,
     QUICK,
     comparison_config,
     make_batches,
     run_baseline,
     run_sharded_mode,
-    run_spawned_job,
 )
+from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.features.batch import Batch
 from dlrmflow.ingest.schema import DENSE, SPARSE
-from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 
 LR = 0.01  # the training benchmark's (bench_config)
 EPS = 1e-8  # our RowWiseAdagrad's default
-# Mode name -> (world size, sharding type; None: our single-process DLRM).
-MODES: dict[str, tuple[int, str | None]] = {
-    "single_process": (1, None),
-    "w2_table_wise": (2, "table_wise"),
-    "w2_row_wise": (2, "row_wise"),
+
+
+class Mode(NamedTuple):
+    """One row of the comparison: TorchRec's ``sharding`` at ``world``, against ours."""
+
+    world: int
+    sharding: str
+    ours: str  # "plain": our one-process DLRM; "sharded": our ShardedDLRM, ``sharding``
+
+
+MODES: dict[str, Mode] = {
+    "w1_plain": Mode(1, "table_wise", "plain"),
+    "w1_table_wise": Mode(1, "table_wise", "sharded"),
+    "w2_table_wise": Mode(2, "table_wise", "sharded"),
+    "w2_row_wise": Mode(2, "row_wise", "sharded"),
 }
+OURS = {
+    "plain": "DLRM: one process, one table-batched bag, no distribution layer",
+    "sharded": "ShardedDLRM with its pipelined input exchange",
+}
+WORLD_SIZES = tuple(sorted({m.world for m in MODES.values()}))
 BASELINE = (
     "TorchRec DLRM (EmbeddingBagCollection, DistributedModelParallel, gloo, FBGEMM fused "
-    "EXACT_ROWWISE_ADAGRAD, TrainPipelineSparseDist) on the same config, batches and threads; "
-    "ratios are our samples/s / TorchRec's"
+    "EXACT_ROWWISE_ADAGRAD, TrainPipelineSparseDist) on the same config, batches, threads "
+    "and allocator setting, in the same processes; at world size 1 DistributedModelParallel "
+    "runs one rank. Ratios are our samples/s / TorchRec's, each side's best round"
 )
 
 
@@ -190,33 +210,32 @@ def _torchrec_mode(size: dict, sharding: str, warmup: int, steps: int) -> dict:
     }
 
 
-def _ours(size: dict, sharding: str | None, warmup: int, steps: int) -> dict:
-    if sharding is None:
+def _ours(size: dict, mode: Mode, warmup: int, steps: int) -> dict:
+    if mode.ours == "plain":
         return run_baseline(size, warmup, steps)
-    mode = {"name": sharding, "sharding": sharding, "comms": "fp32", "pipeline": True}
-    return run_sharded_mode(size, mode, warmup, steps)
+    run = {"name": mode.sharding, "sharding": mode.sharding, "comms": "fp32", "pipeline": True}
+    return run_sharded_mode(size, run, warmup, steps)
 
 
-def _worker(rank: int, world: int, store: str, out: str, size: dict, modes, warmup, steps, rounds):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
+def _rank_comparison(
+    rank: int, world: int, size: dict, names: list[str], warmup: int, steps: int, rounds: int
+) -> dict[str, dict]:
+    """Both sides of every mode of this world size, in turn (every rank runs this); TorchRec
+    runs once per sharding type, however many of our models face it."""
     # The planner's advice on topologies and dry runs is for GPU fleets; keep the JSON clean.
     logging.getLogger("torchrec").setLevel(logging.ERROR)
-    join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
-    results: dict[str, dict] = {}
-    for _ in range(rounds):
-        for name, sharding in modes:
-            ours = _ours(size, sharding, warmup, steps)
-            theirs = _torchrec_mode(size, sharding or "table_wise", warmup, steps)
-            best = results.setdefault(name, {"ours": ours, "torchrec": theirs})
-            if ours["samples_per_s"] > best["ours"]["samples_per_s"]:
-                best["ours"] = ours
-            if theirs["samples_per_s"] > best["torchrec"]["samples_per_s"]:
-                best["torchrec"] = theirs
-    if rank == 0:
-        torch.save(results, out)
-    dist.barrier()
-    exit_without_teardown()
+    cases = {("ours", name): lambda m=MODES[name]: _ours(size, m, warmup, steps) for name in names}
+    for sharding in dict.fromkeys(MODES[name].sharding for name in names):
+        cases["torchrec", sharding] = lambda s=sharding: _torchrec_mode(size, s, warmup, steps)
+    best = best_of_turns(cases, rounds, key=lambda r: r["samples_per_s"])
+    return {
+        name: {
+            "ours_model": OURS[MODES[name].ours],
+            "ours": best["ours", name],
+            "torchrec": best["torchrec", MODES[name].sharding],
+        }
+        for name in names
+    }
 
 
 def run_torchrec_comparison(
@@ -231,20 +250,36 @@ def run_torchrec_comparison(
     if missing is not None:
         raise ModuleNotFoundError(f"TorchRec comparison needs the torchrec extra: {missing}")
     size = QUICK if quick else FULL
-    steps = steps or (3 if quick else 8)
-    rounds = rounds or (1 if quick else 2)
+    steps = steps or (3 if quick else 20)
+    rounds = rounds or (1 if quick else 3)
     warmup = 1 if quick else 2
+    # Each comparison is within one world size, so the world sizes need not share a budget:
+    # one process gets every core, as torch's default gives it.
+    threads = {world: max(1, available_cores() // world) for world in WORLD_SIZES}
     results: dict[str, dict] = {}
-    for world in sorted({w for w, _ in MODES.values()}):
-        modes = [(name, sharding) for name, (w, sharding) in MODES.items() if w == world]
-        results.update(run_spawned_job(_worker, world, size, modes, warmup, steps, rounds))
+    processes: list[dict] = []
+    for world in WORLD_SIZES:
+        names = [name for name, mode in MODES.items() if mode.world == world]
+        ranks = run_spawned_job(
+            _rank_comparison, world, size, names, warmup, steps, rounds, threads=threads[world]
+        )
+        results.update(ranks[0].result)  # the figures are the job's (slowest rank's) own
+        processes += [{"world": world, **r.settings()} for r in ranks]
     return {
         "benchmark": "torchrec",
         "baseline": BASELINE,
         "config": comparison_config(size),
         "steps": steps,
+        "warmup_steps": warmup,
         "rounds": rounds,
-        "threads_per_rank": 1,
+        "pick": "best round of each side",
+        "threads": {
+            "cores": available_cores(),
+            "per_rank": {f"w{world}": n for world, n in threads.items()},
+        },
+        # Each process that measured (both sides ran in each): world size, rank, torch
+        # threads and allocator setting.
+        "processes": processes,
         "versions": _versions(),
         "results": results,
         "ratios": {

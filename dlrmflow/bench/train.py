@@ -4,48 +4,56 @@ The comparison config of the sharded-trainer issue: 13 dense features, 26 one-ho
 features of 100k rows each, dim 64, bottom MLP 512-256-64, top MLP 512-256-1, dot
 interaction, batch 4096 per rank, row-wise Adagrad for the embeddings. Each rank trains on
 a few pre-built batches of Zipf(1.1) IDs in turn, so the figures are the trainer's own
-(the reader has its benchmark); one thread per rank, ranks on this host, gloo.
+(the reader has its benchmark); ranks on this host, gloo.
 
 Baseline: the single-process ``DLRM`` (one table-batched bag, no communication) on the
-same batches and thread count. Every mode's ratio is its global samples/s over the
-baseline's, measured in the same run. World size 1 runs the sharded model in a
-one-rank job (the cost of the distribution layer alone); world size 2 splits the work
-over two ranks, so on a machine with two cores its ideal ratio is 2.
+same batches, warm-up and step count. Every mode's ratio is its global samples/s over the
+baseline's, measured in the same run. World size 1 runs the sharded model in a one-rank
+job (the cost of the distribution layer alone); world size 2 splits the work over two
+ranks. In every job, each case (the baseline too) is timed after a round in which every
+case of that job ran once untimed.
+
+Every side gets the same cores in total (``thread_budget``): the baseline runs with all
+of them as torch threads, a job of N ranks with a 1/N share each, so a ratio above 1 at
+world size 2 is what splitting the work gains over one process using the whole machine.
+The baseline runs in the world-size-1 job's process, so that it, too, is a freshly
+spawned process; every rank (the baseline's included) applies ``dlrmflow.memory``'s
+allocator setting, and the record lists each process's threads and setting.
 
 Bytes per step: what one rank sent, by kind (``dlrmflow.train.comms.CommStats``).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
-from datetime import timedelta
-from pathlib import Path
+from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dlrmflow.bench.kernels import zipf_ids
-from dlrmflow.bench.machine import describe_machine
+from dlrmflow.bench.machine import available_cores, describe_machine, thread_budget
+from dlrmflow.bench.spawn import RankResult, run_spawned_job
+from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.schema import DENSE, SPARSE
-from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.sharding import SHARDING_TYPES
 
-BASELINE = "single-process DLRM (one table-batched bag, no communication), same batches and threads"
+BASELINE = (
+    "single-process DLRM (one table-batched bag, no communication) on the same batches, "
+    "warm-up and steps, with as many torch threads as every job has in total"
+)
+BASELINE_KEY = "single_process"
+WORLD_SIZES = (1, 2)
 FULL = {"rows": 100_000, "dim": 64, "bottom": [512, 256, 64], "top": [512, 256], "batch": 4096}
 QUICK = {"rows": 1_000, "dim": 8, "bottom": [16, 8], "top": [16], "batch": 128}
 CODECS = ("fp16", "bf16", "fp8", "int8")
 DISTINCT_BATCHES = 3
-# A rank stuck in a collective fails the benchmark after this, rather than hanging it.
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def bench_config(size: dict, sharding: str | None, comms: str, pipeline: bool) -> RunConfig:
@@ -96,8 +104,8 @@ def _time_steps(step, batches: list[Batch], warmup: int, steps: int, at_start=No
 
 
 def run_baseline(size: dict, warmup: int, steps: int) -> dict:
-    """The single-process DLRM: what every mode is divided by."""
-    torch.set_num_threads(1)
+    """The single-process DLRM, with this process's torch threads: what every mode is
+    divided by."""
     config = bench_config(size, None, "fp32", True)
     torch.manual_seed(0)
     model = DLRM(bench_spec(size), config.model, embedding_optimizer(config.train))
@@ -112,7 +120,11 @@ def run_baseline(size: dict, warmup: int, steps: int) -> dict:
         optimizer.step()
 
     seconds = _time_steps(step, batches, warmup, steps)
-    return {"samples_per_s": steps * size["batch"] / seconds, "step_s": seconds / steps}
+    return {
+        "samples_per_s": steps * size["batch"] / seconds,
+        "step_s": seconds / steps,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
@@ -161,33 +173,26 @@ def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, store: str, out: str, size: dict, modes: list, warmup, steps):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
-    results = {}
-    for mode in modes:
-        results[mode["name"]] = run_sharded_mode(size, mode, warmup, steps)
-    if rank == 0:
-        torch.save(results, out)
-    dist.barrier()
-    exit_without_teardown()
+def _rank_modes(rank: int, world: int, size: dict, modes: list, warmup: int, steps: int):
+    """Every mode on this job (every rank runs this), and in the world-size-1 job's one
+    process the baseline as well.
+
+    One untimed round of every case first: a fresh process pays once for what its first
+    case touches (thread pools, heap growth, kernels loaded), which would otherwise fall on
+    whichever case came first, the baseline included.
+    """
+    cases = {mode["name"]: partial(run_sharded_mode, size, mode, warmup, steps) for mode in modes}
+    if world == 1:
+        cases = {BASELINE_KEY: partial(run_baseline, size, warmup, steps), **cases}
+    return best_of_turns(cases, 1, key=lambda r: r["samples_per_s"], warmup_rounds=1)
 
 
-def run_spawned_job(worker, world: int, *args) -> object:
-    """Run ``worker(rank, world, store, out, *args)`` in ``world`` spawned processes on
-    this host (they meet through the file ``store``; see ``join_spawned_job``) and return
-    what rank 0 saved to ``out`` with ``torch.save``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.pt"
-        mp.spawn(
-            worker, args=(world, str(Path(tmp) / "store"), str(out), *args), nprocs=world, join=True
-        )
-        return torch.load(out, weights_only=False)
-
-
-def _run_job(world: int, size: dict, modes: list[dict], warmup: int, steps: int) -> dict:
-    return run_spawned_job(_worker, world, size, modes, warmup, steps)
+def _run_job(
+    world: int, size: dict, modes: list[dict], warmup: int, steps: int, threads: int
+) -> list[RankResult]:
+    """The modes at world size ``world``, ``threads`` torch threads per rank (and at world
+    size 1 the baseline as well); every rank's result and settings."""
+    return run_spawned_job(_rank_modes, world, size, modes, warmup, steps, threads=threads)
 
 
 def comparison_config(size: dict) -> dict:
@@ -223,16 +228,30 @@ def run_train_benchmark(quick: bool = False, steps: int | None = None) -> dict:
     size = QUICK if quick else FULL
     steps = steps or (3 if quick else 8)
     warmup = 1 if quick else 2
-    baseline = run_baseline(size, warmup, steps)
+    budget = thread_budget(WORLD_SIZES)
     results: dict[str, dict] = {}
-    for world in (1, 2):
-        results.update(_run_job(world, size, benchmark_modes(world), warmup, steps))
+    processes: list[dict] = []
+    for world in WORLD_SIZES:
+        ranks = _run_job(world, size, benchmark_modes(world), warmup, steps, budget // world)
+        results.update(ranks[0].result)  # the figures are the job's (slowest rank's) own
+        processes += [{"world": world, **r.settings()} for r in ranks]
+    baseline = results.pop(BASELINE_KEY)
     return {
         "benchmark": "train",
         "baseline": BASELINE,
         "config": comparison_config(size),
         "steps": steps,
-        "threads_per_rank": 1,
+        "warmup_steps": warmup,
+        "warmup_rounds": 1,
+        "threads": {
+            "cores": available_cores(),
+            "total_per_job": budget,
+            "baseline": baseline["torch_threads"],
+            "per_rank": {f"w{world}": budget // world for world in WORLD_SIZES},
+        },
+        # Each process that measured: its world size, rank, torch threads and allocator
+        # setting (the baseline's is the world-size-1 process).
+        "processes": processes,
         "baseline_result": baseline,
         "results": results,
         "ratios": {

@@ -17,18 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 
+from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
 from dlrmflow.train.checkpoint import model_state
 from dlrmflow.train.comms import CommStats
-from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 from dlrmflow.train.model import DLRM
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
 from dlrmflow.train.sharding import SHARDING_TYPES, ShardingPlan
@@ -141,26 +139,16 @@ def _train_sharded(
     return {"checkpoint": str(path), "bytes": stats.snapshot()}
 
 
-def _worker(rank: int, world: int, store: str, out: str, cases: list) -> None:
-    join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
+def _train_cases(rank: int, world: int, out_dir: str, cases: list) -> dict:
     torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
-    results = {case: _train_sharded(rank, world, str(Path(out).parent), *case) for case in cases}
-    if rank == 0:
-        torch.save(results, out)
-    dist.barrier()
-    exit_without_teardown()
+    return {case: _train_sharded(rank, world, out_dir, *case) for case in cases}
 
 
 def run_sharded(tmp_path: Path, world: int, cases: list) -> dict:
-    out = tmp_path / f"results-{world}.pt"
-    mp.spawn(
-        _worker,
-        args=(world, str(tmp_path / f"store-{world}"), str(out), cases),
-        nprocs=world,
-        join=True,
+    ranks = run_spawned_job(
+        _train_cases, world, str(tmp_path), cases, threads=1, timeout=COLLECTIVE_TIMEOUT
     )
-    results = torch.load(out, weights_only=False)
+    results = ranks[0].result
     for result in results.values():
         result["state"] = load_single_process(result["checkpoint"])
     return results

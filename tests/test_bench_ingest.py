@@ -1,0 +1,59 @@
+"""The ingest benchmark at tiny size: equal threads and footers on both sides, never speed."""
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dlrmflow.bench.ingest import pyarrow_decode, run_ingest_benchmark
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.ingest.reader import list_splits, reader_threads
+from dlrmflow.memory import applied_threshold
+
+
+@pytest.fixture(scope="module")
+def record():
+    return run_ingest_benchmark(rows=12_000, workers=(1, 2), batch_size=1024, repeats=1)
+
+
+def test_both_sides_run_as_many_threads(record):
+    assert set(record["results"]) == {"workers_1", "workers_2"}
+    for n in (1, 2):
+        r = record["results"][f"workers_{n}"]
+        assert r["reader_threads_per_worker"] == reader_threads(n)
+        assert r["pyarrow_decode_threads"] == r["reader_threads_total"] == n * reader_threads(n)
+    assert "as many threads as our N readers" in record["baseline"]
+    assert "footer" in record["baseline"] and "footers" in record
+
+
+def test_record_has_rates_cpu_and_ratios(record):
+    for n in (1, 2):
+        r = record["results"][f"workers_{n}"]
+        for side in ("pyarrow_decode", "reader_transform", "reader_only"):
+            assert r[f"{side}_rows_per_s"] > 0
+            assert math.isfinite(r[f"{side}_cpu_s_per_m_rows"])
+            assert r[f"{side}_cpu_s_per_m_rows"] >= 0
+        ratio = record["ratios"][f"reader_transform_vs_pyarrow_decode_{n}w"]
+        assert ratio == r["reader_transform_rows_per_s"] / r["pyarrow_decode_rows_per_s"]
+    # Both sides ran in this process, under the allocator setting it records.
+    assert record["machine"]["malloc_mmap_threshold"] == applied_threshold()
+
+
+def test_benchmark_leaves_torch_threads_as_it_found_them():
+    # It sets them per worker count (for the cores the readers leave); the next benchmark
+    # in the process must not inherit that.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        run_ingest_benchmark(rows=4000, workers=(2,), batch_size=1024, repeats=1)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_pyarrow_decode_reads_every_row_of_every_split(tiny_dataset):
+    splits = list_splits(read_manifest(tiny_dataset).day_paths(tiny_dataset))
+    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in {s.path for s in splits})
+    for threads in (1, 3):
+        assert pyarrow_decode(splits, ["label", "I1", "C1"], threads) == rows
