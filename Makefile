@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TORCHREC_PKGS := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.2.0
 
-.PHONY: demo test lint bench-ingest bench-report clean
+.PHONY: demo test lint bench-ingest bench-report bench-docs clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,10 @@ bench-ingest: $(VENV)/.installed
 
 bench-report: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench report --out bench-results/report
+
+# The full report, then docs/benchmarks.md and the README's results table from its JSON.
+bench-docs: bench-report
+	$(VENV)/bin/dlrmflow bench docs --report bench-results/report/report.json
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

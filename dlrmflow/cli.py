@@ -501,6 +501,22 @@ def bench_report(
     typer.echo(f"report: {out / 'report.md'}, plots: {', '.join(record['plots'])}")
 
 
+@bench_app.command("docs")
+def bench_docs(
+    report: Annotated[
+        Path, typer.Option(help="A report.json written by `dlrmflow bench report`.")
+    ] = Path("bench-results/report/report.json"),
+    docs_dir: Annotated[Path, typer.Option(help="Where benchmarks.md/.json go.")] = Path("docs"),
+    readme: Annotated[Path, typer.Option(help="The README whose results table is rewritten.")] = (
+        Path("README.md")
+    ),
+) -> None:
+    """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
+    from dlrmflow.bench.docs import write_docs
+
+    _echo_json(write_docs(report, docs_dir, readme))
+
+
 @bench_app.command("train")
 def bench_train(
     json_out: JsonOpt = None,

@@ -148,3 +148,24 @@ def test_every_benchmark_records_equal_threads_and_allocator(report):
     markdown = (report[0] / "report.md").read_text()
     assert "Naive line: naive user" in markdown and "naive user / ours" in markdown
     assert "ours CPU s per M rows" in markdown
+
+
+def test_docs_are_generated_from_the_report_json(report, tmp_path):
+    from dlrmflow.bench.docs import RESULTS_END, RESULTS_START, write_docs
+
+    out, record = report
+    assert "## Reader services" in (out / "report.md").read_text()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{RESULTS_START}\nold figures\n{RESULTS_END}\n\nafter\n")
+    write_docs(out / "report.json", tmp_path / "docs", readme)
+    assert json.loads((tmp_path / "docs" / "benchmarks.json").read_text()) == json.loads(
+        json.dumps(record)
+    )
+    markdown = (tmp_path / "docs" / "benchmarks.md").read_text()
+    for title in ("## Ingest", "## Kernels", "## Training", "## Reader services", "## TorchRec"):
+        assert title in markdown
+    assert markdown.count("### How it runs") >= 5 and "Quick run" in markdown
+    text = readme.read_text()
+    assert "old figures" not in text and text.endswith("after\n")
+    ratio = record["ingest"]["ratios"]["reader_transform_vs_pyarrow_decode_1w"]
+    assert f"| Ingest | `reader_transform_vs_pyarrow_decode_1w` | {ratio:.2f} |" in text

@@ -36,6 +36,8 @@ from matplotlib.figure import Figure
 from dlrmflow.bench.ingest import run_ingest_benchmark
 from dlrmflow.bench.kernels import run_kernel_benchmark, table_sizes, zipf_ids
 from dlrmflow.bench.machine import describe_machine
+from dlrmflow.bench.readers import BASELINE as READERS_BASELINE
+from dlrmflow.bench.readers import run_readers_benchmark
 from dlrmflow.bench.torchrec_compare import MODES as TORCHREC_MODES
 from dlrmflow.bench.torchrec_compare import run_torchrec_comparison, torchrec_missing
 from dlrmflow.bench.train import CODECS, run_train_benchmark
@@ -54,6 +56,7 @@ TIERED_QUICK = {"rows": 1_000, "dim": 8, "batch": 256, "warmup": 2, "steps": 4, 
 # flight and the prefetched one).
 CACHE_FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)
 TIERED_LR = 0.01
+READERS_QUICK = {"rows": 20_000, "repeats": 1}
 INGEST_QUICK = {"rows": 20_000, "workers": (1,), "batch_size": 1024, "repeats": 1}
 NOISE_NOTE = (
     "Timings come from a shared machine (other jobs may run beside the benchmark), so they "
@@ -346,6 +349,27 @@ def _process_settings(processes: list[dict]) -> str:
     )
 
 
+def readers_section(record: dict) -> str:
+    rows = [
+        [
+            case,
+            r["samples_per_s"],
+            r["samples_per_s"] / record["results"][READERS_BASELINE]["samples_per_s"],
+            r["wait_share"],
+        ]
+        for case, r in record["results"].items()
+    ]
+    return "\n\n".join(
+        [
+            "## Reader services",
+            f"Baseline: {record['baseline']}. {record['rows']:,} rows, batch "
+            f"{record['batch_size']}, {record['preprocessing_cost_us_per_row']} µs of "
+            f"preprocessing a row; consumer: {record['consumer']}. {record['note']}.",
+            markdown_table(["source", "samples/s", "÷ baseline", "data-wait share"], rows),
+        ]
+    )
+
+
 def tiered_section(record: dict) -> str:
     base = record["baseline_result"]
     rows = [["in-memory TBE (baseline, median)", "", "", "", base["samples_per_s"], 1.0, ""]]
@@ -532,6 +556,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
     kernels = run_kernel_benchmark(quick=quick)
     train = run_train_benchmark(quick=quick)
     tiered = run_tiered_benchmark(quick=quick)
+    readers = run_readers_benchmark(**READERS_QUICK) if quick else run_readers_benchmark()
     missing = torchrec_missing() if torchrec else "not requested (torchrec=False)"
     comparison = run_torchrec_comparison(quick=quick) if missing is None else None
     plot_throughput(train, out / PLOTS["throughput"], comparison)
@@ -545,6 +570,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         "kernels": kernels,
         "train": train,
         "tiered": tiered,
+        "readers": readers,
         "torchrec": comparison if comparison is not None else {"skipped": missing},
         "plots": sorted(PLOTS.values()),
         "machine": describe_machine(),
@@ -564,6 +590,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         kernels_section(kernels),
         train_section(train),
         tiered_section(tiered),
+        readers_section(readers),
         torchrec_section(comparison, missing),
     ]
     write_atomic(out / "report.md", "\n\n".join(sections) + "\n")
