@@ -11,13 +11,14 @@ into the next window, so every batch except a reader's last is full.
 
 Readers are threads, not processes: pyarrow, numpy and torch release the GIL, so readers
 run in parallel with training and a batch reaches the consumer without an inter-process
-copy. Each reader is a ``torchdata.nodes`` node (``SplitReader``) behind a ``Prefetcher``;
-``RoundRobin`` interleaves them in a fixed order, and ``make_loader`` wraps the graph in a
-``Loader``. Inside a reader, ``threads`` preparation threads (two where the cores allow,
-see ``reader_threads``) each prepare a whole window, ahead of the window whose batches are
-being handed out: decode a row group, transform it at once while it is still in cache,
-then the next. ``validate`` and ``transform`` are called from several threads at once, so
-they must be thread-safe.
+copy. Each reader is a ``torchdata.nodes`` node (``SplitReader``) behind a prefetch thread
+(``ReaderPrefetcher``, which passes a reader's errors on unchanged); ``RoundRobin``
+interleaves them in a fixed order, and ``make_loader`` wraps the graph in a ``Loader`` that
+can be closed (``ReaderLoader``: it stops and waits for every thread). Inside a reader,
+``threads`` preparation threads (two where the cores allow, see ``reader_threads``) each
+prepare a whole window, ahead of the window whose batches are being handed out: decode a
+row group, transform it at once while it is still in cache, then the next. ``validate``
+and ``transform`` are called from several threads at once, so they must be thread-safe.
 
 ``transform(table)`` turns a row group into a *block*, anything that implements ``Block``
 (``take``, ``concat``, ``len``) row-wise, so the batches hold the same rows in the same
@@ -35,24 +36,30 @@ configuration, restoring re-reads the current window, never the epoch so far.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
 import fsspec
+import fsspec.core
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.shuffle import deal
 
 
-class DataError(ValueError):
+class DataError(DlrmflowError, ValueError):
     """Input data that cannot be used; the message names the file, row group and column."""
 
 
@@ -245,6 +252,11 @@ class SplitReader(BaseNode[Any]):
         assert self._pass is not None  # BaseNode resets before the first next()
         return self._pass.next()
 
+    def close(self) -> None:
+        """End the current pass and wait for its preparation threads (see ``_Pass.close``)."""
+        if self._pass is not None:
+            self._pass.close()
+
     def get_state(self) -> dict[str, Any]:
         assert self._pass is not None
         epoch, window, offset = self._pass.cursor
@@ -290,7 +302,7 @@ class _Pass:
     emitted, moved before each batch is returned so that a state taken right after it (the
     ``Prefetcher`` snapshots its source per item) points past it. Nothing refers back to
     the pass, so an abandoned one is freed, its threads told to stop, as soon as it is
-    dropped rather than at the next garbage collection.
+    dropped rather than at the next garbage collection; ``close()`` also waits for them.
     """
 
     def __init__(
@@ -311,15 +323,26 @@ class _Pass:
             raise ValueError(f"reader state {cursor} is not at a batch boundary of its window")
         self.cursor = cursor
         self._end = (epoch, len(plan.windows), 0)
-        self._batches = plan.batches(window, offset)
+        # Threads start with the first window submitted, not here.
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dlrmflow-prepare")
+        self._batches = plan.batches(window, offset, self._pool)
+        self._closed = False
 
     def next(self) -> Any:
+        if self._closed:
+            raise StopIteration
         try:
             batch, self.cursor = next(self._batches)
         except StopIteration:
             self.cursor = self._end  # also when drop_last dropped the rows left over
             raise
         return batch
+
+    def close(self) -> None:
+        """End the pass: windows not yet begun are dropped, those being prepared are waited
+        for. Safe while another thread is in ``next``, which then returns or fails soon."""
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Plan:
@@ -360,8 +383,11 @@ class _Plan:
         )
         self._decoder = _SplitDecoder(dataset)
 
-    def batches(self, start_window: int, start_offset: int) -> Iterator[tuple[Any, _Cursor]]:
-        """The batches from row ``start_offset`` of ``start_window`` on, with their cursors.
+    def batches(
+        self, start_window: int, start_offset: int, pool: ThreadPoolExecutor
+    ) -> Iterator[tuple[Any, _Cursor]]:
+        """The batches from row ``start_offset`` of ``start_window`` on, with their cursors,
+        prepared by ``pool``'s threads (shut down when the batches end or are abandoned).
 
         A batch's cursor is the position after it, where a pass resumed from it begins.
         """
@@ -373,7 +399,6 @@ class _Plan:
         # follows from the split row counts alone (``bounds``), so windows are prepared
         # independently.
         starts = {start_window: start_offset}  # later windows are read from row 0
-        pool = ThreadPoolExecutor(self._threads, thread_name_prefix="dlrmflow-prepare")
         ready: dict[int, Future[list[Any]]] = {}
         submitted = start_window  # the next window to hand to the pool
 
@@ -531,6 +556,22 @@ def _where_all(splits: Sequence[Split]) -> str:
     return "; ".join(_where(s) for s in splits)
 
 
+def _open_for_arrow(path: str) -> Any:
+    """``path`` opened for Arrow to read: a native file where it is local, else fsspec's.
+
+    Arrow reads pre-buffered ranges in its own IO threads. A range read from a Python file
+    object is held in a Python ``bytes``, which only the GIL can free, and the IO thread that
+    drops it last can be a step behind the reader: if the interpreter is finalizing by then
+    (the process exiting right after its last read, as after an error), that thread aborts
+    the process ("terminate called without an active exception", exit 134). A native file's
+    buffers need no GIL.
+    """
+    fs, local_path = fsspec.core.url_to_fs(path)
+    if isinstance(fs, LocalFileSystem):
+        return pa.OSFile(local_path)
+    return fs.open(local_path, "rb")
+
+
 class _SplitDecoder:
     """Decodes splits into tables under one schema, validated.
 
@@ -557,7 +598,7 @@ class _SplitDecoder:
     def _decode(self, split: Split) -> pa.Table:
         where = _where(split)
         try:
-            with fsspec.open(split.path, "rb") as f:
+            with _open_for_arrow(split.path) as f:
                 # pre_buffer coalesces the column-chunk reads: one request per row group on
                 # object stores instead of one per column.
                 parquet = pq.ParquetFile(f, metadata=self._footers.get(split.path), pre_buffer=True)
@@ -663,6 +704,141 @@ class RoundRobin(BaseNode[Any]):
             "sources": [source.state_dict() for source in self.sources],
         }
 
+    def close(self) -> None:
+        """Close every source that can be closed (ends their threads)."""
+        for source in self.sources:
+            close_node(source)
+
+
+def close_node(node: BaseNode[Any]) -> None:
+    """``node.close()``, for the nodes that hold threads or connections; others have none."""
+    close = getattr(node, "close", None)
+    if close is not None:
+        close()
+
+
+class _KeepError(BaseNode[Any]):
+    """``source`` unchanged, keeping the error that its ``next`` or state last raised.
+
+    torchdata's prefetch thread passes an error on as its type and formatted traceback
+    only; the consumer raises the kept original instead (see ``ReaderPrefetcher``). The
+    state is the source's own, so states are those of a plain ``Prefetcher``.
+    """
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+        self.error: Exception | None = None
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.error = None
+        self.source.reset(initial_state)
+
+    def next(self) -> Any:
+        try:
+            return next(self.source)
+        except StopIteration:
+            raise
+        except Exception as e:
+            self.error = e
+            raise
+
+    def get_state(self) -> dict[str, Any]:
+        try:
+            return self.source.state_dict()
+        except Exception as e:
+            self.error = e
+            raise
+
+    def close(self) -> None:
+        close_node(self.source)
+
+    def take_error(self) -> Exception | None:
+        error, self.error = self.error, None
+        return error
+
+
+class ReaderPrefetcher(Prefetcher):
+    """torchdata's ``Prefetcher`` (a thread keeping ``prefetch_factor`` items of ``source``
+    ready), for reader nodes: their errors arrive whole, and their threads can be stopped.
+
+    An error raised in the thread reaches the consumer as itself: its type, one-line
+    message and cause, not torchdata's copy whose message is "Caught DataError in
+    _populate_queue" and the thread's traceback. ``close()`` stops the thread and closes
+    ``source``, waiting for both; the next ``reset`` starts afresh. Prefetchers still open
+    when the interpreter exits are closed then (``_close_open_prefetchers``): the thread is
+    a daemon, and one caught inside a torch call as the interpreter finalizes aborts the
+    process ("terminate called without an active exception", exit 134).
+    """
+
+    JOIN_TIMEOUT_S = 10.0  # a thread ends once its source's current item is done
+
+    def __init__(self, source: BaseNode[Any], prefetch_factor: int) -> None:
+        self._kept = _KeepError(source)
+        super().__init__(self._kept, prefetch_factor)
+        _open_prefetchers.add(self)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        try:
+            # Starting the thread may fail in it (the source's first state, e.g. a reader
+            # server asked for it that cannot be reached).
+            super().reset(initial_state)
+        except Exception as wrapped:
+            error = self._kept.take_error() or wrapped
+        else:
+            return
+        raise error
+
+    def next(self) -> Any:
+        try:
+            return super().next()
+        except StopIteration:
+            raise
+        except Exception as wrapped:
+            error = self._kept.take_error() or wrapped
+        # Raised outside the handler: the original's context stays its own.
+        raise error
+
+    def close(self) -> None:
+        # torchdata 0.11 has no public way to stop the thread: its stop event and thread
+        # are those of the private ``_SingleThreadedMapper`` (``_shutdown`` waits 0.5 s only).
+        it = self._it
+        if it is not None:
+            it._stop_event.set()
+        close_node(self._kept)  # a thread waiting in the source's next() returns
+        if it is not None and it._thread.is_alive():
+            it._thread.join(self.JOIN_TIMEOUT_S)
+
+
+_open_prefetchers: weakref.WeakSet[ReaderPrefetcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_prefetchers() -> None:
+    """Stop every prefetch thread before the interpreter finalizes (see ``ReaderPrefetcher``).
+
+    Runs after the preparation pools were waited for; a failed close must not hide others.
+    """
+    for prefetcher in list(_open_prefetchers):
+        with contextlib.suppress(Exception):
+            prefetcher.close()
+
+
+class ReaderLoader(Loader[Any]):
+    """torchdata's ``Loader`` over a reader graph, plus ``close()``: it stops every reader
+    and preparation thread and waits for them (a later ``for`` starts them again). Also a
+    context manager that closes on exit."""
+
+    def close(self) -> None:
+        close_node(self.root)
+
+    def __enter__(self) -> ReaderLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _cores() -> int:
     """The cores this process may run on."""
@@ -686,7 +862,7 @@ def make_loader(
     num_workers: int = 1,
     prefetch_factor: int = 4,
     threads: int | None = None,
-) -> Loader[Any]:
+) -> ReaderLoader:
     """A resumable loader whose ``num_workers`` readers run ahead of the consumer.
 
     Each reader prepares windows in ``threads`` threads (default ``reader_threads``) and
@@ -697,7 +873,9 @@ def make_loader(
     state was loaded with ``load_state_dict``: then the pass resumes in that state's epoch,
     right after its last batch. A state taken after an epoch's last batch restores to a
     fresh pass, so call ``set_epoch`` with the next epoch first. Memory is not pinned: a
-    record batch cannot be, and the trainer decides about its tensors.
+    record batch cannot be, and the trainer decides about its tensors. A reader's error
+    (a ``DataError`` naming the file, row group and column) is raised as it was raised in
+    the reader's thread; ``close()`` stops the threads.
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be non-negative, got {num_workers}")
@@ -706,9 +884,9 @@ def make_loader(
     if threads is None:
         threads = reader_threads(num_workers)
     if num_workers == 0:
-        return Loader(SplitReader(dataset, threads=threads))
+        return ReaderLoader(SplitReader(dataset, threads=threads))
     readers = [
-        Prefetcher(SplitReader(dataset, worker, num_workers, threads), prefetch_factor)
+        ReaderPrefetcher(SplitReader(dataset, worker, num_workers, threads), prefetch_factor)
         for worker in range(num_workers)
     ]
-    return Loader(RoundRobin(readers))
+    return ReaderLoader(RoundRobin(readers))

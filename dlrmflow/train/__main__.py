@@ -5,6 +5,8 @@
 
 torchrun starts this on every rank (``dlrmflow train --nproc N`` does it for one host; the
 README shows ``torchrun --nnodes ...`` for many). Rank 0 prints the metrics records.
+A rank reads only ``--config`` and ``--set``, never ``DLRMFLOW_SECTION__KEY`` variables,
+so every rank of a job resolves the configuration its launcher resolved.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+import traceback
+from typing import NoReturn
 
 from dlrmflow.config import ConfigError, load_config
 from dlrmflow.memory import tune_allocator
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tune_allocator()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
         return 2
     if args.evaluate is not None:
         return _run(
@@ -46,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     try:
-        config = load_config(args.config, args.overrides)
+        # Never the DLRMFLOW_SECTION__KEY environment: the launcher's config.json already
+        # holds it, and a --set that overrode it must not be undone here.
+        config = load_config(args.config, args.overrides, env=False)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
         return 2
 
     def show(record: dict) -> None:
@@ -57,27 +63,45 @@ def main(argv: list[str] | None = None) -> int:
     return _run(lambda: train(config, progress=show).to_dict())
 
 
+def _print_error(error: BaseException) -> None:
+    """One line naming the rank and the cause, which the launcher reports (``error: rank N:
+    Type: message``, the message's lines joined)."""
+    rank = os.environ.get("RANK", "0")
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    print(f"error: rank {rank}: {type(error).__name__}: {text}", file=sys.stderr, flush=True)
+
+
 def _run(stage) -> int:
     """Run a stage; rank 0 prints its result as one ``result`` line for the launcher."""
-    rank = os.environ.get("RANK", "0")
     try:
         result = stage()
     except Exception as e:
-        # One line naming the rank and the cause, which the launcher reports; the traceback
-        # only with DLRMFLOW_DEBUG=1.
+        # The traceback only with DLRMFLOW_DEBUG=1.
         if os.environ.get("DLRMFLOW_DEBUG"):
             raise
-        print(f"error: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        _print_error(e)
         return 1
-    if rank == "0":
+    if os.environ.get("RANK", "0") == "0":
         print("result " + json.dumps(result), flush=True)
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from dlrmflow.train.distributed import exit_without_teardown
+def _main_of_rank() -> NoReturn:
+    """``main`` on a rank of a multi-rank job, which ends without Python's teardown (see
+    ``exit_without_teardown``), whatever ``main`` raised (with ``DLRMFLOW_DEBUG``)."""
+    from dlrmflow.train.distributed import exit_without_teardown
 
-        exit_without_teardown(code)
-    sys.exit(code)
+    try:
+        code = main()
+    except SystemExit as e:  # argparse
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    exit_without_teardown(code)
+
+
+if __name__ == "__main__":
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _main_of_rank()
+    sys.exit(main())

@@ -14,15 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchdata.nodes import Loader
-
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset, ReaderLoader, list_splits, make_loader
 from dlrmflow.ingest.schema import SPARSE
 
 if TYPE_CHECKING:
@@ -79,7 +77,7 @@ def batch_loader(
     world_size: int = 1,
     transform: BatchTransform | None = None,
     threads: int | None = None,
-) -> tuple[ParquetBatchDataset, Loader]:
+) -> tuple[ParquetBatchDataset, ReaderLoader]:
     """A resumable loader of ``Batch`` objects over the given day files.
 
     ``transform`` replaces ``BatchTransform(spec, ids)``; the readers benchmark passes one
@@ -111,12 +109,13 @@ class TrainLoader:
     blocked waiting for a batch, starting a pass included: the trainer reads it per step to
     tell a data-starved step from a compute-bound one. ``failovers`` counts the times a
     remote reader stream moved to another endpoint (always 0 for local readers).
-    ``close()`` ends remote streams at once; local reader threads end with their pass.
+    ``close()`` ends the pass: remote streams at once, and the reader threads, which it
+    waits for; a batch that cannot be read closes the loader before its error is raised.
     """
 
     def __init__(
         self,
-        loader: Loader[Batch],
+        loader: ReaderLoader,
         dataset: ParquetBatchDataset | RemoteBatchSource,
         remote: RemoteBatchSource | None = None,
     ) -> None:
@@ -148,6 +147,11 @@ class TrainLoader:
             except StopIteration:
                 self.wait_seconds += clock() - start
                 return
+            except BaseException:
+                # The other readers' threads stop now rather than run on while the error
+                # travels up (and possibly past the interpreter's exit).
+                self.close()
+                raise
             self.wait_seconds += clock() - start
             yield batch
             start = clock()
@@ -163,6 +167,7 @@ class TrainLoader:
     def close(self) -> None:
         if self._remote is not None:
             self._remote.close()
+        self._loader.close()
 
     def __enter__(self) -> TrainLoader:
         return self

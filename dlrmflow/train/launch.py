@@ -2,17 +2,24 @@
 launcher (torchrun), as its own process group, streaming its output line by line.
 
 The launcher runs in a child process in a new session, so that stopping the job (Ctrl-C,
-a Prefect cancellation, a failed rank) takes every rank down with it; a rank that dies
-makes the others fail within ``distributed.timeout_s`` (the collective timeout) and
-torchrun then exits non-zero, which raises ``TrainingFailed`` with the ranks' errors (or
-the output's tail). Rank 0 prints its result as one ``result`` JSON line.
+a Prefect cancellation, a failed rank) takes every rank down with it. Rank 0 prints its
+result as one ``result`` JSON line; a rank that fails prints one ``error: rank N: ...``
+line. A rank that dies makes the others fail (their connections to it break, or a
+collective times out after ``distributed.timeout_s``) and torchrun stops the rest. The
+child runs torchrun through this module (``python -m dlrmflow.train.launch``), which
+reports each failed rank's exit code or signal as one ``failures`` JSON line in place of
+torchrun's report; ``TrainingFailed`` then names the rank that failed first and how: its
+own error, else the signal that killed it or its exit code, never another rank's lost
+connection to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,14 +29,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dlrmflow.config import RunConfig
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.train.evaluate import evaluate
 from dlrmflow.train.trainer import TrainResult, train
 
 CONFIG_FILE = "config.json"
+FAILURES = "failures "  # the prefix of the launcher's line about failed ranks
+
+# A rank's one-line failure (``python -m dlrmflow.train``): "error: rank N: Type: message".
+_RANK_ERROR = re.compile(r"error: rank (\d+): (.*)")
+# What a rank reports when another one died first: its connections to that rank break, or
+# a collective waits for it in vain. Such an error is a consequence, not the cause.
+_PEER_LOST_TYPES = ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError")
+_PEER_LOST = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|timed out|timeout|socket closed"
+    r"|end of file|communicator was aborted",
+    re.IGNORECASE,
+)
 
 
-class TrainingFailed(RuntimeError):
-    """The distributed job exited non-zero; the message carries its last lines."""
+class TrainingFailed(DlrmflowError, RuntimeError):
+    """The distributed job failed; the message names the rank that failed first and how."""
 
 
 def free_port() -> int:
@@ -39,13 +59,14 @@ def free_port() -> int:
 
 
 def launch_command(config_path: Path | None, nproc: int, port: int, *args: str) -> list[str]:
-    """The torchrun command line of a one-host job (what ``dlrmflow train --nproc`` runs);
-    ``args`` go to ``python -m dlrmflow.train`` after the config."""
+    """The torchrun command line of a one-host job (what ``dlrmflow train --nproc`` runs,
+    torchrun's arguments run through ``torchrun_main``); ``args`` go to
+    ``python -m dlrmflow.train`` after the config."""
     config = ["--config", str(config_path)] if config_path is not None else []
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "dlrmflow.train.launch",
         f"--nproc_per_node={nproc}",
         "--nnodes=1",
         "--master_addr=127.0.0.1",
@@ -94,13 +115,19 @@ def _run_job(
     on_line: Callable[[str], None] | None,
     on_record: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Run a torchrun job in a session of its own and return rank 0's ``result`` line."""
+    """Run a torchrun job in a session of its own and return rank 0's ``result`` line.
+
+    The ranks' error lines and the launcher's ``failures`` line make up ``TrainingFailed``
+    rather than going to ``on_line`` (they do too with ``DLRMFLOW_DEBUG``).
+    """
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    debug = bool(os.environ.get("DLRMFLOW_DEBUG"))
     tail: deque[str] = deque(maxlen=30)
-    errors: list[str] = []
+    errors: list[tuple[int, str]] = []  # (rank, "Type: message"), in the order they came
+    failures: dict[int, dict] = {}
     result: dict | None = None
     proc = subprocess.Popen(
         command,
@@ -114,9 +141,16 @@ def _run_job(
         assert proc.stdout is not None
         for raw in proc.stdout:
             line = raw.rstrip("\n")
+            error = _RANK_ERROR.fullmatch(line)
+            if error is not None or line.startswith(FAILURES):
+                if error is not None:
+                    errors.append((int(error[1]), error[2]))
+                else:
+                    failures = {int(r): f for r, f in json.loads(line[len(FAILURES) :]).items()}
+                if debug and on_line is not None:
+                    on_line(line)
+                continue
             tail.append(line)
-            if line.startswith("error: rank "):
-                errors.append(line.removeprefix("error: "))
             if line.startswith("result "):
                 result = json.loads(line.removeprefix("result "))
             elif on_record is not None and line.startswith("metrics "):
@@ -128,9 +162,47 @@ def _run_job(
         if proc.poll() is None:
             stop_job(proc)
     if code != 0 or result is None:
-        lines = "\n".join(errors or [line for line in tail if not line.startswith("metrics ")])
-        raise TrainingFailed(f"{what} with {nproc} ranks failed (exit {code}):\n{lines}")
+        cause = first_failure(errors, failures)
+        if cause is None:
+            lines = [line for line in tail if not line.startswith("metrics ")]
+            cause = f"exit {code}" + "".join(f"\n{line}" for line in lines)
+        raise TrainingFailed(f"{what} with {nproc} ranks failed: {cause}")
     return result
+
+
+def _peer_lost(message: str) -> bool:
+    """Whether a rank's error ("Type: message") is the loss of another rank."""
+    kind, _, text = message.partition(": ")
+    return kind in _PEER_LOST_TYPES and _PEER_LOST.search(text) is not None
+
+
+def first_failure(errors: list[tuple[int, str]], failures: dict[int, dict]) -> str | None:
+    """The rank that failed first and how, from the ranks' errors in the order they came
+    and the launcher's ``failures`` (rank -> exit code, signal, whether torchrun stopped it).
+
+    A rank prints its error before it exits, so the first error to come is the first
+    failure, unless it is a lost connection to a rank that died without a word: then that
+    rank is the cause, one killed by a signal before one that exited with a code (whose
+    exit may itself follow the loss of the other). Ranks torchrun stopped after the first
+    failure are never the cause.
+    """
+    for rank, message in errors:
+        if not _peer_lost(message):
+            return f"rank {rank}: {message}"
+    spoke = {rank for rank, _ in errors}
+    silent = [
+        (rank, failure)
+        for rank, failure in failures.items()
+        if not failure["stopped"] and rank not in spoke
+    ]
+    for rank, failure in sorted(silent, key=lambda item: item[1]["signal"] is None):
+        if failure["signal"] is not None:
+            return f"rank {rank} was killed by {failure['signal']}"
+        return f"rank {rank} exited with code {failure['exitcode']} without an error message"
+    if errors:
+        rank, message = errors[0]
+        return f"rank {rank}: {message}"
+    return None
 
 
 def launch_training(
@@ -140,9 +212,10 @@ def launch_training(
 ) -> TrainResult:
     """Train with ``config.distributed.nproc`` ranks (in this process when it is 1).
 
-    ``on_line`` gets every output line of every rank; ``on_record`` each metrics record
-    rank 0 prints. The resolved configuration is written to ``RUN_DIR/config.json`` first,
-    so the job runs exactly what was validated here.
+    ``on_line`` gets every output line of every rank but their errors (which make up
+    ``TrainingFailed``); ``on_record`` each metrics record rank 0 prints. The resolved
+    configuration is written to ``RUN_DIR/config.json`` first, so the job runs exactly what
+    was validated here.
     """
     nproc = config.distributed.nproc
     if nproc == 1:
@@ -178,3 +251,56 @@ def launch_evaluation(
             args += [flag, str(value)]
     command = launch_command(None, nproc, free_port(), *args)
     return _run_job(command, nproc, "evaluation", on_line)
+
+
+class _StoppedRanks(logging.Filter):
+    """Notes the ranks torchrun stops itself once another failed (and keeps torchrun's
+    lines about them out of the output unless ``DLRMFLOW_DEBUG`` is set).
+
+    torchrun's agent logs "Sending process PID closing signal SIG" for each one; its
+    failure records alone cannot tell them from a rank killed by someone else.
+    """
+
+    STOPPING = "Sending process %s closing signal %s"
+    FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pids: set[int] = set()
+        self.quiet = not os.environ.get("DLRMFLOW_DEBUG")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == self.STOPPING and record.args:
+            self.pids.add(int(record.args[0]))  # type: ignore[index]
+            return not self.quiet
+        return not (self.quiet and record.msg == self.FAILED)
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """torchrun (``torch.distributed.run``) with ``argv``. When ranks fail, it prints one
+    ``failures`` JSON line instead of torchrun's report and traceback: each failed rank's
+    exit code, signal name (killed by one) and whether torchrun stopped it because another
+    rank had failed. Returns the exit code: 0, or 1 when ranks failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    stopped = _StoppedRanks()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(stopped)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        failures = {
+            rank: {
+                "exitcode": f.exitcode,
+                "signal": f.signal_name() if f.exitcode < 0 else None,
+                "stopped": f.pid in stopped.pids,
+            }
+            for rank, f in e.failures.items()  # the ranks torchrun saw fail first come first
+        }
+        print(FAILURES + json.dumps(failures), flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

@@ -54,9 +54,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from torchdata.nodes import BaseNode, Loader, Prefetcher
+from torchdata.nodes import BaseNode
 
 from dlrmflow.config import RunConfig
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.ids import Vocabulary
 from dlrmflow.features.spec import FeatureSpec
@@ -65,6 +66,8 @@ from dlrmflow.ingest.manifest import join_url, read_manifest
 from dlrmflow.ingest.reader import (
     DataError,
     ParquetBatchDataset,
+    ReaderLoader,
+    ReaderPrefetcher,
     RoundRobin,
     Split,
     SplitReader,
@@ -83,7 +86,7 @@ _EMPTY_SCHEMA = pa.schema([("labels", pa.float32())])  # a stream with no batch 
 TransformFactory = Callable[[FeatureSpec, IdMapper], BatchTransform]
 
 
-class ReaderUnavailableError(RuntimeError):
+class ReaderUnavailableError(DlrmflowError, RuntimeError):
     """No reader endpoint could serve a stream; the message names each one and its error."""
 
 
@@ -672,9 +675,10 @@ class _Stream:
         where = f"rank {r.rank} reader {r.worker} of {r.num_workers}"
         if not left:
             tried = "; ".join(f"{e}: {why}" for e, why in self._failed.items())
+            start = f"state {self._state}" if self._state else f"the start of epoch {r.epoch}"
             raise ReaderUnavailableError(
-                f"{where}: no reader endpoint left to serve its splits from state "
-                f"{self._state}. Tried {tried}. Reader w is served by endpoint w mod S of the "
+                f"{where}: no reader endpoint left to serve its splits from {start}. "
+                f"Tried {tried}. Reader w is served by endpoint w mod S of the "
                 "S in distributed.readers and fails over to the next ones in order; start "
                 "the servers again (the state resumes exactly) or clear distributed.readers "
                 "to read locally."
@@ -719,6 +723,11 @@ class RemoteSplitReader(BaseNode[Batch]):
     def get_state(self) -> dict[str, Any]:
         assert self._stream is not None
         return self._stream.state
+
+    def close(self) -> None:
+        """End the stream; a thread waiting for its next batch gets StopIteration."""
+        if self._stream is not None:
+            self._stream.close()
 
 
 class RemoteBatchSource:
@@ -828,7 +837,7 @@ class RemoteBatchSource:
         self._streams.add(stream)
         return stream
 
-    def loader(self, num_workers: int, prefetch_factor: int = 4) -> Loader[Batch]:
+    def loader(self, num_workers: int, prefetch_factor: int = 4) -> ReaderLoader:
         """Batches as ``make_loader(dataset, num_workers, prefetch_factor)`` gives them."""
         if num_workers < 0:
             raise ValueError(f"num_workers must be non-negative, got {num_workers}")
@@ -842,12 +851,12 @@ class RemoteBatchSource:
                 ", ".join(map(str, idle)),
             )
         if num_workers == 0:
-            return Loader(RemoteSplitReader(self, 0, 1))
+            return ReaderLoader(RemoteSplitReader(self, 0, 1))
         readers = [
-            Prefetcher(RemoteSplitReader(self, worker, num_workers), prefetch_factor)
+            ReaderPrefetcher(RemoteSplitReader(self, worker, num_workers), prefetch_factor)
             for worker in range(num_workers)
         ]
-        return Loader(RoundRobin(readers))
+        return ReaderLoader(RoundRobin(readers))
 
     def close(self) -> None:
         """End every open stream (the servers stop reading for them at once)."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+import threading
 
 import fsspec
 import numpy as np
@@ -432,29 +435,112 @@ def test_corrupt_row_group_names_file_and_row_group(tmp_path, splits, num_worker
     data[4:68] = b"\xff" * 64  # the first page header of row group 0; the footer is intact
     path.write_bytes(bytes(data))
     # With reader threads the error crosses to the consumer with its type and message.
-    with pytest.raises(DataError, match=f"{path}, row group 0: cannot decode"):
+    with pytest.raises(DataError, match=f"^{path}, row group 0: cannot decode"):
         _read(splits, num_workers, shuffle=False)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_validate_errors_are_wrapped_with_file_and_row_group(splits, num_workers):
+def test_validate_errors_are_wrapped_with_file_and_row_group(tmp_path, splits, num_workers):
     def validate(table: pa.Table) -> None:
         if table.num_rows == 250:
             raise ValueError("label out of range")
 
-    with pytest.raises(DataError, match=r"part-0.parquet, row group 1: label out of range"):
+    # Raised as the reader thread raised it: its message alone (not torchdata's "Caught
+    # DataError in _populate_queue" and a traceback), its cause kept.
+    message = f"{tmp_path}/part-0.parquet, row group 1: label out of range"
+    with pytest.raises(DataError) as raised:
         _read(splits, num_workers, validate=validate)
+    assert str(raised.value) == message
+    assert isinstance(raised.value.__cause__, ValueError)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_transform_errors_name_file_and_row_group(splits, num_workers):
+def test_transform_errors_name_file_and_row_group(tmp_path, splits, num_workers):
     def transform(table: pa.Table) -> Rows:
         if table.num_rows == 180:
             raise KeyError("C3")
         return to_rows(table)
 
-    with pytest.raises(DataError, match=r"part-1.parquet, row group 2: transform failed: KeyError"):
+    where = f"{tmp_path}/part-1.parquet, row group 2"
+    with pytest.raises(DataError, match=f"^{where}: transform failed: KeyError: 'C3'$"):
         _read(splits, num_workers, transform=transform)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_closing_the_loader_stops_every_reader_thread(splits, num_workers):
+    before = set(threading.enumerate())
+    loader = make_loader(_dataset(splits, batch_size=16), num_workers=num_workers, threads=2)
+    next(iter(loader))
+    started = set(threading.enumerate()) - before
+    assert started  # preparation threads, and a prefetch thread per reader
+    loader.close()
+    assert not [t.name for t in started if t.is_alive()]
+    # A closed loader reads a whole pass again.
+    assert np.array_equal(np.sort(_row_ids(loader)), np.arange(TOTAL_ROWS))
+    loader.close()
+
+
+# Readers at work when the interpreter exits after an error: a reader thread that is inside
+# a torch call then (here: joining a batch across windows), or an Arrow IO thread freeing a
+# Python buffer, used to abort the process (exit 134) once in a few runs.
+_EXIT_WHILE_READING = """
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
+
+path = sys.argv[1]
+pq.write_table(pa.table({"x": np.arange(2000, dtype=np.float32)}), path, row_group_size=10)
+
+
+class Rows:
+    def __init__(self, t):
+        self.t = t
+
+    def __len__(self):
+        return len(self.t)
+
+    def take(self, indices):
+        return Rows(self.t[torch.from_numpy(indices)])
+
+    @classmethod
+    def concat(cls, blocks):
+        for _ in range(100):
+            torch.zeros(20000)
+        return Rows(torch.cat([b.t for b in blocks]))
+
+
+dataset = ParquetBatchDataset(
+    list_splits([path]),
+    ["x"],
+    batch_size=7,  # every window of one 10-row row group leaves rows for the next batch
+    shuffle_window=1,
+    transform=lambda table: Rows(torch.tensor(table.column("x").to_numpy())),
+)
+batches = iter(make_loader(dataset, num_workers=2, prefetch_factor=1000))
+next(batches)
+raise ValueError("the consumer failed")
+"""
+
+
+def test_an_error_while_readers_work_exits_1_not_134(tmp_path):
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _EXIT_WHILE_READING, str(tmp_path / f"{i}.parquet")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    for run in runs:
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 1, err[-2000:]
+        assert err.rstrip().endswith("ValueError: the consumer failed"), err[-2000:]
 
 
 def test_memory_filesystem():

@@ -18,12 +18,14 @@ import torch
 
 from dlrmflow.bench.readers import CostlyTransform
 from dlrmflow.config import DataConfig, RunConfig, apply_overrides
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.data import TrainLoader, fit_features, make_train_loader
+from dlrmflow.train.launch import free_port
 from dlrmflow.train.readers import (
     Endpoint,
     ReaderServer,
@@ -215,8 +217,25 @@ def test_killed_server_without_another_endpoint_fails_naming_it(config):
             batches = iter(loader)
             next(batches)
             os.kill(doomed.process.pid, signal.SIGKILL)
-            with pytest.raises(ReaderUnavailableError, match=re.escape(str(doomed.endpoint))):
+            # From a reader thread, as raised there: one line, an expected failure.
+            with pytest.raises(ReaderUnavailableError) as raised:
                 list(batches)
+    message = str(raised.value)
+    assert message.startswith("rank 0 reader ") and "\n" not in message
+    assert f"Tried {doomed.endpoint}: " in message
+    assert isinstance(raised.value, DlrmflowError)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_unreachable_endpoint_fails_in_one_line_naming_it(config, num_workers):
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    unreachable = with_readers(config, endpoint, **{"train.num_workers": num_workers})
+    with pytest.raises(ReaderUnavailableError) as raised:
+        epoch(unreachable)
+    message = str(raised.value)
+    assert message.startswith(f"rank 0 reader 0 of {max(num_workers, 1)}: ")
+    assert "from the start of epoch 0" in message and f"Tried {endpoint}: " in message
+    assert "\n" not in message and "_populate_queue" not in message
 
 
 def test_server_shutting_down_hands_its_streams_to_another(config, start_server):
@@ -251,7 +270,8 @@ def test_bad_data_fails_naming_reader_file_row_group_and_column(
     pattern = (
         rf"reader {re.escape(str(server.endpoint))}: {re.escape(path)}, row group 1: column label"
     )
-    with pytest.raises(DataError, match=pattern):
+    # Raised in a reader thread (num_workers 2), it reaches the caller as one line.
+    with pytest.raises(DataError, match=f"^{pattern}: [^\n]+$"):
         epoch(with_readers(config, server.endpoint))
 
 
