@@ -269,8 +269,12 @@ def test_a_rank_resolves_the_configuration_its_parent_did(tmp_path, monkeypatch)
     assert load_config(path, env=False) == parent
     assert load_config(path).train.lr == 0.1  # what a rank reading the environment got
 
-    # And the rank's entry point reads it that way.
+    # And the rank's entry point reads it that way when launched (--resolved), while a
+    # rank started by hand with torchrun resolves the environment as the CLI does.
     import dlrmflow.train.__main__ as rank
+    from dlrmflow.train.launch import launch_command
+
+    assert "--resolved" in launch_command(path, 2, 1234)
 
     class Result:
         def to_dict(self) -> dict:
@@ -284,5 +288,7 @@ def test_a_rank_resolves_the_configuration_its_parent_did(tmp_path, monkeypatch)
 
     monkeypatch.setattr(rank, "tune_allocator", lambda: None)
     monkeypatch.setattr(rank, "train", fake_train)
-    assert rank.main(["--config", str(path)]) == 0
+    assert rank.main(["--config", str(path), "--resolved"]) == 0
     assert seen == [parent]
+    assert rank.main(["--config", str(path)]) == 0
+    assert seen[-1].train.lr == 0.1

@@ -5,8 +5,10 @@
 
 torchrun starts this on every rank (``dlrmflow train --nproc N`` does it for one host; the
 README shows ``torchrun --nnodes ...`` for many). Rank 0 prints the metrics records.
-A rank reads only ``--config`` and ``--set``, never ``DLRMFLOW_SECTION__KEY`` variables,
-so every rank of a job resolves the configuration its launcher resolved.
+Started by hand (``torchrun ... -m dlrmflow.train``), a rank resolves its configuration as
+the CLI does: the file, then ``DLRMFLOW_SECTION__KEY`` variables, then ``--set``. Started
+by ``dlrmflow train`` it gets ``--resolved``: the launcher's ``config.json`` already holds
+the environment, and a ``--set`` that overrode a variable there must not be undone here.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="KEY=VALUE override"
     )
+    parser.add_argument(
+        "--resolved",
+        action="store_true",
+        help="--config is a resolved configuration: ignore DLRMFLOW_* variables",
+    )
     parser.add_argument("--evaluate", metavar="RUN_DIR", help="score this run's checkpoint")
     parser.add_argument("--checkpoint", help="with --evaluate: a checkpoint directory")
     parser.add_argument("--data", help="with --evaluate: the dataset URL")
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_allocator()
     except ValueError as e:
         _print_error(e)
-        return 2
+        return 1
     if args.evaluate is not None:
         return _run(
             lambda: evaluate(
@@ -50,12 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     try:
-        # Never the DLRMFLOW_SECTION__KEY environment: the launcher's config.json already
-        # holds it, and a --set that overrode it must not be undone here.
-        config = load_config(args.config, args.overrides, env=False)
+        config = load_config(args.config, args.overrides, env=not args.resolved)
     except ConfigError as e:
         _print_error(e)
-        return 2
+        return 1
 
     def show(record: dict) -> None:
         print("metrics " + json.dumps(record), flush=True)

@@ -168,7 +168,10 @@ def _evaluate(
     )
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows
-    scored = score(model, loader, spec, env, limit, progress)
+    try:
+        scored = score(model, loader, spec, env, limit, progress)
+    finally:
+        loader.close()
     seconds = time.perf_counter() - start
     if scored is None:
         return {}

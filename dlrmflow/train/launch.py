@@ -61,8 +61,9 @@ def free_port() -> int:
 def launch_command(config_path: Path | None, nproc: int, port: int, *args: str) -> list[str]:
     """The torchrun command line of a one-host job (what ``dlrmflow train --nproc`` runs,
     torchrun's arguments run through ``torchrun_main``); ``args`` go to
-    ``python -m dlrmflow.train`` after the config."""
-    config = ["--config", str(config_path)] if config_path is not None else []
+    ``python -m dlrmflow.train`` after the config, which is a resolved one (environment
+    variables already applied)."""
+    config = ["--config", str(config_path), "--resolved"] if config_path is not None else []
     return [
         sys.executable,
         "-m",

@@ -1,8 +1,13 @@
-"""The single-process training loop: reader -> DLRM -> BCE loss -> optimizers.
+"""The training loop of every rank: reader -> (sharded) DLRM -> BCE loss -> optimizers.
 
 Every knob comes from ``RunConfig``; the loop stays flat so it can be read top to bottom.
-Metrics go to ``RUN_DIR/metrics.jsonl`` every ``train.log_every`` steps and a checkpoint
-to ``RUN_DIR/checkpoint.pt`` at the end.
+One process trains the plain ``DLRM``; the ranks of a job train the ``ShardedDLRM`` under
+the planner's plan. Around the loop sits what makes a run trustworthy: the run
+directory's lock, the dataset check, where to resume from (and whether that checkpoint
+belongs to this run), a stop at the first non-finite loss, and a checkpoint whose
+position is the next step's. Metrics go to ``RUN_DIR/metrics.jsonl`` every
+``train.log_every`` steps, checkpoints to ``RUN_DIR/checkpoints/`` every
+``train.checkpoint_every`` steps and at the end, the result to ``train_result.json``.
 """
 
 from __future__ import annotations
@@ -467,7 +472,7 @@ def _train(
             config, env, run_dir, spec, ids, loader, resume, digest, data_warnings, progress
         )
     finally:
-        loader.close()
+        loader.close()  # also on errors: no reader thread outlives the run
 
 
 def _train_loop(
@@ -681,6 +686,8 @@ def _train_loop(
             batch, pending = following, following_pending
     if window["steps"]:
         log_window()
+    if eval_loader is not None:
+        eval_loader.close()  # on an error path, the reader's exit hook closes it
     if tiered:
         model.embeddings.flush()
     if state["step"] == 0:
