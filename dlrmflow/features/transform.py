@@ -672,10 +672,9 @@ class WindowWriter:
     ``add`` the tables in window order, then ``finish``. On the compiled path each table's
     rows are written straight to their shuffled places as it arrives and the table is not
     kept: the reader transforms a row group right after decoding it, while its columns are
-    still in cache, and frees it before decoding the next. Measured with two readers on
-    2 cores, the whole reader took 0.39-0.41 CPU s per million rows this way against
-    0.43-0.49 when one thread decoded a window's row groups and another transformed them
-    after. Other layouts keep the tables and hand them to ``window`` at ``finish``.
+    still in cache, and frees it before decoding the next (a whole window decoded first
+    no longer fits in cache when it is transformed). Other layouts keep the tables and
+    hand them to ``window`` at ``finish``.
 
     Used by one thread at a time; ``add`` raises for a table whose rows overflow
     ``order`` or whose layout differs from the compiled one of the tables before it.
