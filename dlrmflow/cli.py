@@ -464,7 +464,7 @@ def readers_serve(
     """
     import logging
 
-    from dlrmflow.train.readers import serve_readers
+    from dlrmflow.train.reader_servers import serve_readers
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = _config(config, set_, **{"data.url": data})

@@ -48,7 +48,7 @@ from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.data import TrainLoader, batch_loader, fit_features, make_train_loader
-from dlrmflow.train.readers import reader_processes
+from dlrmflow.train.reader_servers import reader_processes
 
 BASELINE = "local_1_reader"
 

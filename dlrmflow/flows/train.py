@@ -131,7 +131,7 @@ def train_with_readers_flow(
     the trainers get their endpoints in ``distributed.readers``; this flow is the
     one-machine form of that layout, for trying it and for its benchmark.
     """
-    from dlrmflow.train.readers import reader_processes
+    from dlrmflow.train.reader_servers import reader_processes
 
     logger = get_run_logger()
     with reader_processes(config, readers, workers) as servers:

@@ -1,10 +1,11 @@
 """Composes ingest and features into the loaders the trainer and the evaluator consume.
 
-This is the only place that joins the two stages: the reader runs the feature transform on
-each decoded row group in its own threads, so preprocessing overlaps training. The trainer's
-batches come either from those threads (the default) or from reader servers over Arrow Flight
-(``distributed.readers``, see ``dlrmflow.train.readers``); ``make_train_loader`` picks one,
-and both give the same batches in the same order, resumable from the same states.
+This is where the two stages join (with ``reader_servers``, the server side of the remote
+loader): the reader runs the feature transform on each decoded row group in its own threads,
+so preprocessing overlaps training. The trainer's batches come either from those threads
+(the default) or from reader servers over Arrow Flight (``distributed.readers``, see
+``dlrmflow.ingest.service``), decoded from their record batches here; ``make_train_loader``
+picks one, and both give the same batches in the same order, resumable from the same states.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
+from dlrmflow.features.wire import decode_batch, features_digest
 from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.ingest.reader import ParquetBatchDataset, ReaderLoader, list_splits, make_loader
 from dlrmflow.ingest.schema import SPARSE
 
 if TYPE_CHECKING:
-    from dlrmflow.train.readers import RemoteBatchSource
+    from dlrmflow.ingest.service import RemoteBatchSource
 
 VOCAB_FILE = "vocab.npz"
 
@@ -188,7 +190,7 @@ def make_train_loader(
     """Rank ``rank``'s training batches over ``paths``, from local readers or reader servers.
 
     ``distributed.readers`` empty: ``train.num_workers`` reader threads in this process.
-    Otherwise the same number of streams from those servers (see ``dlrmflow.train.readers``
+    Otherwise the same number of streams from those servers (see ``dlrmflow.ingest.service``
     for how they are divided); ``paths`` must then lie under ``data.url``, which the servers
     serve under their own root. Either way the batches and states are the same.
     """
@@ -207,10 +209,40 @@ def make_train_loader(
             world_size=world_size,
         )
         return TrainLoader(loader, dataset)
-    # Imported here: the reader servers fit their features with ``fit_features`` above.
-    from dlrmflow.train.readers import RemoteBatchSource
-
-    source = RemoteBatchSource.for_config(
-        config, spec, ids, paths, rank=rank, world_size=world_size
-    )
+    source = _remote_source(config, spec, ids, paths, rank=rank, world_size=world_size)
     return TrainLoader(source.loader(train.num_workers), source, remote=source)
+
+
+def _remote_source(
+    config: RunConfig,
+    spec: FeatureSpec,
+    ids: IdMapper,
+    paths: list[str],
+    *,
+    rank: int,
+    world_size: int,
+) -> RemoteBatchSource:
+    """The ``Batch``es of ``config.distributed.readers`` for ``paths`` (under ``data.url``)."""
+    # Imported here: only trainers that read from reader servers load Flight (gRPC).
+    from dlrmflow.ingest.service import RemoteBatchSource
+
+    root = config.data.url.rstrip("/") + "/"
+    outside = [p for p in paths if not p.startswith(root)]
+    if outside:
+        raise ValueError(
+            f"remote readers resolve files under their own data root, so every path must "
+            f"lie under data.url {config.data.url}; {outside[0]} does not"
+        )
+    train = config.train
+    return RemoteBatchSource(
+        config.distributed.readers,
+        [p.removeprefix(root) for p in paths],
+        features_digest(spec, ids),
+        batch_size=train.batch_size,
+        seed=train.seed,
+        shuffle=train.shuffle,
+        shuffle_window=train.shuffle_window,
+        rank=rank,
+        world_size=world_size,
+        decode=decode_batch,
+    )

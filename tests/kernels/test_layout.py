@@ -1,10 +1,13 @@
-"""No module of dlrmflow takes part in an import cycle.
+"""No module of dlrmflow takes part in an import cycle, and no stage imports one above it.
 
 A cycle makes a module's names depend on which of the two was imported first, and ties a
 layer to its callers (a kernel that imports the module that dispatches to it). The scan
 reads every ``import`` and ``from ... import`` statement of the package's source with
 ``ast``, those inside functions and under ``if TYPE_CHECKING:`` included: a lazy or
 typing-only import still makes the two modules one unit.
+
+The stages follow the data, one way: ingest -> features -> train; the flows, the CLI and
+the benchmarks only compose them, and the kernels sit below every stage.
 """
 
 from __future__ import annotations
@@ -18,8 +21,26 @@ PACKAGE_ROOT = Path(dlrmflow.__file__).parent
 
 # Cycles being removed elsewhere: each entry is the exact set of modules of one cycle.
 # Delete an entry once its cycle is gone; a cycle that grows beyond its entry fails.
-KNOWN_CYCLES = {
-    frozenset({"dlrmflow.train.data", "dlrmflow.train.readers"}),  # issue 18, the layout
+KNOWN_CYCLES: set[frozenset[str]] = set()
+
+# What the modules of each stage (``dlrmflow.STAGE``) must not import.
+FORBIDDEN = {
+    "ingest": {"features", "train", "flows", "config", "bench", "cli"},
+    "features": {"train", "flows", "bench", "cli"},
+    "train": {"flows", "bench", "cli"},
+    "kernels": {"ingest", "features", "train", "flows", "bench", "cli"},
+}
+
+# Imports against the rule, being removed elsewhere: (module, stage it imports), exact.
+# Delete an entry once its import is gone (the test says so); a new one fails.
+KNOWN_CROSSINGS = {
+    # The synthetic generator is configured with the config's DataConfig.
+    ("dlrmflow.ingest.synthetic", "config"),
+    # The TBE kernels take the features' SparseFeature tables and KeyedJaggedTensor IDs.
+    ("dlrmflow.kernels.tbe", "features"),
+    ("dlrmflow.kernels.tbe_layout", "features"),
+    ("dlrmflow.kernels.tiered", "features"),
+    ("dlrmflow.kernels.triton_tbe", "features"),
 }
 
 
@@ -171,3 +192,29 @@ def test_the_scan_finds_lazy_relative_and_package_cycles(tmp_path):
     assert describe(frozenset({"pkg.f", "pkg.g", "pkg.h"}), graph) == (
         "pkg.f (line 1) -> pkg.g (line 2) -> pkg.f"
     )
+
+
+def _stage(module: str) -> str:
+    """``dlrmflow.STAGE...``'s ``STAGE`` (``""`` for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def stage_crossings(graph: dict[str, dict[str, int]]) -> dict[tuple[str, str], str]:
+    """(module, stage it must not import) -> where it does, as ``module (line N) -> target``."""
+    found: dict[tuple[str, str], str] = {}
+    for module, targets in sorted(graph.items()):
+        forbidden = FORBIDDEN.get(_stage(module), set())
+        # The deepest module imported names the import best (its packages come with it).
+        for target, line in sorted(targets.items(), key=lambda t: -len(t[0])):
+            if _stage(target) in forbidden:
+                found.setdefault((module, _stage(target)), f"{module} (line {line}) -> {target}")
+    return found
+
+
+def test_no_stage_imports_a_stage_above_it():
+    crossings = stage_crossings(import_graph(PACKAGE_ROOT))
+    new = [where for key, where in crossings.items() if key not in KNOWN_CROSSINGS]
+    assert not new, "imports against the stage rule:\n" + "\n".join(new)
+    gone = sorted(KNOWN_CROSSINGS - crossings.keys())
+    assert not gone, f"no longer imported, delete from KNOWN_CROSSINGS: {gone}"

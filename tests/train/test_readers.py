@@ -21,19 +21,14 @@ from dlrmflow.config import DataConfig, RunConfig, apply_overrides
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.transform import BatchTransform
+from dlrmflow.features.wire import decode_batch, encode_batch
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.service import Endpoint, ReaderUnavailableError
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.data import TrainLoader, fit_features, make_train_loader
 from dlrmflow.train.launch import free_port
-from dlrmflow.train.readers import (
-    Endpoint,
-    ReaderServer,
-    ReaderUnavailableError,
-    decode_batch,
-    encode_batch,
-    reader_processes,
-)
+from dlrmflow.train.reader_servers import ReaderServer, reader_processes
 from tests.conftest import TINY_DATA, tiny_run_config
 
 # One window per row group: three windows per reader at two readers, batches that span them.

@@ -1,29 +1,31 @@
-"""Disaggregated readers: reader servers stream ready batches to trainers over Arrow Flight.
+"""The reader service: reader servers stream a dataset's batches to trainers over Arrow Flight.
 
 Preprocessing can outgrow the CPUs beside an accelerator; reader servers move it to hosts
-of their own that scale apart from the trainers. A server runs the local reader and
-transform unchanged (``ParquetBatchDataset``, ``SplitReader``, ``BatchTransform``, the
-feature spec and ID mapping fitted from the run config as ``fit_features`` does) and sends
-each batch as one Arrow record batch; the trainer turns it back into the identical ``Batch``.
+of their own that scale apart from the trainers. A server runs the local reader unchanged
+(``ParquetBatchDataset``, ``SplitReader``, with the caller's ``validate`` and ``transform``)
+and sends each batch as one Arrow record batch (``ParquetStreams``, with the caller's
+``encode``); the client hands each one to the caller's ``decode``. This module knows record
+batches only: what a batch holds, and which digest of its features a server and a client
+must share, is the caller's (``dlrmflow.train.reader_servers`` and ``dlrmflow.train.data``
+compose it with the feature transform).
 
-How the work is divided (the rule). The local loader of a rank runs ``train.num_workers``
+How the work is divided (the rule). The local loader of a rank runs ``num_workers``
 readers (one, read in the training loop, when it is 0); reader ``w`` reads a fixed share of
 the rank's splits, and the loader takes one batch from each reader in turn. Remotely, each
 of those readers becomes one Flight stream (``do_get``), and the client takes batches from
 the streams in the same turn, with the same ``torchdata`` nodes. Stream ``w`` goes to
-endpoint ``w mod S`` of the ``S`` ``distributed.readers`` endpoints. So the batches, their
-order and the ``state_dict`` are those of the local loader for any number of servers; to
-use ``S`` servers at once, set ``train.num_workers`` to ``S`` or a multiple of it (a server
-serves several streams; its ``workers`` bounds how many row groups it preprocesses at once).
+endpoint ``w mod S`` of the ``S`` endpoints. So the batches, their order and the
+``state_dict`` are those of the local loader for any number of servers; to use ``S``
+servers at once, set ``num_workers`` to ``S`` or a multiple of it (a server serves several
+streams; its ``workers`` bounds how many row groups it preprocesses at once).
 
 The ticket (JSON, ``StreamRequest``) names the rank, world size, reader ``w`` of
 ``num_workers``, epoch, seed, batch size and shuffle settings, the files (relative to the
-dataset root, which each server resolves under its own ``--data``), a digest of the trainer's
-feature spec and ID mapping (a server fitted differently refuses), and the ``SplitReader``
-state to start from. Each record batch carries the reader's state after it as Flight
-metadata, so the client always knows the exact position of the next row. Flight's streaming
-is the back-pressure: a server reads ahead a few windows and what gRPC buffers, never an
-epoch.
+dataset root, which each server resolves under its own), a digest of the client's features
+(a server whose own digest differs refuses), and the ``SplitReader`` state to start from.
+Each record batch carries the reader's state after it as Flight metadata, so the client
+always knows the exact position of the next row. Flight's streaming is the back-pressure: a
+server reads ahead a few windows and what gRPC buffers, never an epoch.
 
 Failure. When a stream's endpoint dies (connection lost, refused, or shutting down), the
 client re-requests that stream from the next endpoint in the list (``w + 1 mod S``, ...),
@@ -36,7 +38,6 @@ failures of the endpoint and raise at once, naming the endpoint, file, row group
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -47,23 +48,18 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torchdata.nodes import BaseNode
 
-from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
-from dlrmflow.features.ids import Vocabulary
-from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest.manifest import join_url, read_manifest
+from dlrmflow.ingest.manifest import Manifest, join_url
 from dlrmflow.ingest.reader import (
+    Block,
     DataError,
     ParquetBatchDataset,
     ReaderLoader,
@@ -73,7 +69,6 @@ from dlrmflow.ingest.reader import (
     SplitReader,
     list_splits,
 )
-from dlrmflow.train.data import IdMapper, fit_features
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +77,6 @@ STATE_ACTION = "reader-state"
 # types instead of failing over, since another endpoint would refuse the same request.
 _MARKED = {"DataError": DataError, "ValueError": ValueError}
 _EMPTY_SCHEMA = pa.schema([("labels", pa.float32())])  # a stream with no batch at all
-
-TransformFactory = Callable[[FeatureSpec, IdMapper], BatchTransform]
 
 
 class ReaderUnavailableError(DlrmflowError, RuntimeError):
@@ -114,31 +107,13 @@ class Endpoint:
         return self.location.removeprefix("grpc://")
 
 
-def features_digest(spec: FeatureSpec, ids: IdMapper) -> str:
-    """What decides the tensors of a batch: column names, table sizes and the ID mapping.
-
-    Embedding widths and pooling are left out: they shape the model, not the batches, so
-    reader servers need no model config.
-    """
-    h = hashlib.sha256()
-    h.update(json.dumps([spec.label, list(spec.dense)]).encode())
-    h.update(json.dumps([[f.name, f.num_embeddings] for f in spec.sparse]).encode())
-    if isinstance(ids, Vocabulary):
-        for name in sorted(ids.ids):
-            h.update(name.encode())
-            h.update(ids.ids[name].tobytes())
-    else:
-        h.update(json.dumps(["hash", ids.seed, sorted(ids.table_rows.items())]).encode())
-    return h.hexdigest()
-
-
 class StreamRequest(BaseModel):
     """A Flight ticket: one reader's batches of one rank, from ``state`` (or the epoch start)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     files: tuple[str, ...] = Field(min_length=1, description="relative to the dataset root")
-    features: str = Field(description="features_digest of the trainer's spec and IDs")
+    features: str = Field(description="digest of the client's features, the server's to match")
     batch_size: int = Field(ge=1)
     seed: int = Field(ge=0)
     shuffle: bool
@@ -154,90 +129,28 @@ class StreamRequest(BaseModel):
         return self.model_dump_json().encode()
 
 
-# --- wire format -------------------------------------------------------------------------
-# dense: fixed_size_list<float32>[n_dense]; labels: float32; the sparse IDs either one-hot,
-# "sparse_rows": fixed_size_list<int32|int64>[n_keys] (-1: empty bag), as compact as the
-# transform's own form, or jagged, one list<int64> column "sparse.KEY" per key. The keys, in
-# order, are in the schema metadata.
-
-
-def _batch_schema(batch: Batch) -> pa.Schema:
-    sparse = batch.sparse
-    fields = [
-        pa.field("dense", pa.list_(pa.float32(), batch.dense.shape[1]), nullable=False),
-        pa.field("labels", pa.float32(), nullable=False),
-    ]
-    rows = sparse.one_hot_rows
-    if rows is not None:
-        item = pa.from_numpy_dtype(rows.numpy().dtype)
-        fields.append(pa.field("sparse_rows", pa.list_(item, len(sparse.keys)), nullable=False))
-    else:
-        fields += [
-            pa.field(f"sparse.{k}", pa.list_(pa.int64()), nullable=False) for k in sparse.keys
-        ]
-    return pa.schema(fields, metadata={"keys": json.dumps(sparse.keys)})
-
-
-def encode_batch(batch: Batch) -> pa.RecordBatch:
-    """``batch`` as one record batch; batches of one stream share its schema."""
-    sparse = batch.sparse
-    if sparse.weights is not None:
-        raise ValueError("reader servers stream unweighted IDs; this batch has weights")
-    n = len(batch)
-    dense = pa.FixedSizeListArray.from_arrays(
-        pa.array(batch.dense.contiguous().numpy().reshape(-1)), batch.dense.shape[1]
-    )
-    columns = [dense, pa.array(batch.labels.numpy())]
-    rows = sparse.one_hot_rows
-    if rows is not None:
-        flat = rows.contiguous().numpy().reshape(-1)
-        columns.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), len(sparse.keys)))
-    else:
-        # Key k's bags are lengths[k*n:(k+1)*n]; their offsets into the key-major values,
-        # shifted to start at 0, cut that key's slice of the values.
-        offsets, values = sparse.offsets().numpy(), sparse.values.numpy()
-        for k in range(len(sparse.keys)):
-            key_offsets = offsets[k * n : (k + 1) * n + 1]
-            first, last = int(key_offsets[0]), int(key_offsets[-1])
-            columns.append(
-                pa.ListArray.from_arrays(
-                    pa.array((key_offsets - first).astype(np.int32)), pa.array(values[first:last])
-                )
-            )
-    return pa.RecordBatch.from_arrays(columns, schema=_batch_schema(batch))
-
-
-def _rows(column: pa.FixedSizeListArray) -> np.ndarray:
-    """The [len, list_size] values of a fixed-size list column, copied.
-
-    A copy, so that the tensors own writable memory rather than pin the gRPC message;
-    ``values`` sliced by hand, since ``flatten()`` is a compute call that costs more here.
-    """
-    size = column.type.list_size
-    values = column.values.slice(column.offset * size, len(column) * size)
-    return values.to_numpy().reshape(len(column), size).copy()
-
-
-def decode_batch(data: pa.RecordBatch) -> Batch:
-    """The ``Batch`` that ``encode_batch`` encoded."""
-    keys = json.loads(data.schema.metadata[b"keys"])
-    dense = _rows(data.column("dense"))
-    labels = data.column("labels").to_numpy().copy()
-    if "sparse_rows" in data.schema.names:
-        sparse = KeyedJaggedTensor.from_one_hot(
-            keys, torch.from_numpy(_rows(data.column("sparse_rows")))
-        )
-    else:
-        columns = [data.column(f"sparse.{key}") for key in keys]
-        values = np.concatenate([c.flatten().to_numpy() for c in columns])
-        lengths = np.concatenate([np.diff(c.offsets.to_numpy()) for c in columns])
-        sparse = KeyedJaggedTensor(
-            keys, torch.from_numpy(values), torch.from_numpy(lengths.astype(np.int32))
-        )
-    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
-
-
 # --- server ------------------------------------------------------------------------------
+
+
+class BatchStream(Protocol):
+    """One stream's record batches, from a position that its state names exactly."""
+
+    def __next__(self) -> pa.RecordBatch:
+        """The next record batch; ``StopIteration`` at the end of the pass."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream stands: a request with this state goes on from here."""
+        ...
+
+    def cursor(self) -> dict[str, Any]:
+        """The entries of ``state_dict()`` that batches move: sent after each batch."""
+        ...
+
+
+# ``open_stream(request, endpoint)``: the request's stream, reset to its state (checked) or
+# to the start of its epoch; ``endpoint`` is the server's, for messages.
+StreamFactory = Callable[[StreamRequest, Endpoint], BatchStream]
 
 
 def _refuse(kind: str, message: str) -> flight.FlightServerError:
@@ -257,6 +170,72 @@ def _marked_errors() -> Iterator[None]:
         raise _refuse("ValueError", f"bad request: {e}") from e
     except (ValueError, KeyError) as e:
         raise _refuse("ValueError", str(e)) from e
+
+
+class FlightBatchServer(flight.FlightServerBase):
+    """A Flight server of record batches: ``do_get`` streams ``open_stream(request)``.
+
+    It listens as soon as it is built (``listen`` with port 0 picks a free port, see
+    ``endpoint``); ``serve`` blocks until a signal. ``features`` is the digest of what its
+    streams hold; a request for another refuses. ``shutdown()`` ends every open stream at
+    its next batch (clients fail over) and waits for them.
+    """
+
+    def __init__(self, listen: Endpoint, open_stream: StreamFactory, *, features: str) -> None:
+        self.features = features
+        self._open_stream = open_stream
+        self._closing = threading.Event()
+        super().__init__(listen.location)
+        self.endpoint = Endpoint(listen.host, self.port)
+
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator:
+        """``reader-state``: the state a ticket's stream starts in, checked against its layout."""
+        if action.type != STATE_ACTION:
+            raise _refuse("ValueError", f"unknown action {action.type!r}")
+        with _marked_errors():
+            request = StreamRequest.model_validate_json(action.body.to_pybytes())
+            state = self._open(request).state_dict()
+        return iter([json.dumps(state).encode()])
+
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> Any:
+        with _marked_errors():
+            request = StreamRequest.model_validate_json(ticket.ticket)
+            stream = self._open(request)
+            # The schema must precede the first batch, and it may depend on the data (for
+            # ``Batch``es, whether the sparse part is one-hot): the first batch decides it.
+            head = next(stream, None)
+        schema = _EMPTY_SCHEMA if head is None else head.schema
+        return flight.GeneratorStream(schema, self._stream(stream, head))
+
+    def _stream(
+        self, stream: BatchStream, data: pa.RecordBatch | None
+    ) -> Iterator[tuple[pa.RecordBatch, bytes]]:
+        """``data`` then the stream's other batches, each with the stream's cursor after it."""
+        with _marked_errors():
+            while data is not None:
+                if self._closing.is_set():
+                    raise flight.FlightUnavailableError(f"reader {self.endpoint} is shutting down")
+                yield data, json.dumps(stream.cursor()).encode()
+                data = next(stream, None)
+
+    def _open(self, request: StreamRequest) -> BatchStream:
+        if request.features != self.features:
+            raise ValueError(
+                f"reader {self.endpoint}: its feature spec or ID mapping differs from the "
+                "trainer's; start it with the trainer's config (features section) and data"
+            )
+        if request.worker >= request.num_workers or request.rank >= request.world_size:
+            raise ValueError(
+                f"reader {request.worker} of {request.num_workers} on rank "
+                f"{request.rank} of {request.world_size} does not exist"
+            )
+        return self._open_stream(request, self.endpoint)
+
+    def shutdown(self) -> None:
+        if self._closing.is_set():
+            return  # Flight's shutdown must run once
+        self._closing.set()
+        super().shutdown()
 
 
 class _Throttled:
@@ -295,100 +274,70 @@ class _ThrottledWriter:
             return self._writer.finish()
 
 
-def _next_or_none(reader: SplitReader) -> Batch | None:
-    try:
-        return next(reader)
-    except StopIteration:
-        return None
+class _SplitStream:
+    """A ``SplitReader``'s batches, encoded, as a ``BatchStream`` with the reader's state."""
+
+    def __init__(self, reader: SplitReader, encode: Callable[[Any], pa.RecordBatch] | None):
+        self._reader = reader
+        self._encode = encode
+
+    def __iter__(self) -> _SplitStream:
+        return self
+
+    def __next__(self) -> pa.RecordBatch:
+        batch = next(self._reader)
+        return batch if self._encode is None else self._encode(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._reader.state_dict()
+
+    def cursor(self) -> dict[str, Any]:
+        state = self._reader.state_dict()
+        return {key: state[key] for key in ("epoch", "window", "offset")}
 
 
-class ReaderServer(flight.FlightServerBase):
-    """A Flight server of one dataset's batches: ``do_get`` streams one reader's share.
+class ParquetStreams:
+    """The streams of one Parquet dataset (a ``StreamFactory``): each request's splits read
+    by a ``SplitReader`` exactly as the local loader reads them.
 
-    It listens as soon as it is built (``listen`` ``HOST:0`` picks a free port, see
-    ``port``); ``serve()`` only blocks. ``workers`` is how many row groups it preprocesses
-    at once (size it to its cores). ``transform`` builds the batch transform from the spec
-    and IDs; the readers benchmark passes one with an artificial cost. ``shutdown()`` ends
-    every open stream at its next batch (clients fail over) and waits for them.
+    ``manifest`` lists the files the dataset at ``root`` holds; requests name files
+    relative to ``root``. ``columns``, ``validate`` and ``transform`` are those of
+    ``ParquetBatchDataset``, run under ``workers`` preprocessing slots that every stream
+    shares. ``encode`` turns a batch into a record batch (none: the batches are record
+    batches already, as without a transform).
     """
 
     def __init__(
         self,
-        config: RunConfig,
-        listen: str,
-        workers: int,
+        root: str,
+        manifest: Manifest,
+        columns: Sequence[str],
         *,
-        transform: TransformFactory = BatchTransform,
+        workers: int,
+        validate: Callable[[pa.Table], None] | None = None,
+        transform: Callable[[pa.Table], Block] | None = None,
+        encode: Callable[[Any], pa.RecordBatch] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be positive, got {workers}")
-        endpoint = Endpoint.parse(listen)
-        self.root = config.data.url
-        manifest = read_manifest(self.root)
-        self._files = {f.path for f in manifest.files}
-        spec, ids = fit_features(config, manifest)
-        self.features = features_digest(spec, ids)
+        self.root = root
         self.workers = workers
-        self._columns = spec.columns
-        batch_transform = transform(spec, ids)
+        self._files = {f.path for f in manifest.files}
+        self._columns = list(columns)
         slots = threading.BoundedSemaphore(workers)
-        self._validate = _Throttled(batch_transform.validate, slots)
-        throttled = _ThrottledTransform if hasattr(batch_transform, "window_writer") else _Throttled
-        self._transform = throttled(batch_transform, slots)
+        self._validate = None if validate is None else _Throttled(validate, slots)
+        self._transform: _Throttled | None = None
+        if transform is not None:
+            throttled = _ThrottledTransform if hasattr(transform, "window_writer") else _Throttled
+            self._transform = throttled(transform, slots)
+        self._encode = encode
         self._splits: dict[tuple[str, ...], list[Split]] = {}
         self._lock = threading.Lock()
-        self._closing = threading.Event()
-        super().__init__(endpoint.location)
-        self.endpoint = Endpoint(endpoint.host, self.port)
 
-    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator:
-        """``reader-state``: the state a ticket's stream starts in, checked against its layout."""
-        if action.type != STATE_ACTION:
-            raise _refuse("ValueError", f"unknown action {action.type!r}")
-        with _marked_errors():
-            request = StreamRequest.model_validate_json(action.body.to_pybytes())
-            state = self._reader(request).state_dict()
-        return iter([json.dumps(state).encode()])
-
-    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> Any:
-        with _marked_errors():
-            request = StreamRequest.model_validate_json(ticket.ticket)
-            reader = self._reader(request)
-            # The schema must precede the first batch, and whether the sparse part is
-            # one-hot depends on the data: the first batch decides it.
-            first = _next_or_none(reader)
-        head = None if first is None else encode_batch(first)
-        schema = _EMPTY_SCHEMA if head is None else head.schema
-        return flight.GeneratorStream(schema, self._stream(reader, head))
-
-    def _stream(
-        self, reader: SplitReader, data: pa.RecordBatch | None
-    ) -> Iterator[tuple[pa.RecordBatch, bytes]]:
-        """``data`` then the reader's other batches, each with the reader's state after it."""
-        with _marked_errors():
-            while data is not None:
-                if self._closing.is_set():
-                    raise flight.FlightUnavailableError(f"reader {self.endpoint} is shutting down")
-                state = reader.state_dict()
-                cursor = {key: state[key] for key in ("epoch", "window", "offset")}
-                yield data, json.dumps(cursor).encode()
-                batch = _next_or_none(reader)
-                data = None if batch is None else encode_batch(batch)
-
-    def _reader(self, request: StreamRequest) -> SplitReader:
+    def __call__(self, request: StreamRequest, endpoint: Endpoint) -> BatchStream:
         """The request's reader, reset to its state (checked) or to the start of its epoch."""
-        if request.features != self.features:
-            raise ValueError(
-                f"reader {self.endpoint}: its feature spec or ID mapping differs from the "
-                "trainer's; start it with the trainer's config (features section) and data"
-            )
-        if request.worker >= request.num_workers or request.rank >= request.world_size:
-            raise ValueError(
-                f"reader {request.worker} of {request.num_workers} on rank "
-                f"{request.rank} of {request.world_size} does not exist"
-            )
         dataset = ParquetBatchDataset(
-            self._list_splits(request.files),
+            self._list_splits(request.files, endpoint),
             self._columns,
             request.batch_size,
             rank=request.rank,
@@ -402,55 +351,35 @@ class ReaderServer(flight.FlightServerBase):
         dataset.set_epoch(request.epoch)
         reader = SplitReader(dataset, request.worker, request.num_workers)
         reader.reset(request.state)
-        return reader
+        return _SplitStream(reader, self._encode)
 
-    def _list_splits(self, files: tuple[str, ...]) -> list[Split]:
+    def _list_splits(self, files: tuple[str, ...], endpoint: Endpoint) -> list[Split]:
         with self._lock:
             if files not in self._splits:
                 unknown = [f for f in files if f not in self._files]
                 if unknown:
                     raise ValueError(
-                        f"reader {self.endpoint}: {', '.join(unknown)} not in the manifest "
+                        f"reader {endpoint}: {', '.join(unknown)} not in the manifest "
                         f"of its dataset {self.root}"
                     )
                 self._splits[files] = list_splits([join_url(self.root, f) for f in files])
             return self._splits[files]
 
-    def shutdown(self) -> None:
-        if self._closing.is_set():
-            return  # Flight's shutdown must run once
-        self._closing.set()
-        super().shutdown()
 
+def serve(server: FlightBatchServer, ready: Callable[[Endpoint], None] | None = None) -> None:
+    """Serve with ``server`` until SIGINT/SIGTERM, then shut it down.
 
-def serve_readers(
-    config: RunConfig,
-    listen: str,
-    workers: int,
-    *,
-    transform: TransformFactory = BatchTransform,
-    ready: Callable[[Endpoint], None] | None = None,
-) -> None:
-    """Serve ``config.data.url``'s batches on ``listen`` (``HOST:PORT``) until SIGINT/SIGTERM.
-
-    ``ready`` is called with the bound endpoint once the server listens (with port 0, that
-    is how to learn the port). Call it from the main thread: it installs the signal
-    handlers. On a signal, open streams end at their next batch, so their trainers fail
-    over at once (or stop with a clear error) instead of the server waiting for their
+    ``ready`` is called with the bound endpoint once the signal handlers are in place (with
+    port 0, that is how to learn the port). Call it from the main thread: it installs the
+    signal handlers. On a signal, open streams end at their next batch, so their trainers
+    fail over at once (or stop with a clear error) instead of the server waiting for their
     passes to finish.
     """
-    server = ReaderServer(config, listen, workers, transform=transform)
     stop = threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        logger.info(
-            "dlrmflow readers: serving %s on %s with %d preprocessing slot(s)",
-            server.root,
-            server.endpoint,
-            workers,
-        )
         if ready is not None:
             ready(server.endpoint)
         stop.wait()
@@ -460,19 +389,16 @@ def serve_readers(
         server.shutdown()
 
 
-def _serve_in_child(
-    config: RunConfig,
-    listen: str,
-    workers: int,
-    transform: TransformFactory,
-    conn: Any,
-) -> None:
+ServerFactory = Callable[[str], FlightBatchServer]  # ``HOST:PORT`` -> a listening server
+
+
+def _serve_in_child(make_server: ServerFactory, listen: str, conn: Any) -> None:
     def ready(endpoint: Endpoint) -> None:
         conn.send(endpoint.port)
         conn.close()
 
     try:
-        serve_readers(config, listen, workers, transform=transform, ready=ready)
+        serve(make_server(listen), ready)
     except Exception as e:
         if not conn.closed:
             conn.send(f"{type(e).__name__}: {e}")
@@ -488,31 +414,31 @@ class ReaderProcess:
 
 
 @contextmanager
-def reader_processes(
-    config: RunConfig,
+def server_processes(
+    make_server: ServerFactory,
     count: int,
-    workers: int,
     *,
-    transform: TransformFactory = BatchTransform,
     host: str = "127.0.0.1",
+    preload: Sequence[str] = (),
 ) -> Iterator[list[ReaderProcess]]:
-    """Start ``count`` ``ReaderServer`` processes on free ports at once; stop them on exit.
+    """Start ``count`` processes serving ``make_server(f"{host}:0")`` at once; stop them on exit.
 
-    ``transform`` must be picklable. On exit each process gets SIGTERM (its open streams
-    end, see ``serve_readers``), then SIGKILL if it has not ended within 5 seconds.
+    ``make_server`` must be picklable; ``preload`` names the modules it needs, imported
+    once by the process the servers fork from. On exit each process gets SIGTERM (its open
+    streams end, see ``serve``), then SIGKILL if it has not ended within 5 seconds.
     """
-    # Children fork from a server process that imported this module once: a reader then
+    # Children fork from a server process that imported the modules once: a reader then
     # starts without a new interpreter importing torch (seconds), and no child is forked
     # from a process that holds threads (this one's gRPC and reader threads).
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([*preload, __name__])
     started: list[tuple[multiprocessing.process.BaseProcess, Any]] = []
     try:
         for _ in range(count):
             parent, child = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=_serve_in_child,
-                args=(config, f"{host}:0", workers, transform, child),
+                args=(make_server, f"{host}:0", child),
                 daemon=True,
                 name="dlrmflow-reader",
             )
@@ -595,7 +521,7 @@ class _Stream:
             self._state = self._call(self._start_state)
         return dict(self._state)
 
-    def next(self) -> Batch:
+    def next(self) -> pa.RecordBatch:
         while not self._closed:
             if self._open_call is None:
                 # The state first: asking for it may fail over too, which must not happen
@@ -615,7 +541,7 @@ class _Stream:
                 continue
             cursor = json.loads(chunk.app_metadata.to_pybytes())
             self._state = {**self.state, **cursor}
-            return decode_batch(chunk.data)
+            return chunk.data
         self._cancel()
         raise StopIteration  # closed: the pass was abandoned
 
@@ -695,8 +621,8 @@ class _Stream:
         )
 
 
-class RemoteSplitReader(BaseNode[Batch]):
-    """``SplitReader``'s counterpart whose batches come from a reader server.
+class RemoteSplitReader(BaseNode[Any]):
+    """``SplitReader``'s counterpart whose batches come from a reader server, decoded.
 
     Its states are ``SplitReader`` states, so local and remote loaders resume each other's.
     """
@@ -716,9 +642,12 @@ class RemoteSplitReader(BaseNode[Batch]):
             self._stream.close()
         self._stream = self.source.open_stream(self.worker, self.num_workers, initial_state)
 
-    def next(self) -> Batch:
+    def next(self) -> Any:
         assert self._stream is not None  # BaseNode resets before the first next()
-        return self._stream.next()
+        data = self._stream.next()
+        decode = self.source.decode
+        # Decoded here, in the reader's prefetch thread, not in the consumer's.
+        return data if decode is None else decode(data)
 
     def get_state(self) -> dict[str, Any]:
         assert self._stream is not None
@@ -734,7 +663,9 @@ class RemoteBatchSource:
     """One rank's batches from reader servers: the remote twin of ``ParquetBatchDataset``.
 
     ``loader(num_workers)`` builds the same node graph as ``make_loader`` with
-    ``RemoteSplitReader`` in place of ``SplitReader``.
+    ``RemoteSplitReader`` in place of ``SplitReader``. ``files`` are relative to the
+    servers' dataset root; ``features`` is the digest the servers must match. ``decode``
+    turns each record batch into the batch the loader gives (none: the record batch).
     """
 
     def __init__(
@@ -749,6 +680,7 @@ class RemoteBatchSource:
         shuffle_window: int = 4,
         rank: int = 0,
         world_size: int = 1,
+        decode: Callable[[pa.RecordBatch], Any] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("RemoteBatchSource needs at least one reader endpoint")
@@ -771,42 +703,11 @@ class RemoteBatchSource:
             num_workers=1,
             epoch=0,
         )
+        self.decode = decode
         self.epoch = 0
         self._failovers = 0
         self._lock = threading.Lock()
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
-
-    @classmethod
-    def for_config(
-        cls,
-        config: RunConfig,
-        spec: FeatureSpec,
-        ids: IdMapper,
-        paths: Sequence[str],
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> RemoteBatchSource:
-        """The source of ``config.distributed.readers`` for ``paths`` (under ``data.url``)."""
-        root = config.data.url.rstrip("/") + "/"
-        outside = [p for p in paths if not p.startswith(root)]
-        if outside:
-            raise ValueError(
-                f"remote readers resolve files under their own data root, so every path must "
-                f"lie under data.url {config.data.url}; {outside[0]} does not"
-            )
-        train = config.train
-        return cls(
-            config.distributed.readers,
-            [p.removeprefix(root) for p in paths],
-            features_digest(spec, ids),
-            batch_size=train.batch_size,
-            seed=train.seed,
-            shuffle=train.shuffle,
-            shuffle_window=train.shuffle_window,
-            rank=rank,
-            world_size=world_size,
-        )
 
     @property
     def failovers(self) -> int:

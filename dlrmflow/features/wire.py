@@ -1,0 +1,118 @@
+"""``Batch`` <-> Arrow record batch, for the reader service, and what decides a batch's tensors.
+
+Reader servers (``dlrmflow.ingest.service``) stream record batches; these are the codec
+their batches travel in and the digest a server and a trainer compare to know that the
+same features would give the same tensors.
+
+Wire format. dense: fixed_size_list<float32>[n_dense]; labels: float32; the sparse IDs
+either one-hot, "sparse_rows": fixed_size_list<int32|int64>[n_keys] (-1: empty bag), as
+compact as the transform's own form, or jagged, one list<int64> column "sparse.KEY" per
+key. The keys, in order, are in the schema metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.ids import HashIds, Vocabulary
+from dlrmflow.features.spec import FeatureSpec
+
+
+def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary) -> str:
+    """What decides the tensors of a batch: column names, table sizes and the ID mapping.
+
+    Embedding widths and pooling are left out: they shape the model, not the batches, so
+    reader servers need no model config.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps([spec.label, list(spec.dense)]).encode())
+    h.update(json.dumps([[f.name, f.num_embeddings] for f in spec.sparse]).encode())
+    if isinstance(ids, Vocabulary):
+        for name in sorted(ids.ids):
+            h.update(name.encode())
+            h.update(ids.ids[name].tobytes())
+    else:
+        h.update(json.dumps(["hash", ids.seed, sorted(ids.table_rows.items())]).encode())
+    return h.hexdigest()
+
+
+def _batch_schema(batch: Batch) -> pa.Schema:
+    sparse = batch.sparse
+    fields = [
+        pa.field("dense", pa.list_(pa.float32(), batch.dense.shape[1]), nullable=False),
+        pa.field("labels", pa.float32(), nullable=False),
+    ]
+    rows = sparse.one_hot_rows
+    if rows is not None:
+        item = pa.from_numpy_dtype(rows.numpy().dtype)
+        fields.append(pa.field("sparse_rows", pa.list_(item, len(sparse.keys)), nullable=False))
+    else:
+        fields += [
+            pa.field(f"sparse.{k}", pa.list_(pa.int64()), nullable=False) for k in sparse.keys
+        ]
+    return pa.schema(fields, metadata={"keys": json.dumps(sparse.keys)})
+
+
+def encode_batch(batch: Batch) -> pa.RecordBatch:
+    """``batch`` as one record batch; batches of one stream share its schema."""
+    sparse = batch.sparse
+    if sparse.weights is not None:
+        raise ValueError("reader servers stream unweighted IDs; this batch has weights")
+    n = len(batch)
+    dense = pa.FixedSizeListArray.from_arrays(
+        pa.array(batch.dense.contiguous().numpy().reshape(-1)), batch.dense.shape[1]
+    )
+    columns = [dense, pa.array(batch.labels.numpy())]
+    rows = sparse.one_hot_rows
+    if rows is not None:
+        flat = rows.contiguous().numpy().reshape(-1)
+        columns.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), len(sparse.keys)))
+    else:
+        # Key k's bags are lengths[k*n:(k+1)*n]; their offsets into the key-major values,
+        # shifted to start at 0, cut that key's slice of the values.
+        offsets, values = sparse.offsets().numpy(), sparse.values.numpy()
+        for k in range(len(sparse.keys)):
+            key_offsets = offsets[k * n : (k + 1) * n + 1]
+            first, last = int(key_offsets[0]), int(key_offsets[-1])
+            columns.append(
+                pa.ListArray.from_arrays(
+                    pa.array((key_offsets - first).astype(np.int32)), pa.array(values[first:last])
+                )
+            )
+    return pa.RecordBatch.from_arrays(columns, schema=_batch_schema(batch))
+
+
+def _rows(column: pa.FixedSizeListArray) -> np.ndarray:
+    """The [len, list_size] values of a fixed-size list column, copied.
+
+    A copy, so that the tensors own writable memory rather than pin the gRPC message;
+    ``values`` sliced by hand, since ``flatten()`` is a compute call that costs more here.
+    """
+    size = column.type.list_size
+    values = column.values.slice(column.offset * size, len(column) * size)
+    return values.to_numpy().reshape(len(column), size).copy()
+
+
+def decode_batch(data: pa.RecordBatch) -> Batch:
+    """The ``Batch`` that ``encode_batch`` encoded."""
+    keys = json.loads(data.schema.metadata[b"keys"])
+    dense = _rows(data.column("dense"))
+    labels = data.column("labels").to_numpy().copy()
+    if "sparse_rows" in data.schema.names:
+        sparse = KeyedJaggedTensor.from_one_hot(
+            keys, torch.from_numpy(_rows(data.column("sparse_rows")))
+        )
+    else:
+        columns = [data.column(f"sparse.{key}") for key in keys]
+        values = np.concatenate([c.flatten().to_numpy() for c in columns])
+        lengths = np.concatenate([np.diff(c.offsets.to_numpy()) for c in columns])
+        sparse = KeyedJaggedTensor(
+            keys, torch.from_numpy(values), torch.from_numpy(lengths.astype(np.int32))
+        )
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
