@@ -31,8 +31,12 @@ def _kernels_headline(bench: dict, key: str) -> bool:
     return key.endswith("_d64")
 
 
+def _ingest_headline(bench: dict, key: str) -> bool:
+    return key.startswith("reader_transform_vs_")
+
+
 def _train_headline(bench: dict, key: str) -> bool:
-    return key.endswith("_fp32") and "data_parallel" not in key
+    return key in ("w1_table_wise_fp32", "w2_table_wise_fp32", "w2_row_wise_fp32")
 
 
 def _tiered_headline(bench: dict, key: str) -> bool:
@@ -41,10 +45,20 @@ def _tiered_headline(bench: dict, key: str) -> bool:
     return bench["results"][key]["cache_rows"] == smallest
 
 
+# The README's one-line name of each benchmark's baseline (docs/benchmarks.md has it whole).
+BASELINES = {
+    "ingest": "pyarrow decode, same threads",
+    "kernels": "the same algorithm in plain torch",
+    "train": "one process, same cores",
+    "readers": "one local reader",
+    "tiered": "all rows in memory",
+    "torchrec": "TorchRec's DLRM, same cores",
+}
+
 # Each benchmark in the report: its title, the module whose docstring says how it runs,
 # the report section that renders its results, and which ratios the README lists.
 BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str], bool]]] = [
-    ("ingest", "Ingest", "dlrmflow.bench.ingest", sections.ingest_section, _every),
+    ("ingest", "Ingest", "dlrmflow.bench.ingest", sections.ingest_section, _ingest_headline),
     ("kernels", "Kernels", "dlrmflow.bench.kernels", sections.kernels_section, _kernels_headline),
     ("train", "Training", "dlrmflow.bench.train", sections.train_section, _train_headline),
     ("readers", "Reader services", "dlrmflow.bench.readers", sections.readers_section, _every),
@@ -63,6 +77,11 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
         _every,
     ),
 ]
+
+
+def _load(machine: dict) -> str:
+    load = machine.get("load_average_1m")
+    return f"{load:.2f}" if isinstance(load, int | float) else "not recorded"
 
 
 def _how_it_runs(module: str, key: str) -> str:
@@ -86,9 +105,9 @@ def benchmarks_markdown(record: dict) -> str:
         "Every ratio is ours ÷ a named baseline measured in the same run (higher is "
         "better).",
         f"Machine: {machine['cpu']}, {machine['cpu_count']} CPUs, torch {machine['torch']}, "
-        f"Python {machine['python']}; load average before the run "
-        f"{machine.get('load_average_1m', 'not recorded')}; the report took "
-        f"{record['seconds'] / 60:.0f} min. {record['noise']}",
+        f"Python {machine['python']}; 1-minute load average as the report ended "
+        f"{_load(machine)}; the report took {record['seconds'] / 60:.0f} min. "
+        f"{record['noise']}",
     ]
     if record.get("quick"):
         parts.append("**Quick run: tiny sizes that check the report, not speed.**")
@@ -112,8 +131,8 @@ def results_table(record: dict) -> str:
         bench = record.get(key) or {}
         for name, ratio in bench.get("ratios", {}).items():
             if headline(bench, name):
-                rows.append(f"| {title} | `{name}` | {ratio:.2f} |")
-    header = "| benchmark | comparison | ours ÷ baseline |\n|---|---|---|"
+                rows.append(f"| {title} | `{name}` | {BASELINES[key]} | {ratio:.2f} |")
+    header = "| benchmark | comparison | baseline | ours ÷ baseline |\n|---|---|---|---|"
     return "\n".join([header, *rows])
 
 
@@ -133,6 +152,10 @@ def write_docs(report: Path, docs_dir: Path, readme: Path) -> dict[str, str]:
     target = Path(docs_dir) / "benchmarks.json"
     if Path(report).resolve() != target.resolve():
         write_atomic(target, json.dumps(record, indent=2) + "\n")
+        for plot in record.get("plots", []):  # the report's figures, beside its text
+            source = Path(report).parent / plot
+            if source.is_file():
+                write_atomic(Path(docs_dir) / plot, source.read_bytes())
     write_atomic(Path(docs_dir) / "benchmarks.md", benchmarks_markdown(record))
     write_atomic(readme, replace_results(Path(readme).read_text(), results_table(record)))
     return {
