@@ -29,22 +29,15 @@ import torch
 import dlrmflow
 from dlrmflow import prefetch
 from dlrmflow.features import jit
-from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels import cpu_tbe
 from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
 from tests.kernels.batches import random_jagged, random_one_hot
+from tests.kernels.test_tbe import MANY_TABLES
 
 REPO = Path(dlrmflow.__file__).resolve().parent.parent  # where ``tests`` imports from
 
-# Enough keys per weight group that a step splits into parts: dims 4 (four keys) and 2.
-TABLES = [
-    SparseFeature("a", 11, 4),
-    SparseFeature("b", 7, 4, "mean"),
-    SparseFeature("c", 13, 4),
-    SparseFeature("d", 9, 4),
-    SparseFeature("e", 5, 2),
-    SparseFeature("f", 6, 2),
-]
+# Enough keys per weight group that a step splits into parts (dims 4 and 2).
+TABLES = MANY_TABLES
 OPTIMIZERS = [SGD(0.2, weight_decay=0.1), RowWiseAdagrad(0.2, 1e-6, 0.05)]
 
 
