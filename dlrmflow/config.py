@@ -144,6 +144,15 @@ class TrainConfig(_Section):
     eval_every: Int | None = Field(
         None, ge=1, description="steps between evaluations on the test day during training"
     )
+    tracker: Literal["none", "tensorboard", "mlflow"] = Field(
+        "none",
+        description="also log metrics.jsonl's records and the config to TensorBoard "
+        "(RUN_DIR/tensorboard) or MLflow; needs the dlrmflow[tensorboard] or [mlflow] extra",
+    )
+    tracking_uri: str | None = Field(
+        None, description="mlflow: the tracking URI (default: the file store RUN_DIR/mlruns)"
+    )
+    experiment: str = Field("dlrmflow", min_length=1, description="mlflow: the experiment name")
 
 
 class DistributedConfig(_Section):
@@ -183,6 +192,20 @@ class EvalConfig(_Section):
     max_rows: Int | None = Field(None, ge=1, description="evaluate on at most this many rows")
 
 
+class OrchestrationConfig(_Section):
+    """Where the flows' tasks run: ingest's per-day conversion and statistics tasks."""
+
+    task_runner: Literal["threads", "dask"] = Field(
+        "threads", description="threads: in the flow's process; dask: on a Dask cluster"
+    )
+    dask_workers: Int = Field(
+        2, ge=1, description="dask: worker processes (1 thread each) of a local cluster"
+    )
+    dask_address: str | None = Field(
+        None, description="dask: an existing scheduler (tcp://HOST:PORT) instead of a local one"
+    )
+
+
 class RunConfig(_Section):
     """Everything one run needs; the single source of truth for every command."""
 
@@ -193,6 +216,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.planner import plan_for_config
 from dlrmflow.train.rundir import rank0_lock
 from dlrmflow.train.sharding import ShardingPlan
+from dlrmflow.train.tracking import Tracker, config_params, open_tracker, require_tracker
 
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
@@ -382,7 +383,8 @@ def _start_afresh(run_dir: Path) -> None:
     """``train.resume: never``: the directory's previous run (checkpoints, metrics, results)
     goes, so the new run cannot be mixed with it; said on stderr, never silently."""
     old = [run_dir / CHECKPOINTS_DIR, run_dir / METRICS_FILE, run_dir / RESULT_FILE]
-    old += [run_dir / "eval.json", run_dir / TIERED_DIR]
+    old += [run_dir / "eval.json", run_dir / TIERED_DIR, run_dir / "tensorboard"]
+    old += [run_dir / "tracking.json"]
     present = [p for p in old if p.exists()]
     if not present:
         return
@@ -440,6 +442,8 @@ def _train(
     progress: Callable[[dict], None] | None,
 ) -> TrainResult:
     rank0 = env.rank == 0
+    if rank0:
+        require_tracker(config.train.tracker)  # a missing package fails before any work
     seed_everything(config.train.seed, compute_threads(config, env))
     manifest = read_manifest(config.data.url)
     data_warnings = check_dataset(config.data.url, manifest)
@@ -468,9 +472,23 @@ def _train(
         world_size=env.world_size,
     )
     try:
-        return _train_loop(
-            config, env, run_dir, spec, ids, loader, resume, digest, data_warnings, progress
-        )
+        # train.tracker: ends the run FINISHED, or FAILED when training raises.
+        own_step = resume.info.step if resume.own else None
+        with open_tracker(config, run_dir, own_step, env.rank) as tracker:
+            tracker.log_params(config_params(config))
+            return _train_loop(
+                config,
+                env,
+                run_dir,
+                spec,
+                ids,
+                loader,
+                resume,
+                digest,
+                data_warnings,
+                progress,
+                tracker,
+            )
     finally:
         loader.close()  # also on errors: no reader thread outlives the run
 
@@ -486,6 +504,7 @@ def _train_loop(
     digest: str,
     data_warnings: list[str],
     progress: Callable[[dict], None] | None,
+    tracker: Tracker,
 ) -> TrainResult:
     rank0 = env.rank == 0
     resume_from, own = resume.info, resume.own
@@ -564,6 +583,7 @@ def _train_loop(
             return
         with metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        tracker.log_metrics(record, state["step"])
         if progress is not None:
             progress(record)
 
@@ -583,6 +603,7 @@ def _train_loop(
         record = {"step": state["step"], "epoch": state["epoch"], **last_eval}
         with metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        tracker.log_metrics(last_eval, state["step"], prefix="eval/")
 
     # The newest checkpoint in this run dir, tracked here rather than listed from the disk:
     # every rank must take the same decisions, and rank 0 prunes while the others go on.
