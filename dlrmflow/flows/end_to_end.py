@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from dlrmflow.config import RunConfig
 from dlrmflow.flows.evaluate import evaluate_flow
-from dlrmflow.flows.ingest import ingest_flow
+from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.train import train_flow
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.rundir import run_dir_lock
@@ -89,7 +89,8 @@ def end_to_end(config: RunConfig, raw_inputs: list[str] | None = None) -> dict[s
     """Ingest (generate synthetic data, or convert ``raw_inputs``), train a DLRM, evaluate
     it on the test day and report; returns the summary written to ``RUN_DIR/summary.json``."""
     with run_dir_lock(config.run_dir, "end_to_end flow"):
-        ingested = ingest_flow(config, raw_inputs)
+        # Ingest's per-day tasks run where config.orchestration says (threads or Dask).
+        ingested = run_ingest(config, raw_inputs)
         trained = train_flow(config)
         metrics = evaluate_flow(config)
         return report_task(config, ingested, trained, metrics)

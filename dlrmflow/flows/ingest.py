@@ -1,18 +1,30 @@
 """The ``ingest`` flow: raw Criteo days (or the synthetic generator) -> Parquet -> statistics.
 
-Ingest is the slow, repeatable part of a pipeline, so its tasks are cached: a run whose
-inputs are unchanged since an earlier run skips the work and returns the earlier result.
-The inputs are what the output depends on, fingerprinted cheaply (no file is read):
+Raw days are converted by one ``convert`` task per day and scanned by one ``stats`` task
+per day; the tasks of different days run in parallel on the configured task runner
+(``orchestration``: threads, or a Dask cluster, see ``dlrmflow.flows.runners``). A small
+``manifest`` task then writes ``manifest.json`` from the days' results, and ``merge-stats``
+merges the days' statistics into ``stats.json``; both are exactly what ``convert_criteo``
+and ``dataset_stats`` write for the same inputs, as they run the same per-day functions.
+The synthetic generator stays one ``generate`` task; its days are scanned per day too.
 
-- conversion: each raw file's URL, size and modification time, the output URL and the
-  conversion options;
+Ingest is the slow, repeatable part of a pipeline, so the per-day tasks are cached: a run
+whose inputs are unchanged since an earlier run skips the work and returns the earlier
+result, so a new day converts and scans only that day. The inputs are what the output
+depends on, fingerprinted cheaply (no file is read):
+
+- conversion of a day: its raw file's URL, size and modification time, the day number,
+  the output URL and the conversion options;
 - generation: every generation parameter (the output is a function of them alone) and the
   numpy version (whose random streams may change between releases);
-- statistics: the size and modification time of the manifest and of every day file.
+- statistics of a day: the size and modification time of its Parquet file, and the layout.
 
 A cached result is only good while the output it describes exists, so the flow refreshes
-the cache (runs the task again) when the output's ``manifest.json`` or ``stats.json`` is
-missing, for example after the dataset folder was deleted.
+the cache (runs the task again) when a day's Parquet file (conversion) or the
+``manifest.json`` (generation) is missing, for example after the dataset folder was deleted.
+The manifest and merged statistics are always rewritten (they are small).
+
+Call ``run_ingest`` to run the flow on the task runner the configuration names.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import fsspec
@@ -31,16 +44,30 @@ import dlrmflow
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.flows.artifacts import publish_stats
 from dlrmflow.flows.policies import retry_unless_bad_input
-from dlrmflow.ingest.criteo import convert_criteo
+from dlrmflow.flows.runners import task_runner, worker_api
+from dlrmflow.ingest.criteo import (
+    ConvertedDay,
+    convert_day,
+    day_file,
+    finish_conversion,
+    start_conversion,
+)
 from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_manifest
-from dlrmflow.ingest.stats import STATS_NAME, DatasetStats, dataset_stats, write_stats
+from dlrmflow.ingest.stats import (
+    STATS_NAME,
+    DatasetStats,
+    StatsAccumulator,
+    file_stats,
+    merge_stats,
+    write_stats,
+)
 from dlrmflow.ingest.synthetic import generate_dataset
 
-# Hang guards, not budgets: far beyond what converting or scanning a month of Criteo days
-# should take, so a task still running after these has stalled (a dead mount, a stuck
-# object store) and its worker is better freed.
+# Hang guard, not a budget: far beyond what generating a month of data should take, so a
+# task still running after it has stalled (a dead mount, a stuck object store). The per-day
+# tasks have none: they run on worker threads (or Dask workers), where Prefect's timeout
+# cannot interrupt blocking work and only warns on every run.
 INGEST_TIMEOUT_S = 12 * 3600
-STATS_TIMEOUT_S = 6 * 3600
 
 # Metadata keys that identify a file's version on the file systems fsspec supports
 # (local and memory: mtime/created; s3: ETag/LastModified; gcs: md5Hash/updated).
@@ -77,11 +104,12 @@ def generate_cache_key(context: TaskRunContext | None, parameters: dict[str, Any
 
 
 def convert_cache_key(context: TaskRunContext | None, parameters: dict[str, Any]) -> str:
-    """Cache key of ``convert_task``: raw file fingerprints, output URL and options."""
+    """Cache key of ``convert_task``: the day's raw file fingerprint, day, output, options."""
     return _digest(
-        "convert",
+        "convert-day",
         {
-            "inputs": [file_fingerprint(url) for url in parameters["raw_inputs"]],
+            "input": file_fingerprint(parameters["raw"]),
+            "day": parameters["day"],
             "out": parameters["out"],
             "row_group_size": parameters["row_group_size"],
             "max_bad_fraction": parameters["max_bad_fraction"],
@@ -90,11 +118,11 @@ def convert_cache_key(context: TaskRunContext | None, parameters: dict[str, Any]
 
 
 def stats_cache_key(context: TaskRunContext | None, parameters: dict[str, Any]) -> str:
-    """Cache key of ``stats_task``: fingerprints of the manifest and every day file."""
-    url = parameters["url"]
-    manifest = read_manifest(url)
-    files = [join_url(url, MANIFEST_NAME), *manifest.day_paths(url)]
-    return _digest("stats", {"url": url, "files": [file_fingerprint(f) for f in files]})
+    """Cache key of ``stats_task``: the day file's fingerprint and layout."""
+    return _digest(
+        "stats-day",
+        {"file": file_fingerprint(parameters["path"]), "multi_hot": parameters["multi_hot"]},
+    )
 
 
 def output_exists(url: str) -> bool:
@@ -146,24 +174,40 @@ def generate_task(data: DataConfig) -> dict[str, Any]:
     name="convert",
     cache_key_fn=convert_cache_key,
     **CACHED_RETRIED_ONCE,
-    timeout_seconds=INGEST_TIMEOUT_S,
 )
 def convert_task(
-    raw_inputs: list[str], out: str, row_group_size: int, max_bad_fraction: float
+    raw: str, day: int, out: str, row_group_size: int, max_bad_fraction: float
 ) -> dict[str, Any]:
-    """Convert raw Criteo TSV days to Parquet; the manifest summary plus bad-line counts."""
+    """Convert one raw Criteo TSV day to ``OUT/day=DAY``; its counts and the seconds taken."""
     start = time.perf_counter()
-    result = convert_criteo(
-        raw_inputs, out, max_bad_fraction=max_bad_fraction, row_group_size=row_group_size
+    converted = convert_day(
+        raw, day, out, max_bad_fraction=max_bad_fraction, row_group_size=row_group_size
     )
     seconds = time.perf_counter() - start
     get_run_logger().info(
-        "converted %d files: %d rows, %d bad lines quarantined in %s, %.1f s",
+        "day %d (%s): %d rows, %d bad lines, %.1f s",
+        day,
+        raw,
+        converted.rows,
+        converted.bad_lines,
+        seconds,
+    )
+    return {"converted": converted, "seconds": seconds}
+
+
+@task(name="manifest", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_bad_input)
+def manifest_task(raw_inputs: list[str], out: str, days: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write ``manifest.json`` from the converted days; the manifest summary plus bad-line
+    counts. The ingest rate is rows per second of conversion work (summed over days)."""
+    converted: list[ConvertedDay] = [d["converted"] for d in days]
+    result = finish_conversion(raw_inputs, out, converted)
+    seconds = sum(d["seconds"] for d in days)
+    get_run_logger().info(
+        "converted %d files: %d rows, %d bad lines quarantined in %s",
         len(raw_inputs),
         result.rows,
         result.bad_lines,
         result.quarantine,
-        seconds,
     )
     return {
         **_manifest_summary(result.manifest, seconds),
@@ -176,21 +220,28 @@ def convert_task(
     name="stats",
     cache_key_fn=stats_cache_key,
     **CACHED_RETRIED_ONCE,
-    timeout_seconds=STATS_TIMEOUT_S,
 )
-def stats_task(url: str) -> dict[str, Any]:
-    """Feature statistics of the dataset at ``url``, also written to ``URL/stats.json``."""
+def stats_task(path: str, multi_hot: bool) -> StatsAccumulator:
+    """The running totals of one day file (about 0.4 MiB of sketches, whatever its size)."""
     start = time.perf_counter()
-    stats = dataset_stats(url)
+    totals = file_stats(path, multi_hot)
     seconds = time.perf_counter() - start
-    written = write_stats(url, stats)
     get_run_logger().info(
-        "statistics of %d rows in %.1f s (%.0f rows/s) -> %s",
-        stats.rows,
+        "statistics of %s: %d rows in %.1f s (%.0f rows/s)",
+        path,
+        totals.rows,
         seconds,
-        stats.rows / max(seconds, 1e-9),
-        written,
+        totals.rows / max(seconds, 1e-9),
     )
+    return totals
+
+
+@task(name="merge-stats", retries=1, retry_delay_seconds=10)
+def merge_stats_task(url: str, multi_hot: bool, days: list[StatsAccumulator]) -> dict[str, Any]:
+    """Merge the days' totals into the dataset's statistics, written to ``URL/stats.json``."""
+    stats = merge_stats(url, multi_hot, days)
+    written = write_stats(url, stats)
+    get_run_logger().info("statistics of %d rows -> %s", stats.rows, written)
     return stats.to_dict()
 
 
@@ -203,19 +254,55 @@ def ingest_flow(
     """Make the dataset at ``config.data.url`` and publish its feature statistics.
 
     With ``raw_inputs`` (raw Criteo TSV days, one per day, the last held out) they are
-    converted; without, the synthetic generator writes the data ``config.data`` describes.
-    Returns the manifest summary (rows, days, Bayes metrics for synthetic data, the ingest
-    rate) with ``stats`` and, for conversions, the quarantined line count.
+    converted, one task per day; without, the synthetic generator writes the data
+    ``config.data`` describes. Returns the manifest summary (rows, days, Bayes metrics for
+    synthetic data, the ingest rate) with ``stats`` and, for conversions, the quarantined
+    line count. The tasks run on the flow's task runner (threads unless the caller chose
+    another: ``run_ingest`` applies ``config.orchestration``).
     """
     url = config.data.url
-    manifest_missing = not output_exists(join_url(url, MANIFEST_NAME))
     if raw_inputs:
-        convert = convert_task.with_options(refresh_cache=manifest_missing)
-        summary = convert(raw_inputs, url, config.data.row_group_size, max_bad_fraction)
+        summary, stats_days = _convert(
+            raw_inputs, url, config.data.row_group_size, max_bad_fraction
+        )
+        multi_hot = False
     else:
+        manifest_missing = not output_exists(join_url(url, MANIFEST_NAME))
         summary = generate_task.with_options(refresh_cache=manifest_missing)(config.data)
-    # New day files change the statistics' cache key; only a lost stats.json needs a refresh.
-    stats_missing = not output_exists(join_url(url, STATS_NAME))
-    stats = DatasetStats.from_dict(stats_task.with_options(refresh_cache=stats_missing)(url))
+        manifest = read_manifest(url)
+        multi_hot = manifest.multi_hot
+        stats_days = [stats_task.submit(path, multi_hot) for path in manifest.day_paths(url)]
+    stats = DatasetStats.from_dict(merge_stats_task(url, multi_hot, stats_days))
     publish_stats(stats)
     return {**summary, "stats": join_url(url, STATS_NAME)}
+
+
+def _convert(
+    raw_inputs: Sequence[str], url: str, row_group_size: int, max_bad_fraction: float
+) -> tuple[dict[str, Any], list[Any]]:
+    """Submit one conversion per day, each day's statistics as soon as its file is written,
+    and the manifest once every day is converted; the manifest summary and the statistics'
+    futures."""
+    start_conversion(
+        raw_inputs, url, max_bad_fraction=max_bad_fraction, row_group_size=row_group_size
+    )
+    converted, stats_days = [], []
+    for day, raw in enumerate(raw_inputs):
+        path = day_file(url, day)
+        convert = convert_task.with_options(refresh_cache=not output_exists(path))
+        converted.append(convert.submit(raw, day, url, row_group_size, max_bad_fraction))
+        stats_days.append(stats_task.submit(path, False, wait_for=[converted[-1]]))
+    return manifest_task(list(raw_inputs), url, converted), stats_days
+
+
+def run_ingest(
+    config: RunConfig,
+    raw_inputs: list[str] | None = None,
+    max_bad_fraction: float = 0.001,
+    **options: Any,
+) -> Any:
+    """Call ``ingest_flow`` on the task runner ``config.orchestration`` names (``options``
+    such as ``return_state=True`` are passed on to the flow call)."""
+    flow_ = ingest_flow.with_options(task_runner=task_runner(config.orchestration))
+    with worker_api(config.orchestration):
+        return flow_(config, raw_inputs, max_bad_fraction, **options)

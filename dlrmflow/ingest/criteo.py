@@ -93,7 +93,11 @@ class ConvertResult:
 
 
 @dataclass
-class _DayStats:
+class ConvertedDay:
+    """What ``convert_day`` wrote for one input: its line, row, positive and malformed-line
+    counts and its quarantine file's URL (None when every line was good)."""
+
+    day: int
     lines: int
     rows: int
     positives: int
@@ -139,7 +143,42 @@ def convert_criteo(
     lines. Each day file is written under a temporary name and renamed when complete, and
     ``manifest.json`` is written last (an old one is removed first), so a failed run never
     leaves a dataset that looks complete.
+
+    This is ``start_conversion``, ``convert_day`` for each input, then ``finish_conversion``:
+    the ingest flow runs the same three steps with the days as separate (parallel) tasks.
     """
+    start_conversion(
+        inputs,
+        out,
+        max_bad_fraction=max_bad_fraction,
+        row_group_size=row_group_size,
+        block_size=block_size,
+    )
+    days = [
+        convert_day(
+            url,
+            day,
+            out,
+            max_bad_fraction=max_bad_fraction,
+            row_group_size=row_group_size,
+            block_size=block_size,
+            progress=progress,
+        )
+        for day, url in enumerate(inputs)
+    ]
+    return finish_conversion(inputs, out, days)
+
+
+def start_conversion(
+    inputs: Sequence[str],
+    out: str,
+    *,
+    max_bad_fraction: float = 0.001,
+    row_group_size: int = 65_536,
+    block_size: int = 1 << 24,
+) -> None:
+    """Check the arguments of a conversion, create ``out`` and remove its old manifest (the
+    dataset must not look complete until ``finish_conversion`` writes the new one)."""
     if not inputs:
         raise ValueError("convert_criteo: no input files")
     if not 0.0 <= max_bad_fraction <= 1.0:
@@ -148,7 +187,7 @@ def convert_criteo(
         raise ValueError(f"row_group_size must be >= 1 (got {row_group_size})")
     if block_size < 1024:
         raise ValueError(f"block_size must be >= 1024 bytes (got {block_size})")
-    names = [posixpath.basename(url.rstrip("/")) for url in inputs]
+    names = [_input_name(url) for url in inputs]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
         # Quarantine files are named after the input, so same-named inputs would share one.
@@ -159,53 +198,84 @@ def convert_criteo(
     if fs.exists(join_url(root, MANIFEST_NAME)):
         fs.rm(join_url(root, MANIFEST_NAME))
 
-    stats = [
-        _convert_day(
-            url,
-            day,
-            fs,
-            root,
-            quarantine_url=join_url(out, QUARANTINE_DIR, f"{name}.jsonl"),
-            max_bad_fraction=max_bad_fraction,
-            row_group_size=row_group_size,
-            block_size=block_size,
-            progress=progress,
-        )
-        for day, (url, name) in enumerate(zip(inputs, names, strict=True))
-    ]
 
-    rows = sum(s.rows for s in stats)
+def day_file(out: str, day: int) -> str:
+    """URL of day ``day``'s Parquet file in the dataset at ``out``."""
+    return join_url(out, f"day={day}", DAY_FILE)
+
+
+def convert_day(
+    url: str,
+    day: int,
+    out: str,
+    *,
+    max_bad_fraction: float = 0.001,
+    row_group_size: int = 65_536,
+    block_size: int = 1 << 24,
+    progress: Callable[[int], None] | None = None,
+) -> ConvertedDay:
+    """Convert one raw input to ``OUT/day=DAY/part-00000.parquet`` (see ``convert_criteo``;
+    this day's output depends on nothing but ``url`` and the options)."""
+    fs, root = fsspec.core.url_to_fs(out)
+    return _convert_day(
+        url,
+        day,
+        fs,
+        root,
+        quarantine_url=join_url(out, QUARANTINE_DIR, f"{_input_name(url)}.jsonl"),
+        max_bad_fraction=max_bad_fraction,
+        row_group_size=row_group_size,
+        block_size=block_size,
+        progress=progress,
+    )
+
+
+def finish_conversion(
+    inputs: Sequence[str], out: str, days: Sequence[ConvertedDay]
+) -> ConvertResult:
+    """Write ``OUT/manifest.json`` for ``inputs`` converted to ``days`` (day K from input K,
+    in order) and return the conversion's result."""
+    if [d.day for d in days] != list(range(len(inputs))):
+        raise ValueError(
+            f"finish_conversion: need days 0..{len(inputs) - 1} in order, "
+            f"got {[d.day for d in days]}"
+        )
+    rows = sum(s.rows for s in days)
     manifest = Manifest(
         source="criteo",
         rows=rows,
         days=len(inputs),
         test_day=len(inputs) - 1,
-        positive_rate=sum(s.positives for s in stats) / max(rows, 1),
+        positive_rate=sum(s.positives for s in days) / max(rows, 1),
         files=[
             DayFile(
-                day=day,
-                path=f"day={day}/{DAY_FILE}",
+                day=s.day,
+                path=f"day={s.day}/{DAY_FILE}",
                 rows=s.rows,
                 positive_rate=s.positives / max(s.rows, 1),
             )
-            for day, s in enumerate(stats)
+            for s in days
         ],
         schema=schema_to_json(criteo_schema()),
         generator={
             "inputs": list(inputs),
-            "lines": [s.lines for s in stats],
-            "bad_lines": [s.bad_lines for s in stats],
+            "lines": [s.lines for s in days],
+            "bad_lines": [s.bad_lines for s in days],
         },
     )
     write_manifest(out, manifest)
-    quarantine_files = [s.quarantine for s in stats if s.quarantine is not None]
+    quarantine_files = [s.quarantine for s in days if s.quarantine is not None]
     return ConvertResult(
         manifest=manifest,
         rows=rows,
-        bad_lines=sum(s.bad_lines for s in stats),
+        bad_lines=sum(s.bad_lines for s in days),
         quarantine=join_url(out, QUARANTINE_DIR) if quarantine_files else None,
         quarantine_files=quarantine_files,
     )
+
+
+def _input_name(url: str) -> str:
+    return posixpath.basename(url.rstrip("/"))
 
 
 def _convert_day(
@@ -219,7 +289,7 @@ def _convert_day(
     row_group_size: int,
     block_size: int,
     progress: Callable[[int], None] | None,
-) -> _DayStats:
+) -> ConvertedDay:
     """Stream one input file into ``day=DAY/part-00000.parquet``; see ``convert_criteo``."""
     day_dir = join_url(root, f"day={day}")
     final, partial = join_url(day_dir, DAY_FILE), join_url(day_dir, f"_{DAY_FILE}.partial")
@@ -262,7 +332,7 @@ def _convert_day(
         if fs.exists(partial):
             fs.rm(partial)
         raise
-    return _DayStats(lines, rows, positives, bad, quarantine_url if bad else None)
+    return ConvertedDay(day, lines, rows, positives, bad, quarantine_url if bad else None)
 
 
 def _read_lines(src: IO[bytes], block_size: int) -> Iterator[_Lines]:

@@ -32,11 +32,12 @@ def test_generate_cache_key_follows_every_generation_parameter():
         assert generate_cache_key(None, {"data": base.model_copy(update=change)}) != key
 
 
-def test_convert_cache_key_follows_raw_file_fingerprints_and_options(tmp_path):
+def test_convert_cache_key_follows_the_day_raw_file_fingerprint_and_options(tmp_path):
     raw = tmp_path / "day0.tsv"
     raw.write_text("0\t1\n")
     params = {
-        "raw_inputs": [str(raw)],
+        "raw": str(raw),
+        "day": 0,
         "out": str(tmp_path / "out"),
         "row_group_size": 100,
         "max_bad_fraction": 0.001,
@@ -53,22 +54,25 @@ def test_convert_cache_key_follows_raw_file_fingerprints_and_options(tmp_path):
     os.utime(raw, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert convert_cache_key(None, params) not in (key, touched)
 
-    assert convert_cache_key(None, {**params, "row_group_size": 101}) != convert_cache_key(
-        None, params
-    )
+    for change in ({"row_group_size": 101}, {"day": 1}, {"max_bad_fraction": 0.01}):
+        assert convert_cache_key(None, {**params, **change}) != convert_cache_key(None, params)
     with pytest.raises(FileNotFoundError, match="nope.tsv: input file not found"):
-        convert_cache_key(None, {**params, "raw_inputs": [str(tmp_path / "nope.tsv")]})
+        convert_cache_key(None, {**params, "raw": str(tmp_path / "nope.tsv")})
 
 
-def test_stats_cache_key_follows_the_day_files(tmp_path):
+def test_stats_cache_key_follows_the_day_file(tmp_path):
     url = str(tmp_path / "data")
     generate_dataset(DataConfig(url=url, **SMALL))
-    key = stats_cache_key(None, {"url": url})
-    assert stats_cache_key(None, {"url": url}) == key
     day = tmp_path / "data" / "day=1" / "part-00000.parquet"
+    params = {"path": str(day), "multi_hot": False}
+    key = stats_cache_key(None, params)
+    assert stats_cache_key(None, dict(params)) == key
+    assert stats_cache_key(None, {**params, "multi_hot": True}) != key
+    other = {**params, "path": str(tmp_path / "data" / "day=0" / "part-00000.parquet")}
+    assert stats_cache_key(None, other) != key
     stat = day.stat()
     os.utime(day, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert stats_cache_key(None, {"url": url}) != key
+    assert stats_cache_key(None, params) != key
 
 
 def test_retries_skip_bad_data_and_configuration():
@@ -79,7 +83,7 @@ def test_retries_skip_bad_data_and_configuration():
 
 
 def _states(records, *names):
-    return [[t.state_name for t in records.tasks(name)] for name in names]
+    return [sorted(t.state_name for t in records.tasks(name)) for name in names]
 
 
 def test_generate_is_skipped_while_parameters_and_output_are_unchanged(prefect_api, tmp_path):
@@ -88,7 +92,7 @@ def test_generate_is_skipped_while_parameters_and_output_are_unchanged(prefect_a
 
     first = ingest_flow(config, return_state=True)
     records = run_records(first.state_details.flow_run_id)
-    assert _states(records, "generate", "stats") == [["Completed"], ["Completed"]]
+    assert _states(records, "generate", "stats") == [["Completed"], ["Completed"] * 2]
     table = json.loads(records.artifact(STATS_KEY).data)
     assert table[0] == {**table[0], "column": "label", "rows": 1600}
     assert [row["column"] for row in table[1:3]] == ["I1", "I2"]
@@ -96,7 +100,7 @@ def test_generate_is_skipped_while_parameters_and_output_are_unchanged(prefect_a
 
     second = ingest_flow(config, return_state=True)
     records = run_records(second.state_details.flow_run_id)
-    assert _states(records, "generate", "stats") == [["Cached"], ["Cached"]]
+    assert _states(records, "generate", "stats") == [["Cached"], ["Cached"] * 2]
     assert {p: p.stat().st_mtime_ns for p in url.rglob("*.parquet")} == written
     assert second.result() == first.result()
     records.artifact(STATS_KEY)  # published on every run, cached or not
@@ -115,15 +119,29 @@ def test_convert_is_skipped_until_a_raw_file_changes(prefect_api, criteo_sample,
     config = build_config({"data": {"url": str(tmp_path / "criteo"), "row_group_size": 64}})
 
     first = ingest_flow(config, raw, return_state=True)
-    assert _states(run_records(first.state_details.flow_run_id), "convert") == [["Completed"]]
+    records = run_records(first.state_details.flow_run_id)
+    assert _states(records, "convert", "stats", "manifest") == [
+        ["Completed"] * 2,
+        ["Completed"] * 2,
+        ["Completed"],
+    ]
     summary = first.result()
     assert summary["rows"] == 400 and summary["bad_lines"] == 0
     assert summary["bayes_auc"] is None and summary["source"] == "criteo"
 
     second = ingest_flow(config, raw, return_state=True)
-    assert _states(run_records(second.state_details.flow_run_id), "convert") == [["Cached"]]
+    records = run_records(second.state_details.flow_run_id)
+    assert _states(records, "convert", "stats") == [["Cached"] * 2, ["Cached"] * 2]
+    assert second.result() == summary
 
     stat = os.stat(raw[1])
     os.utime(raw[1], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     third = ingest_flow(config, raw, return_state=True)
-    assert _states(run_records(third.state_details.flow_run_id), "convert") == [["Completed"]]
+    records = run_records(third.state_details.flow_run_id)
+    assert _states(records, "convert") == [["Cached", "Completed"]]
+
+    (tmp_path / "criteo" / "day=0" / "part-00000.parquet").unlink()  # output gone: refresh
+    fourth = ingest_flow(config, raw, return_state=True)
+    records = run_records(fourth.state_details.flow_run_id)
+    assert _states(records, "convert") == [["Cached", "Completed"]]
+    assert (tmp_path / "criteo" / "day=0" / "part-00000.parquet").is_file()

@@ -128,3 +128,23 @@ def test_hyperloglog_accuracy_merge_and_order():
     small.add(np.arange(37))  # sequential IDs still hash evenly
     assert round(small.estimate()) == 37
     assert HyperLogLog().estimate() == 0.0
+
+
+def test_per_file_totals_merge_to_the_one_pass_statistics(tiny_dataset):
+    """Merging per-day totals (as the ingest flow does) equals adding every row group to
+    one accumulator, bit for bit, in any order of the days."""
+    from dlrmflow.ingest.manifest import read_manifest
+    from dlrmflow.ingest.stats import StatsAccumulator, file_stats, merge_stats
+
+    manifest = read_manifest(tiny_dataset)
+    paths = manifest.day_paths(tiny_dataset)
+    one_pass = StatsAccumulator()
+    for path in paths:
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.metadata.num_row_groups):
+            one_pass.add(parquet.read_row_group(group), path)
+    expected = one_pass.result(tiny_dataset, manifest.multi_hot).to_dict()
+    parts = [file_stats(path) for path in paths]
+    assert merge_stats(tiny_dataset, False, parts).to_dict() == expected
+    assert merge_stats(tiny_dataset, False, parts[::-1]).to_dict() == expected
+    assert dataset_stats(tiny_dataset).to_dict() == expected
