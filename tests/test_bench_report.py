@@ -170,3 +170,14 @@ def test_docs_are_generated_from_the_report_json(report, tmp_path):
     ratio = record["ingest"]["ratios"]["reader_transform_vs_pyarrow_decode_1w"]
     row = "| Ingest | `reader_transform_vs_pyarrow_decode_1w` | pyarrow decode, same threads |"
     assert f"{row} {ratio:.2f} |" in text
+
+
+def test_ingest_days_record_names_its_baseline_and_every_ratio(report):
+    from dlrmflow.bench.ingest_days import BASELINE
+
+    record = report[1]["ingest_days"]
+    assert record["baseline"].startswith(BASELINE)
+    assert set(record["results"]) == {BASELINE, "dask_2_workers", "threads"}
+    assert set(record["ratios"]) == {f"dask_2_workers_vs_{BASELINE}", f"threads_vs_{BASELINE}"}
+    for result in record["results"].values():
+        assert result["days_per_minute"] == pytest.approx(60 * record["days"] / result["seconds"])

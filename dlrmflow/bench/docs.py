@@ -51,6 +51,7 @@ BASELINES = {
     "kernels": "the same algorithm in plain torch",
     "train": "one process, same cores",
     "readers": "one local reader",
+    "ingest_days": "a Dask cluster of 1 worker",
     "tiered": "all rows in memory",
     "torchrec": "TorchRec's DLRM, same cores",
 }
@@ -62,6 +63,13 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
     ("kernels", "Kernels", "dlrmflow.bench.kernels", sections.kernels_section, _kernels_headline),
     ("train", "Training", "dlrmflow.bench.train", sections.train_section, _train_headline),
     ("readers", "Reader services", "dlrmflow.bench.readers", sections.readers_section, _every),
+    (
+        "ingest_days",
+        "Ingest days on Dask",
+        "dlrmflow.bench.ingest_days",
+        sections.ingest_days_section,
+        _every,
+    ),
     (
         "tiered",
         "Tiered embeddings",

@@ -34,6 +34,8 @@ import torch
 from matplotlib.figure import Figure
 
 from dlrmflow.bench.ingest import run_ingest_benchmark
+from dlrmflow.bench.ingest_days import BASELINE as INGEST_DAYS_BASELINE
+from dlrmflow.bench.ingest_days import run_ingest_days_benchmark
 from dlrmflow.bench.kernels import run_kernel_benchmark, table_sizes, zipf_ids
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.bench.readers import BASELINE as READERS_BASELINE
@@ -370,6 +372,26 @@ def readers_section(record: dict) -> str:
     )
 
 
+def ingest_days_section(record: dict) -> str:
+    rows = [
+        [
+            name,
+            r["seconds"],
+            r["days_per_minute"],
+            record["ratios"].get(f"{name}_vs_{INGEST_DAYS_BASELINE}", 1.0),
+        ]
+        for name, r in record["results"].items()
+    ]
+    return "\n\n".join(
+        [
+            "## Ingest days on Dask",
+            f"Baseline: {record['baseline']}. {record['days']} raw days of "
+            f"{record['rows_per_day']:,} rows, best of {record['repeats']} rounds.",
+            markdown_table(["runner", "seconds", "days per minute", "÷ baseline"], rows),
+        ]
+    )
+
+
 def tiered_section(record: dict) -> str:
     base = record["baseline_result"]
     rows = [["in-memory TBE (baseline, median)", "", "", "", base["samples_per_s"], 1.0, ""]]
@@ -557,6 +579,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
     train = run_train_benchmark(quick=quick)
     tiered = run_tiered_benchmark(quick=quick)
     readers = run_readers_benchmark(**READERS_QUICK) if quick else run_readers_benchmark()
+    ingest_days = run_ingest_days_benchmark(quick=quick)
     missing = torchrec_missing() if torchrec else "not requested (torchrec=False)"
     comparison = run_torchrec_comparison(quick=quick) if missing is None else None
     plot_throughput(train, out / PLOTS["throughput"], comparison)
@@ -571,6 +594,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         "train": train,
         "tiered": tiered,
         "readers": readers,
+        "ingest_days": ingest_days,
         "torchrec": comparison if comparison is not None else {"skipped": missing},
         "plots": sorted(PLOTS.values()),
         "machine": describe_machine(),
@@ -591,6 +615,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         train_section(train),
         tiered_section(tiered),
         readers_section(readers),
+        ingest_days_section(ingest_days),
         torchrec_section(comparison, missing),
     ]
     write_atomic(out / "report.md", "\n\n".join(sections) + "\n")
