@@ -434,6 +434,46 @@ def serve_cmd(
     serve_flows(_config(config, set_), cron=cron, interval=interval, scheduled=flow, limit=limit)
 
 
+@app.command("deploy")
+def deploy_cmd(
+    pool: Annotated[
+        str, typer.Option(help="The process work pool (created when missing) workers serve.")
+    ],
+    cron: Annotated[
+        str | None, typer.Option(help='Schedule the flow with cron, e.g. "0 3 * * *".')
+    ] = None,
+    interval: Annotated[
+        float | None, typer.Option(help="Schedule the flow every this many seconds.")
+    ] = None,
+    flow: Annotated[
+        str, typer.Option(help="The flow the schedule runs: ingest, train, evaluate, end_to_end.")
+    ] = "end_to_end",
+    working_dir: Annotated[
+        str | None,
+        typer.Option(help="Where workers start runs (relative paths resolve there); default: cwd."),
+    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Deploy the flows to a work pool on PREFECT_API_URL's server, for `prefect worker start`.
+
+    Runs import dlrmflow from each worker's environment: install it on every worker host.
+    """
+    from dlrmflow.flows.deploy import deploy_flows
+
+    if cron is not None and interval is not None:
+        raise ConfigError("give --cron or --interval, not both")
+    result = deploy_flows(
+        pool,
+        _config(config, set_),
+        cron=cron,
+        interval=interval,
+        scheduled=flow,
+        working_dir=working_dir,
+    )
+    _echo_json(result)
+
+
 @app.command("stats")
 def stats_cmd(
     data: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
@@ -499,6 +539,18 @@ def bench_report(
     record = run_report(out, quick=quick, torchrec=torchrec)
     typer.echo((out / "report.md").read_text())
     typer.echo(f"report: {out / 'report.md'}, plots: {', '.join(record['plots'])}")
+
+
+@bench_app.command("ingest-days")
+def bench_ingest_days(
+    json_out: JsonOpt = None,
+    quick: QuickOpt = False,
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds; each runner's best counts.")] = 2,
+) -> None:
+    """Days converted per minute by the ingest flow on a Dask cluster of 2 workers against 1."""
+    from dlrmflow.bench.ingest_days import run_ingest_days_benchmark
+
+    _emit_benchmark(run_ingest_days_benchmark(quick=quick, repeats=repeats), json_out)
 
 
 @bench_app.command("docs")

@@ -193,7 +193,8 @@ class EvalConfig(_Section):
 
 
 class OrchestrationConfig(_Section):
-    """Where the flows' tasks run: ingest's per-day conversion and statistics tasks."""
+    """Where the flows' tasks run (ingest's per-day conversion and statistics tasks) and
+    where their cached results are kept."""
 
     task_runner: Literal["threads", "dask"] = Field(
         "threads", description="threads: in the flow's process; dask: on a Dask cluster"
@@ -203,6 +204,13 @@ class OrchestrationConfig(_Section):
     )
     dask_address: str | None = Field(
         None, description="dask: an existing scheduler (tcp://HOST:PORT) instead of a local one"
+    )
+    result_storage: str | None = Field(
+        None,
+        description=(
+            "where cached task results live, a path or fsspec URL every worker can reach "
+            "(None: DATA_URL/_prefect_results)"
+        ),
     )
 
 

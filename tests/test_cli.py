@@ -28,6 +28,8 @@ def test_every_command_has_help():
         ["bench", "kernels"],
         ["bench", "train"],
         ["bench", "readers"],
+        ["bench", "ingest-days"],
+        ["deploy"],
         ["bench", "report"],
         ["plan"],
         ["export"],

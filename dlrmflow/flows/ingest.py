@@ -24,15 +24,25 @@ the cache (runs the task again) when a day's Parquet file (conversion) or the
 ``manifest.json`` (generation) is missing, for example after the dataset folder was deleted.
 The manifest and merged statistics are always rewritten (they are small).
 
+The cached results, and the cache records that name them, are kept where every worker can
+read them: ``orchestration.result_storage`` (by default ``_prefect_results`` beside the
+dataset; see ``dlrmflow.flows.storage``), as JSON, so a second machine pointed at the same
+location reuses the first one's ingest. The cached tasks return plain records for that: a
+converted day's counts as a dict, a day's statistics totals with each distinct-count
+sketch packed as base64 text (``stats_record``).
+
 Call ``run_ingest`` to run the flow on the task runner the configuration names.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
+import zlib
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import fsspec
@@ -45,6 +55,7 @@ from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.flows.artifacts import publish_stats
 from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.flows.runners import task_runner, worker_api
+from dlrmflow.flows.storage import shared_results
 from dlrmflow.ingest.criteo import (
     ConvertedDay,
     convert_day,
@@ -73,6 +84,10 @@ INGEST_TIMEOUT_S = 12 * 3600
 # (local and memory: mtime/created; s3: ETag/LastModified; gcs: md5Hash/updated).
 _VERSION_KEYS = ("mtime", "created", "LastModified", "last_modified", "updated", "ETag", "md5Hash")
 
+# The shape of the cached tasks' result records, part of every cache key: change it when a
+# record changes shape, so a run never reads an older record as the new shape.
+RESULT_FORMAT = 2  # 2: plain JSON records (1: pickled objects)
+
 
 def file_fingerprint(url: str) -> dict[str, Any]:
     """``url``, its size and whatever version metadata its file system reports.
@@ -90,9 +105,12 @@ def file_fingerprint(url: str) -> dict[str, Any]:
 
 def _digest(kind: str, payload: dict[str, Any]) -> str:
     """A cache key: the hash of ``payload`` as canonical JSON, with the package version (a
-    new release may write its output differently) and ``kind`` so tasks never share keys."""
+    new release may write its output differently), the result format and ``kind`` so tasks
+    never share keys."""
     text = json.dumps(
-        {"kind": kind, "dlrmflow": dlrmflow.__version__, **payload}, sort_keys=True, default=str
+        {"kind": kind, "dlrmflow": dlrmflow.__version__, "results": RESULT_FORMAT, **payload},
+        sort_keys=True,
+        default=str,
     )
     return f"dlrmflow-{kind}-{hashlib.sha256(text.encode()).hexdigest()}"
 
@@ -144,6 +162,47 @@ def _manifest_summary(manifest: Manifest, seconds: float) -> dict[str, Any]:
     }
 
 
+def stats_record(totals: StatsAccumulator) -> dict[str, Any]:
+    """``totals`` as a plain JSON record that ``stats_from_record`` turns back into the
+    same totals exactly: the counts as numbers, each distinct-count sketch's registers as
+    base64 text of their zlib-compressed bytes (mostly a few KiB a feature)."""
+    sparse = {}
+    for name, t in totals.sparse.items():
+        fields = {key: value for key, value in vars(t).items() if key != "sketch"}
+        packed = base64.b64encode(zlib.compress(t.sketch.registers.tobytes())).decode("ascii")
+        sparse[name] = {**fields, "registers": packed}
+    return {
+        "rows": totals.rows,
+        "positives": totals.positives,
+        "row_groups": totals.row_groups,
+        "dense": {name: dict(vars(t)) for name, t in totals.dense.items()},
+        "sparse": sparse,
+    }
+
+
+def stats_from_record(record: dict[str, Any]) -> StatsAccumulator:
+    """The totals ``stats_record`` made ``record`` of. Raises ValueError if its shape is
+    not what this version writes."""
+    totals = StatsAccumulator()
+    totals.rows, totals.positives = record["rows"], record["positives"]
+    totals.row_groups = record["row_groups"]
+    for kind, columns in (("dense", totals.dense), ("sparse", totals.sparse)):
+        if record[kind].keys() != columns.keys():
+            raise ValueError(f"statistics record: {kind} columns differ from {list(columns)}")
+        for name, t in columns.items():
+            fields = dict(record[kind][name])
+            if kind == "sparse":
+                registers = zlib.decompress(base64.b64decode(fields.pop("registers")))
+                expected = t.sketch.registers
+                if len(registers) != expected.nbytes:
+                    raise ValueError(f"statistics record: {name}: {len(registers)} registers")
+                t.sketch.registers = np.frombuffer(registers, dtype=expected.dtype).copy()
+            if fields.keys() != {k for k in vars(t) if k != "sketch"}:
+                raise ValueError(f"statistics record: {name}: fields {sorted(fields)}")
+            vars(t).update(fields)
+    return totals
+
+
 # Ingest tasks: results persisted (so the cache can skip them), one retry, none on bad input.
 CACHED_RETRIED_ONCE: dict[str, Any] = {
     "persist_result": True,
@@ -192,14 +251,14 @@ def convert_task(
         converted.bad_lines,
         seconds,
     )
-    return {"converted": converted, "seconds": seconds}
+    return {"converted": asdict(converted), "seconds": seconds}
 
 
 @task(name="manifest", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_bad_input)
 def manifest_task(raw_inputs: list[str], out: str, days: list[dict[str, Any]]) -> dict[str, Any]:
     """Write ``manifest.json`` from the converted days; the manifest summary plus bad-line
     counts. The ingest rate is rows per second of conversion work (summed over days)."""
-    converted: list[ConvertedDay] = [d["converted"] for d in days]
+    converted = [ConvertedDay(**d["converted"]) for d in days]
     result = finish_conversion(raw_inputs, out, converted)
     seconds = sum(d["seconds"] for d in days)
     get_run_logger().info(
@@ -221,8 +280,9 @@ def manifest_task(raw_inputs: list[str], out: str, days: list[dict[str, Any]]) -
     cache_key_fn=stats_cache_key,
     **CACHED_RETRIED_ONCE,
 )
-def stats_task(path: str, multi_hot: bool) -> StatsAccumulator:
-    """The running totals of one day file (about 0.4 MiB of sketches, whatever its size)."""
+def stats_task(path: str, multi_hot: bool) -> dict[str, Any]:
+    """The running totals of one day file, as a ``stats_record`` (0.4 MiB of sketches
+    before compression, whatever the file's size)."""
     start = time.perf_counter()
     totals = file_stats(path, multi_hot)
     seconds = time.perf_counter() - start
@@ -233,13 +293,14 @@ def stats_task(path: str, multi_hot: bool) -> StatsAccumulator:
         seconds,
         totals.rows / max(seconds, 1e-9),
     )
-    return totals
+    return stats_record(totals)
 
 
 @task(name="merge-stats", retries=1, retry_delay_seconds=10)
-def merge_stats_task(url: str, multi_hot: bool, days: list[StatsAccumulator]) -> dict[str, Any]:
-    """Merge the days' totals into the dataset's statistics, written to ``URL/stats.json``."""
-    stats = merge_stats(url, multi_hot, days)
+def merge_stats_task(url: str, multi_hot: bool, days: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the days' totals (``stats_record``s) into the dataset's statistics, written to
+    ``URL/stats.json``."""
+    stats = merge_stats(url, multi_hot, (stats_from_record(day) for day in days))
     written = write_stats(url, stats)
     get_run_logger().info("statistics of %d rows -> %s", stats.rows, written)
     return stats.to_dict()
@@ -258,40 +319,51 @@ def ingest_flow(
     ``config.data`` describes. Returns the manifest summary (rows, days, Bayes metrics for
     synthetic data, the ingest rate) with ``stats`` and, for conversions, the quarantined
     line count. The tasks run on the flow's task runner (threads unless the caller chose
-    another: ``run_ingest`` applies ``config.orchestration``).
+    another: ``run_ingest`` applies ``config.orchestration``); the cached tasks' results go
+    to the run's shared result location (``orchestration.result_storage``).
     """
     url = config.data.url
+    results = shared_results(config)
+    scan = stats_task.with_options(**results)
     if raw_inputs:
+        convert = convert_task.with_options(**results)
         summary, stats_days = _convert(
-            raw_inputs, url, config.data.row_group_size, max_bad_fraction
+            convert, scan, raw_inputs, url, config.data.row_group_size, max_bad_fraction
         )
         multi_hot = False
     else:
         manifest_missing = not output_exists(join_url(url, MANIFEST_NAME))
-        summary = generate_task.with_options(refresh_cache=manifest_missing)(config.data)
+        generate = generate_task.with_options(refresh_cache=manifest_missing, **results)
+        summary = generate(config.data)
         manifest = read_manifest(url)
         multi_hot = manifest.multi_hot
-        stats_days = [stats_task.submit(path, multi_hot) for path in manifest.day_paths(url)]
+        stats_days = [scan.submit(path, multi_hot) for path in manifest.day_paths(url)]
     stats = DatasetStats.from_dict(merge_stats_task(url, multi_hot, stats_days))
     publish_stats(stats)
     return {**summary, "stats": join_url(url, STATS_NAME)}
 
 
 def _convert(
-    raw_inputs: Sequence[str], url: str, row_group_size: int, max_bad_fraction: float
+    convert: Any,
+    scan: Any,
+    raw_inputs: Sequence[str],
+    url: str,
+    row_group_size: int,
+    max_bad_fraction: float,
 ) -> tuple[dict[str, Any], list[Any]]:
     """Submit one conversion per day, each day's statistics as soon as its file is written,
     and the manifest once every day is converted; the manifest summary and the statistics'
-    futures."""
+    futures. ``convert`` and ``scan`` are ``convert_task`` and ``stats_task`` with the
+    run's result options."""
     start_conversion(
         raw_inputs, url, max_bad_fraction=max_bad_fraction, row_group_size=row_group_size
     )
     converted, stats_days = [], []
     for day, raw in enumerate(raw_inputs):
         path = day_file(url, day)
-        convert = convert_task.with_options(refresh_cache=not output_exists(path))
-        converted.append(convert.submit(raw, day, url, row_group_size, max_bad_fraction))
-        stats_days.append(stats_task.submit(path, False, wait_for=[converted[-1]]))
+        convert_day_task = convert.with_options(refresh_cache=not output_exists(path))
+        converted.append(convert_day_task.submit(raw, day, url, row_group_size, max_bad_fraction))
+        stats_days.append(scan.submit(path, False, wait_for=[converted[-1]]))
     return manifest_task(list(raw_inputs), url, converted), stats_days
 
 

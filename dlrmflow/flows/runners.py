@@ -10,8 +10,9 @@ settings travel with each task). With no ``PREFECT_API_URL`` that API is the flo
 own ephemeral server, which other processes do not know of, so each worker would start one
 of its own (seconds each, against the same database); ``worker_api`` points the workers at
 the flow process's ephemeral server instead. Workers on other hosts need a Prefect server
-they can all reach (``PREFECT_API_URL``), and shared storage for cached task results
-(``PREFECT_LOCAL_STORAGE_PATH`` or a result storage block) and for the dataset.
+they can all reach (``PREFECT_API_URL``), and shared storage for the dataset and for cached
+task results (``orchestration.result_storage``, by default beside the dataset: see
+``dlrmflow.flows.storage``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ the local ephemeral one and lives as long as this process; pointed at a Prefect 
 deployments, runs and artifacts stay there.
 
 Deployments name their flows by module path (``dlrmflow.flows.train.train_flow``), not by
-file, so a run finds its code wherever the package is installed.
+file, so a run finds its code wherever the package is installed. ``build_deployments`` is
+shared with ``dlrmflow.flows.deploy``, which registers the same deployments to a work pool.
 """
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ def build_deployments(
     interval: float | None = None,
     scheduled: str = "end_to_end",
     name: str = DEPLOYMENT_NAME,
+    job_variables: dict[str, Any] | None = None,
 ) -> list[RunnerDeployment]:
     """One deployment per flow, each defaulting to ``config``; the flow named ``scheduled``
-    runs on the ``cron`` schedule or every ``interval`` seconds (neither: on demand only)."""
+    runs on the ``cron`` schedule or every ``interval`` seconds (neither: on demand only).
+    ``job_variables`` (work-pool deployments only) override the pool's job template."""
     if cron is not None and interval is not None:
-        raise ValueError("serve: give a cron schedule or an interval, not both")
+        raise ValueError("give a cron schedule or an interval, not both")
     if interval is not None and interval <= 0:
-        raise ValueError(f"serve: interval must be > 0 seconds (got {interval})")
+        raise ValueError(f"interval must be > 0 seconds (got {interval})")
     if scheduled not in FLOWS:
-        raise ValueError(f"serve: no flow {scheduled!r} to schedule; one of {sorted(FLOWS)}")
+        raise ValueError(f"no flow {scheduled!r} to schedule; one of {sorted(FLOWS)}")
     parameters = {"config": config.model_dump(mode="json")}
     deployments = []
     for flow_name, flow in FLOWS.items():
@@ -61,6 +64,7 @@ def build_deployments(
                 parameters=parameters,
                 entrypoint_type=EntrypointType.MODULE_PATH,
                 tags=["dlrmflow"],
+                job_variables=job_variables,
                 **schedule,
             )
         )

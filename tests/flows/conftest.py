@@ -44,11 +44,17 @@ def server_env(home: Path) -> dict[str, str]:
     return env
 
 
-def stop_process_group(proc: subprocess.Popen, timeout: float = 15) -> None:
-    """SIGTERM the process group ``proc`` leads (it and every child), SIGKILL if it lingers."""
+def stop_process_group(
+    proc: subprocess.Popen,
+    timeout: float = 15,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL),
+) -> None:
+    """Signal the process group ``proc`` leads (it and every child) with each of ``signals``
+    in turn, waiting ``timeout`` seconds after each: SIGTERM, then SIGKILL if it lingers.
+    A Prefect worker wants SIGTERM then SIGINT."""
     if proc.poll() is not None:
         return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in signals:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

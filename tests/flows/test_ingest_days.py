@@ -17,6 +17,7 @@ import pytest
 from dlrmflow.config import OrchestrationConfig, build_config
 from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.runners import task_runner
+from dlrmflow.flows.storage import RESULTS_DIR
 from dlrmflow.ingest.criteo import convert_criteo
 from dlrmflow.ingest.stats import dataset_stats, write_stats
 from tests.flows.conftest import stop_process_group
@@ -45,8 +46,11 @@ def raw_days(sample: Path, folder: Path, days: int) -> list[str]:
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
+    """The dataset's files, less the flow's cached task results kept beside them."""
     return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).parts[0] != RESULTS_DIR
     }
 
 
