@@ -36,6 +36,14 @@ JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the JSO
 QuickOpt = Annotated[
     bool, typer.Option(help="Tiny tables and batch: checks the benchmark runs, in seconds.")
 ]
+# The schedule of `serve` and `deploy`.
+CronOpt = Annotated[str | None, typer.Option(help='Schedule the flow with cron, e.g. "0 3 * * *".')]
+IntervalOpt = Annotated[
+    float | None, typer.Option(help="Schedule the flow every this many seconds.")
+]
+ScheduledFlowOpt = Annotated[
+    str, typer.Option(help="The flow the schedule runs: ingest, train, evaluate, end_to_end.")
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config key, e.g. --set train.lr=0.1."),
@@ -413,15 +421,9 @@ def bench_kernels(
 
 @app.command("serve")
 def serve_cmd(
-    cron: Annotated[
-        str | None, typer.Option(help='Schedule the flow with cron, e.g. "0 3 * * *".')
-    ] = None,
-    interval: Annotated[
-        float | None, typer.Option(help="Schedule the flow every this many seconds.")
-    ] = None,
-    flow: Annotated[
-        str, typer.Option(help="The flow the schedule runs: ingest, train, evaluate, end_to_end.")
-    ] = "end_to_end",
+    cron: CronOpt = None,
+    interval: IntervalOpt = None,
+    flow: ScheduledFlowOpt = "end_to_end",
     limit: Annotated[int, typer.Option(help="Flow runs executing at once.")] = 1,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -439,15 +441,9 @@ def deploy_cmd(
     pool: Annotated[
         str, typer.Option(help="The process work pool (created when missing) workers serve.")
     ],
-    cron: Annotated[
-        str | None, typer.Option(help='Schedule the flow with cron, e.g. "0 3 * * *".')
-    ] = None,
-    interval: Annotated[
-        float | None, typer.Option(help="Schedule the flow every this many seconds.")
-    ] = None,
-    flow: Annotated[
-        str, typer.Option(help="The flow the schedule runs: ingest, train, evaluate, end_to_end.")
-    ] = "end_to_end",
+    cron: CronOpt = None,
+    interval: IntervalOpt = None,
+    flow: ScheduledFlowOpt = "end_to_end",
     working_dir: Annotated[
         str | None,
         typer.Option(help="Where workers start runs (relative paths resolve there); default: cwd."),
