@@ -453,21 +453,31 @@ def prune_checkpoints(run_dir: Path, keep: int, metric: str = "auc") -> None:
         shutil.rmtree(info.path, ignore_errors=True)
 
 
+def read_checkpoint(path: str | Path, *, verified: bool = True) -> CheckpointInfo:
+    """The checkpoint directory ``path`` (its manifest, and its files checked against their
+    checksums unless ``verified=False``); a clear error when it is none or is corrupt."""
+    path = Path(path)
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})")
+    info = CheckpointInfo(path, json.loads(manifest.read_text()))
+    problem = verify(info) if verified else None
+    if problem is not None:
+        raise ValueError(f"{path}: corrupt checkpoint ({problem})")
+    return info
+
+
 def find_checkpoint(path: str | Path, *, verified: bool = True) -> CheckpointInfo:
     """The checkpoint ``path`` names: a checkpoint directory (verified against its
     checksums), or a run directory (its newest intact checkpoint). ``verified=False``
     only reads the manifest (of the newest complete checkpoint), for its configuration."""
     path = Path(path)
-    if not verified and not (path / MANIFEST_FILE).is_file():
+    if (path / MANIFEST_FILE).is_file():
+        return read_checkpoint(path, verified=verified)
+    if not verified:
         found = list_checkpoints(path)
         if found:
             return found[-1]
-    if (path / MANIFEST_FILE).is_file():
-        info = CheckpointInfo(path, json.loads((path / MANIFEST_FILE).read_text()))
-        problem = verify(info) if verified else None
-        if problem is not None:
-            raise ValueError(f"{path}: corrupt checkpoint ({problem})")
-        return info
     info = latest_checkpoint(path)
     if info is None:
         raise FileNotFoundError(

@@ -37,15 +37,14 @@ from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
     CHECKPOINTS_DIR,
     DATASET_KEY,
-    MANIFEST_FILE,
     CheckpointInfo,
     dataset_digest,
     differences,
     latest_checkpoint,
     prune_checkpoints,
+    read_checkpoint,
     restore,
     save_checkpoint,
-    verify,
 )
 from dlrmflow.train.comms import CommStats
 from dlrmflow.train.data import IdMapper, fit_features, load_ids, make_train_loader
@@ -243,17 +242,6 @@ RUN_KEYS = (
 SHAPE_KEYS = ("model", "features", "train.optimizer")
 
 
-def _read_info(path: Path) -> CheckpointInfo:
-    manifest = path / MANIFEST_FILE
-    if not manifest.is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})")
-    info = CheckpointInfo(path, json.loads(manifest.read_text()))
-    problem = verify(info)
-    if problem is not None:
-        raise ValueError(f"{path}: corrupt checkpoint ({problem})")
-    return info
-
-
 @dataclass
 class _Resume:
     """Where a training invocation starts from."""
@@ -290,7 +278,7 @@ def _resume_point(config: RunConfig, run_dir: Path, spec: FeatureSpec, digest: s
             return _Resume()
         _refuse_differences(own, config, spec, digest, RUN_KEYS, "resume: auto")
         return _Resume(own, True, {}, own.manifest.get("origin"))
-    source = _read_info(Path(config.train.resume))
+    source = read_checkpoint(config.train.resume)
     if source.path.parent.resolve() == (run_dir / CHECKPOINTS_DIR).resolve():
         if own is not None and own.step > source.step:
             raise IncompatibleCheckpoint(
