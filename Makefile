@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TORCHREC_PKGS := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.2.0
 
-.PHONY: demo test lint bench-ingest bench-report bench-docs clean
+.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a machine with a GPU: the gpu tests, the demo on cuda:0 and the kernel benchmark on the
+# GPU, in ~10 minutes, into one JSON (gpu-results/gpu_check.json).
+gpu-check: $(VENV)/.installed
+	$(PY) scripts/gpu_check.py --out gpu-results/gpu_check.json
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dlrmflow tests

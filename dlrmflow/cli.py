@@ -48,6 +48,56 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a config key, e.g. --set train.lr=0.1."),
 ]
+# Joining a job of several hosts (`train` and `evaluate`): distributed.nnodes and the rest.
+NnodesOpt = Annotated[
+    int | None,
+    typer.Option(help="Hosts in the job (>1: the same command on each, with its --node-rank)."),
+]
+NodeRankOpt = Annotated[
+    int | None,
+    typer.Option(help="This host's place, 0..nnodes-1; node 0 serves the rendezvous, rank 0."),
+]
+RdzvEndpointOpt = Annotated[
+    str | None,
+    typer.Option(help="HOST:PORT of node 0's rendezvous, reachable from every host."),
+]
+LocalAddrOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="The address this host advertises (default: its address on the route to "
+        "--rdzv-endpoint)."
+    ),
+]
+ConnectTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--connect-timeout",
+        help="Seconds each start-up wait (the endpoint, the hosts, their addresses) may take.",
+    ),
+]
+
+
+def _hosts(
+    nnodes: int | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    local_addr: str | None,
+    connect_timeout: float | None,
+) -> dict[str, Any]:
+    """The multi-host flags as ``distributed.*`` overrides (None: not given)."""
+    return {
+        "distributed.nnodes": nnodes,
+        "distributed.node_rank": node_rank,
+        "distributed.rdzv_endpoint": rdzv_endpoint,
+        "distributed.local_addr": local_addr,
+        "distributed.connect_timeout_s": connect_timeout,
+    }
+
+
+def _host_result(node_rank: int, joined: dict[str, Any] | None) -> dict[str, Any]:
+    """What a command prints: rank 0's result on node 0; elsewhere, that this host's ranks
+    finished (rank 0 prints the result on node 0)."""
+    return joined if joined is not None else {"node_rank": node_rank, "finished": True}
 
 
 def _config(path: Path | None, sets: list[str] | None, **flags: Any) -> RunConfig:
@@ -210,13 +260,21 @@ def train_cmd(
         str | None,
         typer.Option(help='A checkpoint dir to continue from, "auto" (default) or "never".'),
     ] = None,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    local_addr: LocalAddrOpt = None,
+    connect_timeout: ConnectTimeoutOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
     """Train a DLRM on the dataset's training days (one process, or --nproc ranks).
 
-    A run directory that holds a checkpoint continues from its newest intact one.
+    A run directory that holds a checkpoint continues from its newest intact one. On many
+    hosts, run it on each with --nnodes, its --node-rank and node 0's --rdzv-endpoint.
     """
+    import contextlib
+
     from dlrmflow.train.launch import launch_training
     from dlrmflow.train.rundir import run_dir_lock
 
@@ -231,6 +289,7 @@ def train_cmd(
             "distributed.comms": comms,
             "distributed.readers": readers.split(",") if readers else None,
             "train.resume": resume,
+            **_hosts(nnodes, node_rank, rdzv_endpoint, local_addr, connect_timeout),
         },
     )
     bar = _Progress(None, "train", unit="steps")
@@ -245,11 +304,14 @@ def train_cmd(
         if not line.startswith("result "):
             typer.echo(line, err=True)
 
-    # Held here, so that a job's ranks (and its config.json) run under it.
-    with run_dir_lock(cfg.run_dir, "dlrmflow train"):
+    # Held here, so that a job's ranks (and its config.json) run under it; by node 0 alone
+    # in a job of several hosts (rank 0 runs there): they share the run directory.
+    node_rank = cfg.distributed.node_rank
+    lock = run_dir_lock(cfg.run_dir, "dlrmflow train") if node_rank == 0 else None
+    with lock or contextlib.nullcontext():
         result = launch_training(cfg, on_line=echo, on_record=show)
     bar.close()
-    _echo_json(result.to_dict())
+    _echo_json(_host_result(node_rank, None if result is None else result.to_dict()))
 
 
 @app.command("plan")
@@ -261,17 +323,49 @@ def plan_cmd(
     preset: Annotated[
         str | None, typer.Option(help="A built-in model instead of the config's: paper-12t.")
     ] = None,
+    device_memory: Annotated[
+        float | None, typer.Option(help="Device memory per rank, bytes (e.g. 80e9).")
+    ] = None,
+    dram_memory: Annotated[
+        float | None, typer.Option(help="Host DRAM per rank for embeddings, bytes.")
+    ] = None,
+    ssd_memory: Annotated[
+        float | None, typer.Option(help="SSD per rank for embeddings, bytes.")
+    ] = None,
+    cache_load_factor: Annotated[
+        float | None,
+        typer.Option(help="Share of each DRAM/SSD shard's rows cached in device memory (0-1)."),
+    ] = None,
+    max_shards: Annotated[int, typer.Option(help="Shards listed per rank (text).")] = 12,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Plan how the embedding tables shard over the ranks, with each rank's load and memory."""
+    """Plan how the embedding tables shard over the ranks: per rank, its shards (sharding,
+    tier, memory, estimated load, cache hit rate) and totals.
+
+    The config's model is planned with the dataset's stats.json (pooling factors, access
+    skew) when it has one. Memory options replace the topology's (a CPU job's: all in RAM).
+    """
+    import dataclasses
+
     from dlrmflow.train import planner
 
+    overrides = {
+        key: value
+        for key, value in (
+            ("device_bytes", device_memory),
+            ("dram_bytes", dram_memory),
+            ("ssd_bytes", ssd_memory),
+            ("cache_load_factor", cache_load_factor),
+        )
+        if value is not None
+    }
     if preset is not None:
         if preset != "paper-12t":
             raise ConfigError(f"--preset: unknown preset {preset!r} (known: paper-12t)")
         tables, topology, batch_size = planner.paper_12t()
+        topology = dataclasses.replace(topology, **overrides)
         plan = planner.plan_sharding(tables, topology, batch_size)
     else:
         from dlrmflow.features.spec import FeatureSpec
@@ -279,11 +373,13 @@ def plan_cmd(
 
         cfg = _config(config, set_)
         spec = FeatureSpec.for_dataset(read_manifest(cfg.data.url), cfg.features, cfg.model)
-        plan = planner.plan_for_config(cfg, spec, world_size, ranks_per_host or world_size)
+        per_host = ranks_per_host or world_size
+        topology = dataclasses.replace(planner.cpu_topology(world_size, per_host), **overrides)
+        plan = planner.plan_for_config(cfg, spec, world_size, per_host, topology=topology)
     if json_out:
         _echo_json(plan.to_dict())
     else:
-        typer.echo(planner.format_plan(plan))
+        typer.echo(planner.format_plan(plan, max_shards=max_shards))
 
 
 @app.command("evaluate")
@@ -297,23 +393,60 @@ def evaluate_cmd(
     nproc: Annotated[
         int, typer.Option(help="Ranks that score it (the checkpoint reshards to them).")
     ] = 1,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    local_addr: LocalAddrOpt = None,
+    connect_timeout: ConnectTimeoutOpt = None,
+    device: Annotated[
+        str, typer.Option(help="auto (CUDA when present), cpu or cuda, whatever trained it.")
+    ] = "auto",
+    kernels: Annotated[
+        str, typer.Option(help="auto, torch, compiled or triton, as model.kernels.")
+    ] = "auto",
 ) -> None:
-    """Evaluate a trained model on the held-out test day; writes RUN_DIR/eval.json."""
+    """Evaluate a trained model on the held-out test day; writes RUN_DIR/eval.json.
+
+    On many hosts, run it on each with --nnodes, its --node-rank and --rdzv-endpoint.
+    """
     from dlrmflow.train.launch import launch_evaluation
 
+    # The job's hosts: flags, else DLRMFLOW_DISTRIBUTED__* variables (one per host).
+    hosts = _config(
+        None, None, **_hosts(nnodes, node_rank, rdzv_endpoint, local_addr, connect_timeout)
+    ).distributed
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, not {device!r}")
+    from dlrmflow.kernels.backends import KERNELS
+
+    if kernels not in KERNELS:
+        raise ConfigError(f"--kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
     bar = _Progress(None, "evaluate")
-    if nproc == 1:
+    if nproc == 1 and hosts.nnodes == 1:
         from dlrmflow.train.evaluate import evaluate
 
         metrics = evaluate(
-            run_dir, data_url=data, checkpoint=checkpoint, max_rows=max_rows, progress=bar
+            run_dir,
+            data_url=data,
+            checkpoint=checkpoint,
+            max_rows=max_rows,
+            progress=bar,
+            device=device,
+            kernels=kernels,
         )
     else:
         metrics = launch_evaluation(
-            run_dir, nproc, data_url=data, checkpoint=checkpoint, max_rows=max_rows
+            run_dir,
+            nproc,
+            data_url=data,
+            checkpoint=checkpoint,
+            max_rows=max_rows,
+            distributed=hosts,
+            device=device,
+            kernels=kernels,
         )
     bar.close()
-    _echo_json(metrics)
+    _echo_json(_host_result(hosts.node_rank, metrics))
 
 
 @app.command("export")
@@ -411,11 +544,20 @@ def bench_kernels(
     repeats: Annotated[
         int, typer.Option(min=1, help="Rounds per comparison; each side's best time counts.")
     ] = 10,
+    device: Annotated[
+        str, typer.Option(help="cpu, or cuda (ours on the Triton kernels, torch on the GPU).")
+    ] = "cpu",
 ) -> None:
     """TBE training steps and the fused interaction against plain torch ops and optimizers."""
     from dlrmflow.bench.kernels import run_kernel_benchmark
 
-    result = run_kernel_benchmark(quick=quick, repeats=repeats)
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, not {device!r}")
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to torch")
+    result = run_kernel_benchmark(quick=quick, repeats=repeats, device=device)
     _emit_benchmark(result, json_out)
 
 
@@ -505,6 +647,24 @@ def readers_serve(
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = _config(config, set_, **{"data.url": data})
     serve_readers(cfg, listen, workers)
+
+
+@bench_app.command("precision")
+def bench_precision(
+    json_out: JsonOpt = None,
+    quick: QuickOpt = False,
+    data: Annotated[
+        str | None, typer.Option(help="Existing dataset URL (default: the demo's, generated).")
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(min=1, help="fp32/bf16 runs of each config; the best counts.")
+    ] = 1,
+) -> None:
+    """train.precision bf16 against fp32: samples/s and AUC of the demo's and the training
+    benchmark's models, one epoch each on the CPU."""
+    from dlrmflow.bench.precision import run_precision_benchmark
+
+    _emit_benchmark(run_precision_benchmark(data, rounds=rounds, quick=quick), json_out)
 
 
 @bench_app.command("readers")

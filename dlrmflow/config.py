@@ -97,6 +97,12 @@ class ModelConfig(_Section):
     top_mlp: list[Size] = Field(default_factory=lambda: [128, 64], min_length=1)
     dcn_layers: Int = Field(3, ge=1)
     dcn_low_rank: Int = Field(32, ge=1)
+    kernels: Literal["auto", "torch", "compiled", "triton"] = Field(
+        "auto",
+        description="TBE and interaction kernels: auto (Triton on CUDA when installed, the "
+        "compiled CPU kernels on CPU), plain torch ops, compiled (CPU) or triton (CPU tensors "
+        "need TRITON_INTERPRET=1)",
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> ModelConfig:
@@ -126,6 +132,14 @@ class TrainConfig(_Section):
     shuffle_window: Int = Field(4, ge=1, description="row groups whose rows are shuffled together")
     threads: Int | None = Field(
         None, ge=1, description="torch intra-op threads (default: cores left by the readers)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the model trains: auto is cuda:LOCAL_RANK when CUDA is present"
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16: the dense arch under bfloat16 autocast (embeddings and optimizer "
+        "state stay fp32)",
     )
     checkpoint_every: Int | None = Field(
         None, ge=1, description="steps between checkpoints (default: only at the end)"
@@ -182,6 +196,31 @@ class DistributedConfig(_Section):
     )
     readers: list[str] = Field(
         default_factory=list, description="remote reader endpoints HOST:PORT (default: local)"
+    )
+    reader_timeout_s: Float = Field(
+        30.0,
+        gt=0,
+        description="a reader server that leaves a request or a stream's next batch "
+        "unanswered this long counts as hung: its streams fail over to the next endpoint",
+    )
+    # Many hosts: every host runs the same command with its own node_rank (and local_addr).
+    nnodes: Int = Field(1, ge=1, description="hosts in the job (>1: c10d rendezvous)")
+    node_rank: Int = Field(
+        0, ge=0, description="this host's place: 0 runs the rendezvous and holds rank 0"
+    )
+    rdzv_endpoint: str | None = Field(
+        None, description="HOST:PORT of node 0's rendezvous, reachable from every host"
+    )
+    local_addr: str | None = Field(
+        None,
+        description="the address this host advertises (default: its address on the route "
+        "to rdzv_endpoint)",
+    )
+    connect_timeout_s: Float = Field(
+        60.0,
+        gt=0,
+        description="start-up: each wait (the endpoint, the other hosts, their addresses) "
+        "fails after this, naming the address",
     )
 
 

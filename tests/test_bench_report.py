@@ -181,3 +181,21 @@ def test_ingest_days_record_names_its_baseline_and_every_ratio(report):
     assert set(record["ratios"]) == {f"dask_2_workers_vs_{BASELINE}", f"threads_vs_{BASELINE}"}
     for result in record["results"].values():
         assert result["days_per_minute"] == pytest.approx(60 * record["days"] / result["seconds"])
+
+
+def test_precision_record_compares_bf16_with_fp32_of_each_config(report):
+    from dlrmflow.bench.precision import BASELINE, CONFIGS
+
+    out, record = report
+    precision = record["precision"]
+    assert precision["baseline"] == BASELINE
+    assert set(precision["results"]) == set(CONFIGS)
+    for name, result in precision["results"].items():
+        fp32, bf16 = result["fp32"], result["bf16"]
+        ratio = precision["ratios"][f"{name}_bf16_samples_per_s"]
+        assert ratio == pytest.approx(bf16["samples_per_s"] / fp32["samples_per_s"])
+        assert 0.5 < fp32["auc"] < 1 and 0.5 < bf16["auc"] < 1
+        # One epoch of the training days: both precisions trained the same steps.
+        assert fp32["steps"] == bf16["steps"] > 0
+        assert fp32["final_loss"] != bf16["final_loss"]  # bf16 really computed in bf16
+    assert "## Precision: bf16 against fp32" in (out / "report.md").read_text()

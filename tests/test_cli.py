@@ -29,6 +29,7 @@ def test_every_command_has_help():
         ["bench", "train"],
         ["bench", "readers"],
         ["bench", "ingest-days"],
+        ["bench", "precision"],
         ["deploy"],
         ["bench", "report"],
         ["plan"],
@@ -141,3 +142,53 @@ def test_convert_over_the_bad_line_threshold_fails_naming_the_file(
         assert e.code == 1
     err = capsys.readouterr().err
     assert "day0.tsv" in err and "quarantine" in err
+
+
+def test_plan_prints_each_ranks_shards_and_uses_the_datasets_stats(tmp_path, capsys, monkeypatch):
+    """``dlrmflow plan``: a block per rank by default, the plan as JSON with --json; with
+    the dataset's stats.json and tables on SSD, each SSD shard's expected cache hit rate."""
+    from dlrmflow.train.sharding import ShardingPlan
+
+    data = str(tmp_path / "data")
+    sets = ["--set", "data.row_group_size=1000", "--set", "data.cardinality_scale=0.0005"]
+    result = runner.invoke(
+        app, ["generate", "--out", data, "--days", "2", "--rows-per-day", "2000", *sets]
+    )
+    assert result.exit_code == 0, result.output
+    plan_args = ["plan", "--set", f"data.url={data}", "--world-size", "2"]
+
+    result = runner.invoke(app, plan_args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("26 tables on 2 ranks (1 host of 2): ")
+    assert lines[1].startswith("statistics: defaults")
+    assert [line.split(":")[0] for line in lines if line.startswith("rank ")] == [
+        "rank 0",
+        "rank 1",
+    ]
+    result = runner.invoke(app, [*plan_args, "--json"])
+    assert result.exit_code == 0, result.output
+    plan = ShardingPlan.from_dict(json.loads(result.output))
+    plan.validate()
+    assert plan.estimates["statistics"] == "defaults"
+
+    assert runner.invoke(app, ["stats", "--data", data]).exit_code == 0
+    tiered = [*plan_args, "--device-memory", "2e6", "--ssd-memory", "1e9"]
+    result = runner.invoke(app, [*tiered, "--cache-load-factor", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert f"statistics: {data}/stats.json" in result.output
+    shards = [line.split() for line in result.output.splitlines() if line.startswith("  C")]
+    on_ssd = [words for words in shards if words[4] == "ssd"]
+    assert on_ssd
+    result = runner.invoke(app, [*tiered, "--cache-load-factor", "0.05", "--json"])
+    estimates = json.loads(result.output)["estimates"]
+    assert estimates["statistics"] == f"{data}/stats.json"
+    for words in on_ssd:
+        rate = estimates["tables"][words[0]]["cache_hit_rate"]
+        assert words[-1] == f"{rate:.1%}" and rate > 0.05  # skewed IDs: above the cache's share
+
+    monkeypatch.setattr("sys.argv", ["dlrmflow", *tiered, "--cache-load-factor", "2"])
+    with pytest.raises(SystemExit):
+        main()
+    err = capsys.readouterr().err
+    assert err == "error: cache_load_factor must be in [0, 1], got 2.0\n"

@@ -53,6 +53,7 @@ BASELINES = {
     "readers": "one local reader",
     "ingest_days": "a Dask cluster of 1 worker",
     "tiered": "all rows in memory",
+    "precision": "fp32, same config",
     "torchrec": "TorchRec's DLRM, same cores",
 }
 
@@ -76,6 +77,13 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
         "dlrmflow.bench.report",
         sections.tiered_section,
         _tiered_headline,
+    ),
+    (
+        "precision",
+        "Precision",
+        "dlrmflow.bench.precision",
+        sections.precision_section,
+        _every,
     ),
     (
         "torchrec",

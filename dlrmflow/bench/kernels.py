@@ -23,6 +23,10 @@ run in this process with the same torch threads and allocator setting (``dlrmflo
 applied here too), take turns within each repeat after one untimed warm-up round, and
 the best time of each counts (``dlrmflow.bench.turns``).
 
+With ``device="cuda"`` every side runs on the GPU: ours on the Triton kernels (TBE and
+interaction), the baselines on torch's CUDA ops, each timed step ending in a device
+synchronize; the copy bandwidth is then the GPU memory's.
+
 Bandwidth: a step must at least read every looked-up row, then read and write each
 touched row and its optimizer state once; those bytes over the step's time, as a share
 of what ``copy_`` achieves on this machine, say how far a step is from memory-bound.
@@ -44,6 +48,7 @@ from dlrmflow.features.spec import SparseFeature
 from dlrmflow.ingest.schema import CRITEO_CARDINALITIES
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.triton_tbe import available as triton_available
 from dlrmflow.memory import applied_threshold, tune_allocator
 
 POOLING = 20
@@ -93,9 +98,10 @@ def _touched(kjt: KeyedJaggedTensor, sizes: Sequence[int]) -> tuple[int, int]:
     return rows.numel(), torch.unique(rows).numel()
 
 
-def copy_bandwidth(megabytes: int, repeats: int) -> float:
-    """The machine's memory bandwidth in bytes/s: bytes read + written by the best ``copy_``."""
-    src = torch.ones(megabytes * 2**20 // FLOAT_BYTES)
+def copy_bandwidth(megabytes: int, repeats: int, device: str = "cpu") -> float:
+    """The memory bandwidth of ``device`` in bytes/s: bytes read + written by the best
+    ``copy_``."""
+    src = torch.ones(megabytes * 2**20 // FLOAT_BYTES, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch: page faults are not bandwidth
     best = min(_elapsed(lambda: dst.copy_(src)) for _ in range(max(repeats, 3)))
@@ -103,8 +109,11 @@ def copy_bandwidth(megabytes: int, repeats: int) -> float:
 
 
 def _elapsed(run: Callable[[], object]) -> float:
+    """Seconds ``run`` takes, including the device work it queued."""
     start = time.perf_counter()
     run()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -230,16 +239,19 @@ def unfused_interaction(dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tens
     """The interaction as plain torch ops; autograd's backward of the index is a scatter-add."""
     vectors = torch.cat([dense.unsqueeze(1), pooled], dim=1)
     gram = torch.bmm(vectors, vectors.transpose(1, 2))
-    rows, cols = torch.tril_indices(vectors.shape[1], vectors.shape[1], offset=-1)
+    n = vectors.shape[1]
+    rows, cols = torch.tril_indices(n, n, offset=-1, device=vectors.device)
     return torch.cat([dense, gram[:, rows, cols]], dim=1)
 
 
-def _interaction_times(batch_size: int, n_tables: int, dim: int, repeats: int) -> dict:
+def _interaction_times(
+    batch_size: int, n_tables: int, dim: int, repeats: int, device: str = "cpu"
+) -> dict:
     gen = torch.Generator().manual_seed(dim)
-    dense = torch.randn(batch_size, dim, generator=gen, requires_grad=True)
-    pooled = torch.randn(batch_size, n_tables, dim, generator=gen, requires_grad=True)
+    dense = torch.randn(batch_size, dim, generator=gen).to(device).requires_grad_()
+    pooled = torch.randn(batch_size, n_tables, dim, generator=gen).to(device).requires_grad_()
     width = dim + (n_tables + 1) * n_tables // 2
-    grad = torch.randn(batch_size, width, generator=gen)
+    grad = torch.randn(batch_size, width, generator=gen).to(device)
 
     def step(op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
@@ -277,24 +289,33 @@ def run_kernel_benchmark(
     rows_per_table: int = 200_000,
     repeats: int = 10,
     quick: bool = False,
+    device: str = "cpu",
 ) -> dict[str, object]:
     """Time TBE steps and the interaction against plain torch; return the JSON record.
 
     ``rows_per_table`` caps each Criteo cardinality. ``quick`` overrides the sizes (batch
     256, dim 8, at most 1000 rows per table, a small copy buffer) for a run of seconds
-    that checks the benchmark itself, not the kernels' speed.
+    that checks the benchmark itself, not the kernels' speed. ``device`` is where every
+    side runs ("cuda": ours on the Triton kernels).
     """
     tune_allocator()
     copy_mb = 256
     if quick:
         batch_size, dims, rows_per_table, copy_mb = 256, (8,), 1000, 16
     sizes = table_sizes(rows_per_table)
-    batches = make_batches(sizes, batch_size)
-    touched = {form: _touched(kjt, sizes) for form, kjt in batches.items()}
-    bandwidth = copy_bandwidth(copy_mb, repeats)
+    host_batches = make_batches(sizes, batch_size)
+    touched = {form: _touched(kjt, sizes) for form, kjt in host_batches.items()}
+    bandwidth = copy_bandwidth(copy_mb, repeats, device)
     # Built once, outside the timed steps: the torch sides' inputs, stacked and per table.
-    stacked = {form: stacked_inputs(kjt, sizes) for form, kjt in batches.items()}
-    split = {form: list(kjt.split_by_key().values()) for form, kjt in batches.items()}
+    stacked = {
+        form: tuple(t.to(device) for t in stacked_inputs(kjt, sizes))
+        for form, kjt in host_batches.items()
+    }
+    split = {
+        form: [(v.to(device), o.to(device)) for v, o in kjt.split_by_key().values()]
+        for form, kjt in host_batches.items()
+    }
+    batches = {form: kjt.to(device) for form, kjt in host_batches.items()}
 
     results: dict[str, dict[str, float]] = {}
     ratios: dict[str, float] = {}
@@ -304,10 +325,11 @@ def run_kernel_benchmark(
         tables = [SparseFeature(f"C{k + 1}", n, dim) for k, n in enumerate(sizes)]
         grad = torch.randn(
             batch_size, len(tables) * dim, generator=torch.Generator().manual_seed(0)
-        )
+        ).to(device)
         for name, optimizer in (("sgd", SGD(LR)), ("rowwise_adagrad", RowWiseAdagrad(LR))):
             tbe = TableBatchedEmbeddingBag(tables, optimizer)
-            bag, bags = _stacked_bag(tbe), _per_table_bags(tbe)
+            bag, bags = _stacked_bag(tbe).to(device), _per_table_bags(tbe).to(device)
+            tbe = tbe.to(device)
             if name == "sgd":
                 torch_opt = torch.optim.SGD(bag.parameters(), lr=LR)
                 naive_opt = torch.optim.SGD(bags.parameters(), lr=LR)
@@ -341,7 +363,7 @@ def run_kernel_benchmark(
                 naive_ratios[key] = times["naive"] / times["ours"]
                 shares[key] = results[key]["ours_bandwidth_share"]
             del tbe, bag, bags, torch_opt, naive_opt  # free these before the next are built
-        times = _interaction_times(batch_size, len(sizes), dim, repeats)
+        times = _interaction_times(batch_size, len(sizes), dim, repeats, device)
         key = f"interaction_fwd_bwd_d{dim}"
         results[key] = {"ours_s": times["ours"], "baseline_s": times["baseline"]}
         ratios[key] = times["baseline"] / times["ours"]
@@ -355,6 +377,11 @@ def run_kernel_benchmark(
         "pooling_multihot": POOLING,
         "zipf_alpha": ZIPF_ALPHA,
         "repeats": repeats,
+        "device": device,
+        # What ran ours: the kernels "auto" picks on this device.
+        "ours_kernels": "triton"
+        if device.startswith("cuda") and triton_available()
+        else ("compiled" if device == "cpu" else "torch"),
         # Every side ran in this process, with these threads and this allocator setting.
         "torch_threads": torch.get_num_threads(),
         "malloc_mmap_threshold": applied_threshold(),

@@ -38,6 +38,7 @@ from dlrmflow.bench.ingest_days import BASELINE as INGEST_DAYS_BASELINE
 from dlrmflow.bench.ingest_days import run_ingest_days_benchmark
 from dlrmflow.bench.kernels import run_kernel_benchmark, table_sizes, zipf_ids
 from dlrmflow.bench.machine import describe_machine
+from dlrmflow.bench.precision import run_precision_benchmark
 from dlrmflow.bench.readers import BASELINE as READERS_BASELINE
 from dlrmflow.bench.readers import run_readers_benchmark
 from dlrmflow.bench.torchrec_compare import MODES as TORCHREC_MODES
@@ -432,6 +433,42 @@ def tiered_section(record: dict) -> str:
     )
 
 
+def precision_section(record: dict) -> str:
+    rows = []
+    for name, result in record["results"].items():
+        fp32, bf16 = result["fp32"], result["bf16"]
+        rows.append(
+            [
+                name,
+                f"{fp32['samples_per_s']:,.0f}",
+                f"{bf16['samples_per_s']:,.0f}",
+                _fmt(record["ratios"][f"{name}_bf16_samples_per_s"]),
+                f"{fp32['auc']:.4f}",
+                f"{bf16['auc']:.4f}",
+            ]
+        )
+    native = "native (AVX512-BF16/AMX)" if record["bf16_native"] else "emulated"
+    return "\n\n".join(
+        [
+            "## Precision: bf16 against fp32",
+            f"Baseline: {record['baseline']}. One epoch of {record['train_rows']:,} rows per "
+            f"run on {record['device']} (bf16 {native}), {record['torch_threads']} torch "
+            f"threads, best of {record['rounds']} round(s).",
+            markdown_table(
+                [
+                    "config",
+                    "fp32 samples/s",
+                    "bf16 samples/s",
+                    "bf16 ÷ fp32",
+                    "fp32 AUC",
+                    "bf16 AUC",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def torchrec_section(record: dict | None, missing: str | None) -> str:
     """The comparison's table, or the reason it was skipped."""
     if record is None:
@@ -580,6 +617,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
     tiered = run_tiered_benchmark(quick=quick)
     readers = run_readers_benchmark(**READERS_QUICK) if quick else run_readers_benchmark()
     ingest_days = run_ingest_days_benchmark(quick=quick)
+    precision = run_precision_benchmark(quick=quick)
     missing = torchrec_missing() if torchrec else "not requested (torchrec=False)"
     comparison = run_torchrec_comparison(quick=quick) if missing is None else None
     plot_throughput(train, out / PLOTS["throughput"], comparison)
@@ -595,6 +633,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         "tiered": tiered,
         "readers": readers,
         "ingest_days": ingest_days,
+        "precision": precision,
         "torchrec": comparison if comparison is not None else {"skipped": missing},
         "plots": sorted(PLOTS.values()),
         "machine": describe_machine(),
@@ -616,6 +655,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         tiered_section(tiered),
         readers_section(readers),
         ingest_days_section(ingest_days),
+        precision_section(precision),
         torchrec_section(comparison, missing),
     ]
     write_atomic(out / "report.md", "\n\n".join(sections) + "\n")

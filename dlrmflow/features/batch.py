@@ -37,8 +37,12 @@ def _indices(indices: np.ndarray | torch.Tensor, size: int) -> torch.Tensor:
 def _jagged_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, lengths) of one-hot ``rows`` [B, n_keys], where -1 means no ID.
 
-    numpy, not torch: its compress is ~3x faster than ``masked_select`` here.
+    numpy, not torch, on the CPU: its compress is ~3x faster than ``masked_select`` here.
     """
+    if rows.device.type != "cpu":
+        key_major = rows.t().reshape(-1)
+        present = key_major >= 0
+        return key_major[present].long(), present.int()
     key_major = np.ascontiguousarray(rows.numpy().T).reshape(-1)
     present = key_major >= 0
     values = np.compress(present, key_major).astype(np.int64, copy=False)
@@ -62,7 +66,7 @@ class KeyedJaggedTensor:
 
     Treat it as immutable: the offsets and the built forms are kept once computed, so that
     the many ``take`` calls on one concatenated window pay for them once. ``take`` and the
-    one-hot form work on CPU tensors (the loader's side); ``to`` moves the jagged form.
+    one-hot form work on CPU tensors (the loader's side); ``to`` moves either form.
     """
 
     def __init__(
@@ -84,8 +88,8 @@ class KeyedJaggedTensor:
     def from_one_hot(cls, keys: list[str], rows: torch.Tensor) -> KeyedJaggedTensor:
         """One-hot IDs stored sample-major: ``rows[i, k]`` is sample ``i``'s ID for key ``k``.
 
-        ``rows`` is an int32 or int64 CPU tensor [B, len(keys)]; -1 marks an empty bag.
-        No weights.
+        ``rows`` is an int32 or int64 tensor [B, len(keys)]; -1 marks an empty bag. No
+        weights. The jagged form is built from it on the CPU only (the loader's side).
         """
         if rows.dim() != 2 or rows.shape[1] != len(keys):
             raise ValueError(
@@ -93,7 +97,7 @@ class KeyedJaggedTensor:
             )
         if rows.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"from_one_hot: rows must be int32 or int64, got {rows.dtype}")
-        kjt = cls(keys, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
+        kjt = cls(keys, rows.new_zeros(0, dtype=torch.int64), rows.new_zeros(0, dtype=torch.int32))
         kjt._values = kjt._lengths = None
         kjt._rows = rows
         kjt._bags_of_one = True
@@ -135,8 +139,9 @@ class KeyedJaggedTensor:
         Computed on first use and kept; do not modify the returned tensor.
         """
         if self._offsets is None:
-            out = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)
-            torch.cumsum(self.lengths, 0, out=out[1:])
+            lengths = self.lengths
+            out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+            torch.cumsum(lengths, 0, out=out[1:])
             self._offsets = out
         return self._offsets
 
@@ -151,7 +156,7 @@ class KeyedJaggedTensor:
         for key, vals, lens in zip(
             self.keys, self.values.split(self.length_per_key()), lengths, strict=True
         ):
-            offs = torch.zeros(lens.numel(), dtype=torch.int64)
+            offs = torch.zeros(lens.numel(), dtype=torch.int64, device=lens.device)
             torch.cumsum(lens[:-1], 0, out=offs[1:])
             out[key] = (vals, offs)
         return out
@@ -253,6 +258,11 @@ class KeyedJaggedTensor:
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
+        """This batch's IDs on ``device``, in the same form (one-hot or jagged)."""
+        if self._rows is not None and self._values is None:
+            return KeyedJaggedTensor.from_one_hot(
+                self.keys, self._rows.to(device, non_blocking=non_blocking)
+            )
         return KeyedJaggedTensor(
             keys=self.keys,
             values=self.values.to(device, non_blocking=non_blocking),
@@ -263,6 +273,9 @@ class KeyedJaggedTensor:
         )
 
     def pin_memory(self) -> KeyedJaggedTensor:
+        """A copy in page-locked memory (what an asynchronous copy to a GPU needs)."""
+        if self._rows is not None and self._values is None:
+            return KeyedJaggedTensor.from_one_hot(self.keys, self._rows.pin_memory())
         return KeyedJaggedTensor(
             keys=self.keys,
             values=self.values.pin_memory(),
@@ -284,13 +297,14 @@ class Batch:
     labels: torch.Tensor  # float32 [B]
 
     @classmethod
-    def empty(cls, n_dense: int, keys: list[str]) -> Batch:
+    def empty(cls, n_dense: int, keys: list[str], device: torch.device | str = "cpu") -> Batch:
         """A batch of no rows (a sharded job's rank whose data ran out keeps stepping with
         these, since every rank takes part in each step's exchanges)."""
+        rows = torch.zeros(0, len(keys), dtype=torch.int64, device=device)
         return cls(
-            torch.zeros(0, n_dense),
-            KeyedJaggedTensor.from_one_hot(keys, torch.zeros(0, len(keys), dtype=torch.int64)),
-            torch.zeros(0),
+            torch.zeros(0, n_dense, device=device),
+            KeyedJaggedTensor.from_one_hot(keys, rows),
+            torch.zeros(0, device=device),
         )
 
     def __len__(self) -> int:

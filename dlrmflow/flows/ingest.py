@@ -137,8 +137,9 @@ def convert_cache_key(context: TaskRunContext | None, parameters: dict[str, Any]
 
 def stats_cache_key(context: TaskRunContext | None, parameters: dict[str, Any]) -> str:
     """Cache key of ``stats_task``: the day file's fingerprint and layout."""
+    # v2: the records gained the access-skew summaries; older cached ones lack them.
     return _digest(
-        "stats-day",
+        "stats-day-v2",
         {"file": file_fingerprint(parameters["path"]), "multi_hot": parameters["multi_hot"]},
     )
 

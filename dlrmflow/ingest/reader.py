@@ -722,12 +722,15 @@ class _KeepError(BaseNode[Any]):
 
     torchdata's prefetch thread passes an error on as its type and formatted traceback
     only; the consumer raises the kept original instead (see ``ReaderPrefetcher``). The
-    state is the source's own, so states are those of a plain ``Prefetcher``.
+    state is the source's own, so states are those of a plain ``Prefetcher``. With
+    ``pin_memory`` each item is copied to page-locked memory here, in the prefetch thread
+    (items with a ``pin_memory()`` method, such as the features' ``Batch``).
     """
 
-    def __init__(self, source: BaseNode[Any]) -> None:
+    def __init__(self, source: BaseNode[Any], pin_memory: bool = False) -> None:
         super().__init__()
         self.source = source
+        self.pin_memory = pin_memory
         self.error: Exception | None = None
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -737,7 +740,8 @@ class _KeepError(BaseNode[Any]):
 
     def next(self) -> Any:
         try:
-            return next(self.source)
+            item = next(self.source)
+            return item.pin_memory() if self.pin_memory else item
         except StopIteration:
             raise
         except Exception as e:
@@ -774,8 +778,10 @@ class ReaderPrefetcher(Prefetcher):
 
     JOIN_TIMEOUT_S = 10.0  # a thread ends once its source's current item is done
 
-    def __init__(self, source: BaseNode[Any], prefetch_factor: int) -> None:
-        self._kept = _KeepError(source)
+    def __init__(
+        self, source: BaseNode[Any], prefetch_factor: int, pin_memory: bool = False
+    ) -> None:
+        self._kept = _KeepError(source, pin_memory)
         super().__init__(self._kept, prefetch_factor)
         _open_prefetchers.add(self)
 
@@ -862,6 +868,7 @@ def make_loader(
     num_workers: int = 1,
     prefetch_factor: int = 4,
     threads: int | None = None,
+    pin_memory: bool = False,
 ) -> ReaderLoader:
     """A resumable loader whose ``num_workers`` readers run ahead of the consumer.
 
@@ -872,8 +879,9 @@ def make_loader(
     in loader`` starts a fresh pass over the epoch set with ``dataset.set_epoch``, unless a
     state was loaded with ``load_state_dict``: then the pass resumes in that state's epoch,
     right after its last batch. A state taken after an epoch's last batch restores to a
-    fresh pass, so call ``set_epoch`` with the next epoch first. Memory is not pinned: a
-    record batch cannot be, and the trainer decides about its tensors. A reader's error
+    fresh pass, so call ``set_epoch`` with the next epoch first. With ``pin_memory`` (for a
+    GPU trainer) each reader's prefetch thread pins the batches it hands out; states are
+    the same either way. A reader's error
     (a ``DataError`` naming the file, row group and column) is raised as it was raised in
     the reader's thread; ``close()`` stops the threads.
     """
@@ -886,7 +894,9 @@ def make_loader(
     if num_workers == 0:
         return ReaderLoader(SplitReader(dataset, threads=threads))
     readers = [
-        ReaderPrefetcher(SplitReader(dataset, worker, num_workers, threads), prefetch_factor)
+        ReaderPrefetcher(
+            SplitReader(dataset, worker, num_workers, threads), prefetch_factor, pin_memory
+        )
         for worker in range(num_workers)
     ]
     return ReaderLoader(RoundRobin(readers))

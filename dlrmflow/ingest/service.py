@@ -29,20 +29,26 @@ server reads ahead a few windows and what gRPC buffers, never an epoch.
 
 Failure. When a stream's endpoint dies (connection lost, refused, or shutting down), the
 client re-requests that stream from the next endpoint in the list (``w + 1 mod S``, ...),
-starting from the state of the last batch it received: no row is lost or repeated. An
-endpoint that failed is not tried again in that pass. When none is left the pass fails with
-``ReaderUnavailableError`` naming every endpoint and its error. Bad data (``DataError``) or
+starting from the state of the last batch it received: no row is lost or repeated. A server
+that hangs without dying (stopped, wedged, its host gone without a reset) is treated alike
+once one call to it waits past the deadline (``timeout_s``): a request not answered, or a
+next batch not sent. The call is cancelled, not waited for. An endpoint that failed is not
+tried again in that pass. When none is left the pass fails with ``ReaderUnavailableError``
+naming every endpoint and its error. Bad data (``DataError``) or
 a refused request (``ValueError``: mismatched features, a state of another layout) are not
 failures of the endpoint and raise at once, naming the endpoint, file, row group and column.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import multiprocessing
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -489,12 +495,169 @@ def _gist(error: Exception) -> str:
     return message
 
 
+class _NoAnswer(Exception):
+    """A call that a reader server left unanswered past the deadline: the server hangs."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"did not answer within {timeout_s:g} s")
+
+
+class _Abandoned(Exception):
+    """The stream was closed while it waited for a server: the pass ends, nothing failed."""
+
+
+# What a call to an endpoint raises when the endpoint (not the request) is at fault.
+_ENDPOINT_ERRORS = (flight.FlightError, pa.ArrowException, OSError, _NoAnswer)
+
+
+class _Deadlines:
+    """Runs a call's ``expire`` once the call outlives its deadline, unless it ended first.
+
+    One thread serves every stream of the process, started on first use: a timer thread per
+    batch would cost more than receiving the batch. A stream arms one call at a time, so
+    the thread scans a handful of entries.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._tokens = itertools.count()
+        self._wake_at = math.inf  # when the thread looks next (inf: when notified)
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float, expire: Callable[[], None]) -> int:
+        """Call ``expire`` in ``seconds`` unless ``disarm`` gets the returned token first."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            token = next(self._tokens)
+            self._armed[token] = (deadline, expire)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="dlrmflow-reader-deadlines", daemon=True
+                )
+                self._thread.start()
+            elif deadline < self._wake_at:
+                self._cond.notify()
+        return token
+
+    def disarm(self, token: int) -> None:
+        with self._cond:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [token for token, (deadline, _) in self._armed.items() if deadline <= now]
+                expired = [self._armed.pop(token)[1] for token in due]
+                self._wake_at = min((d for d, _ in self._armed.values()), default=math.inf)
+                if not expired:
+                    self._cond.wait(None if self._wake_at == math.inf else self._wake_at - now)
+                    continue
+            for expire in expired:
+                expire()
+
+
+_DEADLINES = _Deadlines()
+
+
+@dataclass
+class _OpenCall:
+    """A ``do_get`` under way. The client is kept beside its reader: the call needs the
+    client's channel while it lasts. ``expired``: the deadline cancelled it, so its error
+    means that the server hung, whatever gRPC calls it."""
+
+    client: flight.FlightClient
+    reader: flight.FlightStreamReader
+    expired: bool = False
+
+    def expire(self) -> None:
+        self.expired = True
+        self.reader.cancel()  # ends a read_chunk waiting in another thread at once
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.client.close()
+
+
+def _do_get(endpoint: Endpoint, ticket: flight.Ticket) -> _OpenCall:
+    """``ticket``'s stream from ``endpoint``, once the server has accepted it."""
+    client = flight.connect(endpoint.location)
+    try:
+        reader = client.do_get(ticket)
+        reader.schema  # noqa: B018 -- waits until the server has accepted the stream
+    except BaseException:
+        client.close()
+        raise
+    return _OpenCall(client, reader)
+
+
+class _Opening:
+    """A ``do_get`` run in a thread of its own, so that waiting for it can end.
+
+    Flight's ``do_get`` returns once the server has sent the stream's first message and
+    nothing interrupts it (closing its client does not): a stopped server would hold the
+    reader thread for good. So the caller waits for this thread up to the deadline, and a
+    call that the server answers after the caller gave up is cancelled then. The thread is
+    a daemon, not a pool's worker: one still waiting on a stopped server must not hold up
+    the interpreter's exit, where a pool's workers are joined.
+    """
+
+    def __init__(self, endpoint: Endpoint, ticket: flight.Ticket) -> None:
+        self._lock = threading.Lock()
+        self._settled = threading.Event()
+        self._outcome: _OpenCall | Exception | None = None
+        self._given_up = False  # no one takes the call any more: the thread closes it
+        self._abandoned = False
+        threading.Thread(
+            target=self._run, args=(endpoint, ticket), name=f"dlrmflow-open-{endpoint}", daemon=True
+        ).start()
+
+    def _run(self, endpoint: Endpoint, ticket: flight.Ticket) -> None:
+        outcome: _OpenCall | Exception
+        try:
+            outcome = _do_get(endpoint, ticket)
+        except Exception as e:
+            outcome = e
+        with self._lock:
+            late = self._given_up
+            self._outcome = outcome
+        self._settled.set()
+        if late and isinstance(outcome, _OpenCall):
+            outcome.close()
+
+    def result(self, timeout_s: float) -> _OpenCall:
+        """The call once the server has accepted it, else its error; ``_NoAnswer`` after
+        ``timeout_s``; ``_Abandoned`` when ``abandon`` came first."""
+        self._settled.wait(timeout_s)
+        with self._lock:
+            outcome, abandoned = self._outcome, self._abandoned
+            self._given_up = outcome is None
+        if abandoned:
+            if isinstance(outcome, _OpenCall):
+                outcome.close()
+            raise _Abandoned
+        if outcome is None:
+            raise _NoAnswer(timeout_s)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def abandon(self) -> None:
+        """End the wait in ``result`` now (the stream was closed)."""
+        with self._lock:
+            self._abandoned = True
+        self._settled.set()
+
+
 class _Stream:
     """One pass of one reader, served by one endpoint at a time.
 
     ``state`` is the ``SplitReader`` state after the last batch received (the server's own
     state, so a local loader can resume from it). ``next`` is called by one thread at a
     time; ``close`` may come from another, and then ends the pass without failing over.
+    Every wait for a server ends by the source's ``timeout_s``: past it, the endpoint has
+    failed (``_NoAnswer``).
     """
 
     def __init__(
@@ -507,10 +670,10 @@ class _Stream:
         self._request = request
         self._endpoints = endpoints  # in the order this stream tries them
         self._at = 0  # index of the endpoint in use
-        self._failed: dict[Endpoint, str] = {}
+        self._failed: dict[Endpoint, Exception] = {}
         self._state = request.state
-        # The client is kept beside its reader: the call needs its channel while it lasts.
-        self._open_call: tuple[flight.FlightClient, flight.FlightStreamReader] | None = None
+        self._open_call: _OpenCall | None = None
+        self._opening: _Opening | None = None  # while a do_get waits for its first message
         self._closed = False
 
     @property
@@ -523,22 +686,28 @@ class _Stream:
 
     def next(self) -> pa.RecordBatch:
         while not self._closed:
-            if self._open_call is None:
-                # The state first: asking for it may fail over too, which must not happen
-                # inside the open call below.
-                self._open_call = self._call(partial(self._open, state=self.state))
+            call = self._open_call
+            if call is None:
+                try:
+                    # The state first: asking for it may fail over too, which must not
+                    # happen inside the open call below.
+                    self._open_call = self._call(partial(self._open, state=self.state))
+                except _Abandoned:
+                    break
                 continue  # closed meanwhile? then the call is cancelled below
-            client, reader = self._open_call
+            token = _DEADLINES.arm(self._source.timeout_s, call.expire)
             try:
-                chunk = reader.read_chunk()
+                chunk = call.reader.read_chunk()
             except (flight.FlightError, pa.ArrowException, OSError) as e:
                 if self._closed:
                     break
                 self._raise_if_marked(e)
                 self._open_call = None
-                client.close()
-                self._fail(e)
+                call.client.close()
+                self._fail(_NoAnswer(self._source.timeout_s) if call.expired else e)
                 continue
+            finally:
+                _DEADLINES.disarm(token)
             cursor = json.loads(chunk.app_metadata.to_pybytes())
             self._state = {**self.state, **cursor}
             return chunk.data
@@ -547,6 +716,9 @@ class _Stream:
 
     def close(self) -> None:
         self._closed = True
+        opening = self._opening
+        if opening is not None:
+            opening.abandon()
         self._cancel()
 
     def _cancel(self) -> None:
@@ -554,27 +726,30 @@ class _Stream:
         # until this object is collected.
         call = self._open_call
         if call is not None:
-            call[1].cancel()
+            call.reader.cancel()
 
     def _start_state(self, endpoint: Endpoint) -> dict[str, Any]:
+        # A unary call: gRPC's own deadline bounds it (do_get's would bound the whole pass).
+        options = flight.FlightCallOptions(timeout=self._source.timeout_s)
         with flight.connect(endpoint.location) as client:
             action = flight.Action(STATE_ACTION, self._request.encode())
-            results = list(client.do_action(action))
+            try:
+                results = list(client.do_action(action, options))
+            except flight.FlightTimedOutError as e:
+                raise _NoAnswer(self._source.timeout_s) from e
         return json.loads(results[0].body.to_pybytes())
 
-    def _open(
-        self, endpoint: Endpoint, state: dict[str, Any]
-    ) -> tuple[flight.FlightClient, flight.FlightStreamReader]:
-        """A ``do_get`` of this reader's batches from ``state`` on."""
+    def _open(self, endpoint: Endpoint, state: dict[str, Any]) -> _OpenCall:
+        """A ``do_get`` of this reader's batches from ``state`` on, accepted by the server."""
         request = self._request.model_copy(update={"state": state})
-        client = flight.connect(endpoint.location)
+        opening = _Opening(endpoint, flight.Ticket(request.encode()))
+        self._opening = opening
+        if self._closed:  # closed before ``close`` could see this opening
+            opening.abandon()
         try:
-            reader = client.do_get(flight.Ticket(request.encode()))
-            reader.schema  # noqa: B018 -- waits until the server has accepted the stream
-        except BaseException:
-            client.close()
-            raise
-        return client, reader
+            return opening.result(self._source.timeout_s)
+        finally:
+            self._opening = None
 
     def _call(self, fn: Callable[[Endpoint], Any]) -> Any:
         """``fn(endpoint)`` on the endpoint in use, failing over while endpoints are left."""
@@ -582,7 +757,7 @@ class _Stream:
             endpoint = self._endpoints[self._at]
             try:
                 return fn(endpoint)
-            except (flight.FlightError, pa.ArrowException, OSError) as e:
+            except _ENDPOINT_ERRORS as e:
                 self._raise_if_marked(e)
                 self._fail(e)
 
@@ -595,19 +770,22 @@ class _Stream:
     def _fail(self, error: Exception) -> None:
         """Record the endpoint in use as failed and move to the next one left, or raise."""
         failed = self._endpoints[self._at]
-        self._failed[failed] = f"{type(error).__name__}: {_gist(error)}"
+        self._failed[failed] = error
         left = [i for i, e in enumerate(self._endpoints) if e not in self._failed]
         r = self._request
         where = f"rank {r.rank} reader {r.worker} of {r.num_workers}"
         if not left:
-            tried = "; ".join(f"{e}: {why}" for e, why in self._failed.items())
+            tried = "; ".join(f"{e}: {_why(why)}" for e, why in self._failed.items())
             start = f"state {self._state}" if self._state else f"the start of epoch {r.epoch}"
+            slow = ""
+            if any(isinstance(why, _NoAnswer) for why in self._failed.values()):
+                slow = " A server only slow to answer needs a longer distributed.reader_timeout_s."
             raise ReaderUnavailableError(
                 f"{where}: no reader endpoint left to serve its splits from {start}. "
                 f"Tried {tried}. Reader w is served by endpoint w mod S of the "
                 "S in distributed.readers and fails over to the next ones in order; start "
                 "the servers again (the state resumes exactly) or clear distributed.readers "
-                "to read locally."
+                f"to read locally.{slow}"
             ) from error
         self._at = next((i for i in left if i > self._at), left[0])
         self._source._record_failover()
@@ -615,10 +793,17 @@ class _Stream:
             "%s: reader %s failed (%s); resuming from %s on %s",
             where,
             failed,
-            self._failed[failed],
+            _why(error),
             self._state,
             self._endpoints[self._at],
         )
+
+
+def _why(error: Exception) -> str:
+    """What went wrong with an endpoint, in a few words for one line."""
+    if isinstance(error, _NoAnswer):
+        return str(error)
+    return f"{type(error).__name__}: {_gist(error)}"
 
 
 class RemoteSplitReader(BaseNode[Any]):
@@ -666,6 +851,9 @@ class RemoteBatchSource:
     ``RemoteSplitReader`` in place of ``SplitReader``. ``files`` are relative to the
     servers' dataset root; ``features`` is the digest the servers must match. ``decode``
     turns each record batch into the batch the loader gives (none: the record batch).
+    ``timeout_s`` is how long a server may take to answer a request or send a stream's
+    next batch before it counts as hung and the stream fails over: longer than a server
+    takes to start a stream (list the files' row groups, preprocess a window) when busy.
     """
 
     def __init__(
@@ -681,9 +869,12 @@ class RemoteBatchSource:
         rank: int = 0,
         world_size: int = 1,
         decode: Callable[[pa.RecordBatch], Any] | None = None,
+        timeout_s: float = 30.0,
     ) -> None:
         if not endpoints:
             raise ValueError("RemoteBatchSource needs at least one reader endpoint")
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         self.endpoints = [Endpoint.parse(e) for e in endpoints]
         duplicates = {str(e) for e in self.endpoints if self.endpoints.count(e) > 1}
         if duplicates:
@@ -704,6 +895,7 @@ class RemoteBatchSource:
             epoch=0,
         )
         self.decode = decode
+        self.timeout_s = timeout_s
         self.epoch = 0
         self._failovers = 0
         self._lock = threading.Lock()

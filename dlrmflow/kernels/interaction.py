@@ -1,4 +1,4 @@
-"""DLRM's dot interaction as one autograd op with a hand-written backward (CPU).
+"""DLRM's dot interaction as one autograd op with a hand-written backward (torch ops).
 
 The output matches ``dlrmflow.train.model.DotInteraction``: ``[dense, tri(V V^T)]`` where
 ``V = [dense, pooled_1, ..., pooled_F]`` and ``tri`` is the strict lower triangle of each
@@ -17,6 +17,8 @@ from functools import lru_cache
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
+
+from dlrmflow.kernels import backends
 
 __all__ = ["dot_interaction"]
 
@@ -70,7 +72,9 @@ class _DotInteraction(torch.autograd.Function):
         return grad_dense.squeeze(1), grad_pooled
 
 
-def dot_interaction(dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+def dot_interaction(
+    dense: torch.Tensor, pooled: torch.Tensor, kernels: str = "auto"
+) -> torch.Tensor:
     """``[dense, strict lower triangle of V V^T]`` for ``V = [dense, pooled]``, per sample.
 
     Args:
@@ -81,6 +85,10 @@ def dot_interaction(dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         ``[B, d + (F + 1) * F / 2]``, laid out as ``DotInteraction`` in ``dlrmflow.train.model``
         (pairs ``(i, j)`` with ``i > j`` in ``torch.tril_indices`` order, index 0 being dense).
         Differentiable once with respect to both inputs.
+
+    ``kernels`` (``dlrmflow.kernels.backends``): "triton" runs the Triton kernels (CUDA, or
+    CPU tensors under the interpreter), "auto" does so for CUDA tensors when triton is
+    installed; otherwise the torch op of this module runs (the CPU has no compiled one).
     """
     if dense.dim() != 2 or pooled.dim() != 3:
         raise ValueError(
@@ -99,9 +107,8 @@ def dot_interaction(dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
             f"dot_interaction: dense is {dense.dtype} on {dense.device}, "
             f"pooled is {pooled.dtype} on {pooled.device}; they must match"
         )
-    if dense.is_cuda:
+    if backends.resolve(kernels, dense) == "triton":
         from dlrmflow.kernels import triton_interaction
 
-        if triton_interaction.available():
-            return triton_interaction.dot_interaction(dense, pooled)
+        return triton_interaction.dot_interaction(dense, pooled)
     return _DotInteraction.apply(dense, pooled)

@@ -47,7 +47,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
-from dlrmflow.kernels import cpu_tbe, triton_tbe
+from dlrmflow.kernels import backends, cpu_tbe, triton_tbe
 from dlrmflow.kernels.tbe_layout import (
     SGD,
     Adam,
@@ -144,11 +144,17 @@ class TableBatchedEmbeddingBag(nn.Module):
         optimizer: Optimizer,
         seed: int = 0,
         init: Callable[[int, torch.Tensor], None] | None = None,
+        kernels: str = "auto",
     ) -> None:
         """``init(k, rows)`` fills table ``k``'s ``[num_embeddings, dim]`` rows in place; by
-        default ``init_table_rows`` draws them from ``seed`` and the table's name."""
+        default ``init_table_rows`` draws them from ``seed`` and the table's name. The
+        weights are made on the CPU (the same draws on every device); ``.to(device)`` moves
+        them. ``kernels`` picks the implementation (``dlrmflow.kernels.backends``)."""
         super().__init__()
         _check_config(tables, optimizer)
+        if kernels not in backends.KERNELS:
+            raise ValueError(f"kernels must be one of {backends.KERNELS}, got {kernels!r}")
+        self.kernels = kernels
         self.tables = list(tables)
         self.optimizer = optimizer
         self.lr = optimizer.lr
@@ -245,14 +251,21 @@ class TableBatchedEmbeddingBag(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return pooled
         # The weight never requires grad; an empty leaf that does puts the op in the graph.
-        trigger = torch.empty(0, requires_grad=True)
+        trigger = torch.empty(0, requires_grad=True, device=pooled.device)
         return _FusedLookup.apply(trigger, self, pooled, [lookup for _, lookup in parts])
 
+    @property
+    def backend(self) -> str:
+        """What runs this bag's steps: "torch", "compiled" or "triton" (``kernels`` resolved
+        for the weight's device)."""
+        return self._backend()
+
+    def _backend(self) -> str:
+        return backends.resolve(self.kernels, self.weight)
+
     def _on_triton(self) -> bool:
-        """CUDA weights with triton installed run the Triton kernels (``triton_tbe``)."""
-        if not self.weight.is_cuda:
-            return False
-        return triton_tbe.available()
+        """The Triton kernels (``triton_tbe``): CUDA weights with triton installed, or forced."""
+        return self._backend() == "triton"
 
     def _fusable(self) -> bool:
         """Whether a fused kernel can reduce and update in one go: they cover SGD and
@@ -267,13 +280,16 @@ class TableBatchedEmbeddingBag(nn.Module):
     def _fused_on_triton(self) -> bool:
         return self._on_triton() and self._fusable()
 
+    def _compiled(self) -> bool:
+        return self._backend() == "compiled" and cpu_tbe.supports(self.weight)
+
     def _fused_on_cpu(self) -> bool:
-        return cpu_tbe.supports(self.weight) and self._fusable()
+        return self._compiled() and self._fusable()
 
     def _cpu_ids(self, ids: torch.Tensor) -> bool:
         """IDs on the CPU (one-hot or jagged) are checked and turned into group rows (and
         bag positions) by one compiled pass (``cpu_tbe``)."""
-        return cpu_tbe.supports(self.weight) and ids.device.type == "cpu"
+        return self._compiled() and ids.device.type == "cpu"
 
     def _row_state(self, group: TableGroup) -> torch.Tensor:
         """Row-wise Adagrad's sums of squares of the group's rows (a view)."""
@@ -307,7 +323,7 @@ class TableBatchedEmbeddingBag(nn.Module):
             )
 
     def _check_jagged(self, kjt: KeyedJaggedTensor) -> None:
-        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
+        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64, device=kjt.values.device)
         limit = self._sizes.repeat_interleave(per_key, output_size=kjt.values.numel())
         bad = (kjt.values < 0) | (kjt.values >= limit)
         if bool(bad.any()):
@@ -396,7 +412,8 @@ class TableBatchedEmbeddingBag(nn.Module):
         # Key-major bags -> sample-major: each sample's tables side by side in the output.
         pooled = pooled.view(n_keys, batch, group.dim).transpose(0, 1).reshape(batch, -1)
         if positions is None:
-            bag = torch.arange(n_keys * batch).repeat_interleave(lengths, output_size=n_ids)
+            bag = torch.arange(n_keys * batch, device=ids.device)
+            bag = bag.repeat_interleave(lengths, output_size=n_ids)
             positions = (bag % batch) * n_keys + bag // batch
         return pooled, GroupLookup(ids, positions, divisor, weights, key_counts)
 
@@ -445,9 +462,22 @@ class TableBatchedEmbeddingBag(nn.Module):
                     self.lr,
                 )
                 continue
-            rows, row_grads = _reduce_by_row(lookup.ids, bag_grads, lookup.positions, scale)
+            triton = self._on_triton() and not isinstance(self.optimizer, Adam)
+            reduce = triton_tbe.reduce_by_row if triton else _reduce_by_row
+            rows, row_grads = reduce(lookup.ids, bag_grads, lookup.positions, scale)
             if self.gradient_hook is not None:
                 rows, row_grads = self.gradient_hook(g, rows, row_grads)
+            if triton and self.square_sum_hook is None:
+                triton_tbe.update_rows(
+                    self.weight,
+                    getattr(self, "sum_squares", None),
+                    group,
+                    rows,
+                    row_grads,
+                    self.optimizer,
+                    self.lr,
+                )
+                continue
             self._update(group, rows, row_grads, g)
 
     def _group_width(self, group: TableGroup) -> int:
@@ -513,11 +543,11 @@ def _reduce_by_row(
     rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     columns = order if bags is None else bags.index_select(0, order)
     values = (
-        torch.ones(ids.numel(), dtype=bag_grads.dtype)
+        torch.ones(ids.numel(), dtype=bag_grads.dtype, device=ids.device)
         if scale is None
         else scale.index_select(0, order).to(bag_grads.dtype)
     )
-    row_starts = torch.zeros(rows.numel() + 1, dtype=torch.int64)
+    row_starts = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=row_starts[1:])
     incidence = torch.sparse_csr_tensor(
         row_starts,

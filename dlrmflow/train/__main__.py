@@ -1,10 +1,11 @@
 """``python -m dlrmflow.train --config FILE [--set KEY=VALUE ...]``: one rank of a job.
 
 ``--evaluate RUN_DIR`` instead scores that run's checkpoint on the test day (``--checkpoint``,
-``--data`` and ``--max-rows`` as for ``dlrmflow evaluate``).
+``--data``, ``--max-rows``, ``--device`` and ``--kernels`` as for ``dlrmflow evaluate``).
 
-torchrun starts this on every rank (``dlrmflow train --nproc N`` does it for one host; the
-README shows ``torchrun --nnodes ...`` for many). Rank 0 prints the metrics records.
+torchrun starts this on every rank (``dlrmflow train --nproc N``, with ``--nnodes`` and
+``--node-rank`` on many hosts, starts it through ``dlrmflow.train.agent``). Rank 0 prints
+the metrics records.
 Started by hand (``torchrun ... -m dlrmflow.train``), a rank resolves its configuration as
 the CLI does: the file, then ``DLRMFLOW_SECTION__KEY`` variables, then ``--set``. Started
 by ``dlrmflow train`` it gets ``--resolved``: the launcher's ``config.json`` already holds
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="with --evaluate: a checkpoint directory")
     parser.add_argument("--data", help="with --evaluate: the dataset URL")
     parser.add_argument("--max-rows", type=int, help="with --evaluate: rows to score at most")
+    parser.add_argument("--device", default="auto", help="with --evaluate: auto, cpu or cuda")
+    parser.add_argument("--kernels", default="auto", help="with --evaluate: as model.kernels")
     args = parser.parse_args(argv)
     try:
         tune_allocator()
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                 data_url=args.data,
                 checkpoint=args.checkpoint,
                 max_rows=args.max_rows,
+                device=args.device,
+                kernels=args.kernels,
             )
         )
     try:

@@ -282,16 +282,21 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def differences(
-    manifest: dict[str, Any], config: RunConfig, digest: str, keys: tuple[str, ...]
+    manifest: dict[str, Any],
+    config: RunConfig,
+    digest: str,
+    keys: tuple[str, ...],
+    ignore: tuple[str, ...] = (),
 ) -> dict[str, list]:
     """``{key: [the checkpoint's value, this configuration's]}`` for every configuration key
-    under one of ``keys`` (a section such as "model", or one key such as "train.lr") that
-    differs, plus ``DATASET_KEY`` when the checkpoint trained on another dataset."""
+    under one of ``keys`` (a section such as "model", or one key such as "train.lr") and
+    not in ``ignore`` that differs, plus ``DATASET_KEY`` when the checkpoint trained on
+    another dataset."""
     old = _flatten(build_config(manifest["config"]).model_dump(mode="json"))
     new = _flatten(config.model_dump(mode="json"))
 
     def wanted(key: str) -> bool:
-        return any(key == k or key.startswith(k + ".") for k in keys)
+        return key not in ignore and any(key == k or key.startswith(k + ".") for k in keys)
 
     changed = {
         key: [old.get(key), new.get(key)]
@@ -487,16 +492,24 @@ def find_checkpoint(path: str | Path, *, verified: bool = True) -> CheckpointInf
     return info
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """The model of a checkpoint in this one process (whatever world size wrote it).
+def load_checkpoint(
+    path: str | Path, device: torch.device | str = "cpu", kernels: str = "auto"
+) -> Checkpoint:
+    """The model of a checkpoint in this one process (whatever world size wrote it), on
+    ``device`` (whatever device trained it: a checkpoint holds no device, and its values
+    are read into the model's tensors wherever they live), running ``kernels`` (whichever
+    trained it).
 
     ``path`` is a checkpoint directory or a run directory (its newest intact checkpoint).
     """
     info = find_checkpoint(path)
     try:
         config = build_config(info.manifest["config"])
+        config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
-        model = DLRM(spec, config.model, embedding_optimizer(config.train))
+        model = DLRM(
+            spec, config.model, embedding_optimizer(config.train), precision=config.train.precision
+        ).to(device)
         restore(info, model, None)
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"{info.path}: unreadable or incompatible checkpoint ({e})") from e

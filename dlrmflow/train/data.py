@@ -79,12 +79,14 @@ def batch_loader(
     world_size: int = 1,
     transform: BatchTransform | None = None,
     threads: int | None = None,
+    pin_memory: bool = False,
 ) -> tuple[ParquetBatchDataset, ReaderLoader]:
     """A resumable loader of ``Batch`` objects over the given day files.
 
     ``transform`` replaces ``BatchTransform(spec, ids)``; the readers benchmark passes one
     with an artificial cost so that the local and the remote readers do the same work.
     ``threads`` is each reader's (``make_loader``'s default: ``reader_threads``).
+    ``pin_memory``: the readers hand out page-locked batches (for a CUDA trainer).
     """
     transform = BatchTransform(spec, ids) if transform is None else transform
     dataset = ParquetBatchDataset(
@@ -99,7 +101,8 @@ def batch_loader(
         validate=transform.validate,
         transform=transform,
     )
-    return dataset, make_loader(dataset, num_workers=num_workers, threads=threads)
+    loader = make_loader(dataset, num_workers=num_workers, threads=threads, pin_memory=pin_memory)
+    return dataset, loader
 
 
 class TrainLoader:
@@ -186,8 +189,12 @@ def make_train_loader(
     *,
     rank: int = 0,
     world_size: int = 1,
+    pin_memory: bool = False,
 ) -> TrainLoader:
     """Rank ``rank``'s training batches over ``paths``, from local readers or reader servers.
+
+    ``pin_memory``: local readers hand out page-locked batches (a CUDA trainer's copies to
+    the device are then asynchronous); remote batches are pinned by the trainer.
 
     ``distributed.readers`` empty: ``train.num_workers`` reader threads in this process.
     Otherwise the same number of streams from those servers (see ``dlrmflow.ingest.service``
@@ -207,6 +214,7 @@ def make_train_loader(
             seed=train.seed,
             rank=rank,
             world_size=world_size,
+            pin_memory=pin_memory,
         )
         return TrainLoader(loader, dataset)
     source = _remote_source(config, spec, ids, paths, rank=rank, world_size=world_size)
@@ -222,7 +230,8 @@ def _remote_source(
     rank: int,
     world_size: int,
 ) -> RemoteBatchSource:
-    """The ``Batch``es of ``config.distributed.readers`` for ``paths`` (under ``data.url``)."""
+    """The ``Batch``es of ``config.distributed.readers`` for ``paths`` (under ``data.url``),
+    from a server that hangs failing over after ``distributed.reader_timeout_s``."""
     # Imported here: only trainers that read from reader servers load Flight (gRPC).
     from dlrmflow.ingest.service import RemoteBatchSource
 
@@ -245,4 +254,5 @@ def _remote_source(
         rank=rank,
         world_size=world_size,
         decode=decode_batch,
+        timeout_s=config.distributed.reader_timeout_s,
     )

@@ -1,6 +1,7 @@
 """Hybrid parallelism: model-parallel sharded embeddings feeding data-parallel dense layers.
 
-``init_distributed`` joins the job torchrun started (gloo on CPU, NCCL on GPU) with a
+``init_distributed`` joins the job torchrun started (gloo on CPU; NCCL for CUDA tensors
+and gloo for the host's control values on GPU, see ``dlrmflow.train.device``) with a
 collective timeout, so a dead peer ends the job instead of hanging it. ``ShardedDLRM`` is
 the DLRM of ``dlrmflow.train.model`` with its embeddings replaced by the sharded
 collection and its dense arch wrapped in DDP, whose gradient allreduce runs through a
@@ -24,6 +25,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.train.comms import CommStats, dense_comm_hook
+from dlrmflow.train.device import process_group_backend
 from dlrmflow.train.model import DenseArch, EmbeddingOptimizer
 from dlrmflow.train.sharded import PendingInput, ReceivedInput, ShardedEmbeddingCollection
 from dlrmflow.train.sharding import ShardingPlan
@@ -79,11 +81,14 @@ def join_spawned_job(
     )
 
 
-def init_distributed(config: RunConfig, topology: DistEnv) -> None:
-    """Join the process group torchrun set up (env:// rendezvous), once per process."""
+def init_distributed(
+    config: RunConfig, topology: DistEnv, device: torch.device | None = None
+) -> None:
+    """Join the process group torchrun set up (env:// rendezvous), once per process, with
+    the backends ``device`` needs (the CPU's when not given)."""
     if dist.is_initialized() or not topology.distributed:
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = process_group_backend(device or torch.device("cpu"))
     dist.init_process_group(
         backend,
         timeout=timedelta(seconds=config.distributed.timeout_s),
@@ -128,14 +133,17 @@ class ShardedDLRM(nn.Module):
         optimizer: EmbeddingOptimizer,
         *,
         stats: CommStats | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
+        device = torch.device(device)
         self.stats = stats or CommStats()
         world = dist.get_world_size()
-        # Separate groups: the pipelined input exchange runs in the background and must not
-        # interleave with the output exchange or DDP's allreduce on the same group.
-        output_group = dist.new_group(backend=dist.get_backend())
-        input_group = dist.new_group(backend=dist.get_backend())
+        # Separate groups (with the default group's backends): the pipelined input exchange
+        # runs in the background and must not interleave with the output exchange or DDP's
+        # allreduce on the same group.
+        output_group = dist.new_group()
+        input_group = dist.new_group()
         self.embeddings = ShardedEmbeddingCollection(
             spec.sparse,
             plan,
@@ -146,9 +154,13 @@ class ShardedDLRM(nn.Module):
             group=output_group,
             input_group=input_group,
             stats=self.stats,
+            device=device,
+            kernels=config.model.kernels,
         )
-        self.dense_arch = DenseArch(spec, config.model)
-        self.ddp = DistributedDataParallel(self.dense_arch)
+        self.dense_arch = DenseArch(spec, config.model, config.train.precision).to(device)
+        self.ddp = DistributedDataParallel(
+            self.dense_arch, device_ids=[device.index] if device.type == "cuda" else None
+        )
         hook, state = dense_comm_hook(config.distributed.dense_comms, self.stats, world)
         self.ddp.register_comm_hook(state, hook)
 

@@ -24,6 +24,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
+from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
     find_checkpoint,
@@ -31,10 +32,11 @@ from dlrmflow.train.checkpoint import (
     restore,
 )
 from dlrmflow.train.data import batch_loader, load_ids
+from dlrmflow.train.device import resolve_device, use_device
 from dlrmflow.train.distributed import DistEnv, ShardedDLRM, compute_threads, init_distributed
 from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import embedding_optimizer
-from dlrmflow.train.planner import plan_for_config
+from dlrmflow.train.planner import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
 
 EVAL_FILE = "eval.json"
@@ -44,8 +46,15 @@ class NonFinitePredictions(DlrmflowError):
     """The model scores some rows NaN or infinite: its metrics would mean nothing."""
 
 
-def test_loader(config, spec: FeatureSpec, ids, env: DistEnv, data_url: str | None = None):
-    """This rank's share of the test day, in file order."""
+def test_loader(
+    config,
+    spec: FeatureSpec,
+    ids,
+    env: DistEnv,
+    data_url: str | None = None,
+    pin_memory: bool = False,
+):
+    """This rank's share of the test day, in file order (page-locked for a CUDA model)."""
     url = data_url or config.data.url
     manifest = read_manifest(url)
     check_dataset(url, manifest, training=False)  # a missing or empty test day, named
@@ -58,6 +67,7 @@ def test_loader(config, spec: FeatureSpec, ids, env: DistEnv, data_url: str | No
         shuffle=False,
         rank=env.rank,
         world_size=env.world_size,
+        pin_memory=pin_memory,
     )
     return loader, manifest.test_day
 
@@ -75,7 +85,9 @@ def score(
 
     ``max_rows`` caps the rows scored in total (each rank scores its share of the cap).
     The model is put in eval mode for the pass and back in its previous mode after.
+    Batches go to the model's device; the scores come back to the host.
     """
+    device = next(model.dense_arch.parameters()).device
     was_training = model.training
     model.eval()
     limit = None if max_rows is None else math.ceil(max_rows / env.world_size)
@@ -89,16 +101,18 @@ def score(
             dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
             if not bool(anyone):
                 break
-            batch = batch if batch is not None else Batch.empty(len(spec.dense), spec.sparse_names)
+            if batch is None:
+                batch = Batch.empty(len(spec.dense), spec.sparse_names)
         elif batch is None:
             break
+        batch = batch.to(device, non_blocking=True)
         take = len(batch) if limit is None else min(len(batch), limit - seen)
         logits = model(batch.dense, batch.sparse)
         logits = logits[:take]
         # An infinite logit would become a confident 0 or 1: mark it NaN, so the
         # evaluation refuses it rather than scoring a broken model.
-        probs.append(torch.sigmoid(logits).masked_fill(~torch.isfinite(logits), math.nan))
-        labels.append(batch.labels[:take])
+        probs.append(torch.sigmoid(logits).masked_fill(~torch.isfinite(logits), math.nan).cpu())
+        labels.append(batch.labels[:take].cpu())
         seen += take
         if progress is not None and take:
             progress(take * env.world_size)
@@ -124,6 +138,8 @@ def evaluate(
     checkpoint: str | Path | None = None,
     max_rows: int | None = None,
     progress: Callable[[int], None] | None = None,
+    device: str = "auto",
+    kernels: str = "auto",
 ) -> dict[str, float]:
     """Score a checkpoint of ``run_dir`` on the test day of its dataset (or ``data_url``).
 
@@ -131,16 +147,21 @@ def evaluate(
     checkpoint is loaded at this world size (resharded under this job's plan). The ID
     mapping is the run's, so test IDs map to the rows they trained; IDs never seen in
     training hit untrained or OOV rows, exactly as they would in serving.
-    ``progress(n)`` receives the rows scored per batch.
+    ``progress(n)`` receives the rows scored per batch. ``device`` ("auto", "cpu" or
+    "cuda", as ``train.device``) is where the model runs and ``kernels`` (as
+    ``model.kernels``) what runs it, whatever device and kernels trained it.
     """
     run_dir = Path(run_dir)
     env = DistEnv.from_env()
+    where = resolve_device(device, env.local_rank, key="evaluate --device")
+    check_kernels(kernels, where)
+    use_device(where)
     if env.distributed:
         # Only the configuration, to join the job; every rank verifies its share below.
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir, verified=False)
-        init_distributed(build_config(info.manifest["config"]), env)
+        init_distributed(build_config(info.manifest["config"]), env, where)
     with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
-        return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress)
+        return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels)
 
 
 def _evaluate(
@@ -150,21 +171,27 @@ def _evaluate(
     checkpoint: str | Path | None,
     max_rows: int | None,
     progress: Callable[[int], None] | None,
+    device: torch.device,
+    kernels: str,
 ) -> dict[str, float]:
     if env.distributed:
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
         config = build_config(info.manifest["config"])
+        config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
-        plan = plan_for_config(config, spec, env.world_size, env.local_world_size)
-        model: nn.Module = ShardedDLRM(spec, config, plan, embedding_optimizer(config.train))
+        plan = plan_for_job(config, spec, env.world_size, env.local_world_size)
+        model: nn.Module = ShardedDLRM(
+            spec, config, plan, embedding_optimizer(config.train), device=device
+        )
         restore(info, model, None)
         step, path = info.step, info.path
     else:
-        ckpt = load_checkpoint(checkpoint if checkpoint is not None else run_dir)
+        ckpt = load_checkpoint(checkpoint if checkpoint is not None else run_dir, device, kernels)
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
     torch.set_num_threads(compute_threads(config, env))
+    ids = load_ids(config.features.ids, spec, run_dir)
     loader, test_day = test_loader(
-        config, spec, load_ids(config.features.ids, spec, run_dir), env, data_url
+        config, spec, ids, env, data_url, pin_memory=device.type == "cuda"
     )
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows

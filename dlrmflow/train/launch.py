@@ -1,40 +1,43 @@
 """Launch a training job of ``distributed.nproc`` ranks on this host with torch's elastic
-launcher (torchrun), as its own process group, streaming its output line by line.
+launcher (torchrun), as its own process group, streaming its output line by line; with
+``distributed.nnodes`` > 1, this host's part of a job that spans hosts (``multihost``).
 
 The launcher runs in a child process in a new session, so that stopping the job (Ctrl-C,
 a Prefect cancellation, a failed rank) takes every rank down with it. Rank 0 prints its
 result as one ``result`` JSON line; a rank that fails prints one ``error: rank N: ...``
 line. A rank that dies makes the others fail (their connections to it break, or a
 collective times out after ``distributed.timeout_s``) and torchrun stops the rest. The
-child runs torchrun through this module (``python -m dlrmflow.train.launch``), which
-reports each failed rank's exit code or signal as one ``failures`` JSON line in place of
-torchrun's report; ``TrainingFailed`` then names the rank that failed first and how: its
-own error, else the signal that killed it or its exit code, never another rank's lost
-connection to it.
+child runs torchrun through ``python -m dlrmflow.train.agent``, which reports each failed
+rank's exit code or signal as one ``failures`` JSON line in place of torchrun's report;
+``TrainingFailed`` then names the rank that failed first and how: its own error, else the
+signal that killed it or its exit code, never another rank's lost connection to it. A job
+of several hosts that cannot start prints one ``startup-failed`` line instead
+(``StartupFailed``), naming the host or address at fault.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from dlrmflow.config import RunConfig
+from dlrmflow.config import DistributedConfig, RunConfig
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.train.agent import FAILURES, STARTUP_FAILED
 from dlrmflow.train.evaluate import evaluate
+from dlrmflow.train.multihost import Hosts, StartupFailed
 from dlrmflow.train.trainer import TrainResult, train
 
 CONFIG_FILE = "config.json"
-FAILURES = "failures "  # the prefix of the launcher's line about failed ranks
 
 # A rank's one-line failure (``python -m dlrmflow.train``): "error: rank N: Type: message".
 _RANK_ERROR = re.compile(r"error: rank (\d+): (.*)")
@@ -58,20 +61,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(config_path: Path | None, nproc: int, port: int, *args: str) -> list[str]:
-    """The torchrun command line of a one-host job (what ``dlrmflow train --nproc`` runs,
-    torchrun's arguments run through ``torchrun_main``); ``args`` go to
+def launch_command(
+    config_path: Path | None, nproc: int, where: int | Hosts, *args: str
+) -> list[str]:
+    """The torchrun command line of a job (what ``dlrmflow train --nproc`` runs, torchrun
+    run by ``dlrmflow.train.agent``): on this host alone with ``where`` a free
+    local port, or this host's part of ``where``'s hosts. ``args`` go to
     ``python -m dlrmflow.train`` after the config, which is a resolved one (environment
     variables already applied)."""
     config = ["--config", str(config_path), "--resolved"] if config_path is not None else []
+    if isinstance(where, Hosts):
+        join = where.torchrun_args()
+    else:
+        join = ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={where}"]
     return [
         sys.executable,
         "-m",
-        "dlrmflow.train.launch",
+        "dlrmflow.train.agent",
         f"--nproc_per_node={nproc}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
+        *join,
         "-m",
         "dlrmflow.train",
         *config,
@@ -111,24 +119,30 @@ def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 def _run_job(
     command: list[str],
-    nproc: int,
+    hosts: Hosts | None,
     what: str,
     on_line: Callable[[str], None] | None,
     on_record: Callable[[dict], None] | None = None,
-) -> dict:
-    """Run a torchrun job in a session of its own and return rank 0's ``result`` line.
+) -> dict | None:
+    """Run a torchrun job in a session of its own and return rank 0's ``result`` line (None
+    on a host other than node 0 of ``hosts``, where rank 0 does not run).
 
-    The ranks' error lines and the launcher's ``failures`` line make up ``TrainingFailed``
-    rather than going to ``on_line`` (they do too with ``DLRMFLOW_DEBUG``).
+    The ranks' error lines and the launcher's ``failures`` and ``startup-failed`` lines make
+    up ``TrainingFailed`` (``StartupFailed``) rather than going to ``on_line`` (they do too
+    with ``DLRMFLOW_DEBUG``).
     """
     env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if hosts is None:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the job never leaves this host
+    else:
+        env.update(hosts.env(env))
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     debug = bool(os.environ.get("DLRMFLOW_DEBUG"))
     tail: deque[str] = deque(maxlen=30)
     errors: list[tuple[int, str]] = []  # (rank, "Type: message"), in the order they came
     failures: dict[int, dict] = {}
+    startup: str | None = None
     result: dict | None = None
     proc = subprocess.Popen(
         command,
@@ -143,9 +157,11 @@ def _run_job(
         for raw in proc.stdout:
             line = raw.rstrip("\n")
             error = _RANK_ERROR.fullmatch(line)
-            if error is not None or line.startswith(FAILURES):
+            if error is not None or line.startswith((FAILURES, STARTUP_FAILED)):
                 if error is not None:
                     errors.append((int(error[1]), error[2]))
+                elif line.startswith(STARTUP_FAILED):
+                    startup = line.removeprefix(STARTUP_FAILED)
                 else:
                     failures = {int(r): f for r, f in json.loads(line[len(FAILURES) :]).items()}
                 if debug and on_line is not None:
@@ -162,13 +178,24 @@ def _run_job(
     finally:
         if proc.poll() is None:
             stop_job(proc)
-    if code != 0 or result is None:
+    if startup is not None:
+        raise StartupFailed(f"{what} could not start: {startup}")
+    rank0_here = hosts is None or hosts.node_rank == 0
+    if code != 0 or (result is None and rank0_here):
         cause = first_failure(errors, failures)
         if cause is None:
             lines = [line for line in tail if not line.startswith("metrics ")]
             cause = f"exit {code}" + "".join(f"\n{line}" for line in lines)
-        raise TrainingFailed(f"{what} with {nproc} ranks failed: {cause}")
+        raise TrainingFailed(f"{what} failed: {cause}")
     return result
+
+
+def _job_name(what: str, nproc: int, hosts: Hosts | None) -> str:
+    """How the job's error messages begin: "training with 2 ranks", or "training on node 1
+    of 2 hosts x 2 ranks"."""
+    if hosts is None:
+        return f"{what} with {nproc} ranks"
+    return f"{what} on node {hosts.node_rank} of {hosts.nnodes} hosts x {nproc} ranks"
 
 
 def _peer_lost(message: str) -> bool:
@@ -210,23 +237,31 @@ def launch_training(
     config: RunConfig,
     on_line: Callable[[str], None] | None = None,
     on_record: Callable[[dict], None] | None = None,
-) -> TrainResult:
-    """Train with ``config.distributed.nproc`` ranks (in this process when it is 1).
+) -> TrainResult | None:
+    """Train with ``config.distributed.nproc`` ranks (in this process when it is 1 and the
+    job has one host), or this host's ranks of a job of ``distributed.nnodes`` hosts.
 
     ``on_line`` gets every output line of every rank but their errors (which make up
-    ``TrainingFailed``); ``on_record`` each metrics record rank 0 prints. The resolved
-    configuration is written to ``RUN_DIR/config.json`` first, so the job runs exactly what
-    was validated here.
+    ``TrainingFailed``); ``on_record`` each metrics record rank 0 prints. The result is
+    rank 0's, so None on a host other than node 0. The resolved configuration is written
+    to ``RUN_DIR/config.json`` first (by node 0; another host writes its own to a
+    temporary file: the run directory is shared), so the job runs exactly what was
+    validated here.
     """
     nproc = config.distributed.nproc
-    if nproc == 1:
+    hosts = Hosts.from_config(config.distributed)
+    if nproc == 1 and hosts is None:
         return train(config, progress=on_record)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / CONFIG_FILE
-    config_path.write_text(json.dumps(config.model_dump(), indent=1))
-    command = launch_command(config_path, nproc, free_port())
-    return TrainResult(**_run_job(command, nproc, "training", on_line, on_record))
+    what = _job_name("training", nproc, hosts)
+    with tempfile.TemporaryDirectory(prefix="dlrmflow-") as scratch:
+        node0 = hosts is None or hosts.node_rank == 0
+        config_path = (run_dir if node0 else Path(scratch)) / CONFIG_FILE
+        config_path.write_text(json.dumps(config.model_dump(), indent=1))
+        command = launch_command(config_path, nproc, hosts or free_port())
+        result = _run_job(command, hosts, what, on_line, on_record)
+    return None if result is None else TrainResult(**result)
 
 
 def launch_evaluation(
@@ -237,71 +272,34 @@ def launch_evaluation(
     checkpoint: str | None = None,
     max_rows: int | None = None,
     on_line: Callable[[str], None] | None = None,
-) -> dict:
+    distributed: DistributedConfig | None = None,
+    device: str = "auto",
+    kernels: str = "auto",
+) -> dict | None:
     """Score a run's checkpoint on ``nproc`` ranks (loaded resharded to that world size);
-    in this process when ``nproc`` is 1."""
-    if nproc == 1:
-        return evaluate(run_dir, data_url=data_url, checkpoint=checkpoint, max_rows=max_rows)
+    in this process when ``nproc`` is 1; on ``device`` with ``kernels`` (see ``evaluate``).
+    With ``distributed`` (its ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``local_addr``,
+    ``connect_timeout_s``), this host's ranks of a job that spans hosts: the metrics come
+    back on node 0, None elsewhere."""
+    joined = Hosts.from_config(distributed) if distributed is not None else None
+    if nproc == 1 and joined is None:
+        return evaluate(
+            run_dir,
+            data_url=data_url,
+            checkpoint=checkpoint,
+            max_rows=max_rows,
+            device=device,
+            kernels=kernels,
+        )
     args = ["--evaluate", str(run_dir)]
     for flag, value in (
         ("--data", data_url),
         ("--checkpoint", checkpoint),
         ("--max-rows", max_rows),
+        ("--device", device),
+        ("--kernels", kernels),
     ):
         if value is not None:
             args += [flag, str(value)]
-    command = launch_command(None, nproc, free_port(), *args)
-    return _run_job(command, nproc, "evaluation", on_line)
-
-
-class _StoppedRanks(logging.Filter):
-    """Notes the ranks torchrun stops itself once another failed (and keeps torchrun's
-    lines about them out of the output unless ``DLRMFLOW_DEBUG`` is set).
-
-    torchrun's agent logs "Sending process PID closing signal SIG" for each one; its
-    failure records alone cannot tell them from a rank killed by someone else.
-    """
-
-    STOPPING = "Sending process %s closing signal %s"
-    FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pids: set[int] = set()
-        self.quiet = not os.environ.get("DLRMFLOW_DEBUG")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == self.STOPPING and record.args:
-            self.pids.add(int(record.args[0]))  # type: ignore[index]
-            return not self.quiet
-        return not (self.quiet and record.msg == self.FAILED)
-
-
-def torchrun_main(argv: list[str]) -> int:
-    """torchrun (``torch.distributed.run``) with ``argv``. When ranks fail, it prints one
-    ``failures`` JSON line instead of torchrun's report and traceback: each failed rank's
-    exit code, signal name (killed by one) and whether torchrun stopped it because another
-    rank had failed. Returns the exit code: 0, or 1 when ranks failed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    stopped = _StoppedRanks()
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(stopped)
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        failures = {
-            rank: {
-                "exitcode": f.exitcode,
-                "signal": f.signal_name() if f.exitcode < 0 else None,
-                "stopped": f.pid in stopped.pids,
-            }
-            for rank, f in e.failures.items()  # the ranks torchrun saw fail first come first
-        }
-        print(FAILURES + json.dumps(failures), flush=True)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(torchrun_main(sys.argv[1:]))
+    command = launch_command(None, nproc, joined or free_port(), *args)
+    return _run_job(command, joined, _job_name("evaluation", nproc, joined), on_line)

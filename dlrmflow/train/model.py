@@ -41,15 +41,19 @@ class DotInteraction(nn.Module):
     """Pairwise dot products of all feature vectors (lower triangle, no diagonal), plus dense.
 
     Runs the fused op of ``dlrmflow.kernels`` (one bmm forward, a hand-written backward
-    without the scatter-add an indexed gram would need).
+    without the scatter-add an indexed gram would need), or its Triton twin (``kernels``).
     """
+
+    def __init__(self, kernels: str = "auto") -> None:
+        super().__init__()
+        self.kernels = kernels
 
     @staticmethod
     def output_dim(n_vectors: int, dim: int) -> int:
         return dim + n_vectors * (n_vectors - 1) // 2
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return dot_interaction(dense, pooled)
+        return dot_interaction(dense, pooled, self.kernels)
 
 
 class CrossNetwork(nn.Module):
@@ -71,11 +75,16 @@ class DenseArch(nn.Module):
     """Everything but the embeddings: bottom MLP, interaction and top MLP.
 
     Its parameters are the data-parallel half of the model (replicated, gradients
-    allreduced); the embeddings feeding it are the model-parallel half.
+    allreduced); the embeddings feeding it are the model-parallel half. With ``precision``
+    "bf16" it computes under bfloat16 autocast (parameters, gradients and the optimizer
+    stay float32), on whichever device its inputs are; the logits come back float32.
     """
 
-    def __init__(self, spec: FeatureSpec, config: ModelConfig) -> None:
+    def __init__(self, spec: FeatureSpec, config: ModelConfig, precision: str = "fp32") -> None:
         super().__init__()
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+        self.precision = precision
         n_sparse = len(spec.sparse)
         dim = config.embedding_dim
         self.arch = config.arch
@@ -83,7 +92,7 @@ class DenseArch(nn.Module):
         self.dim = dim
         self.bottom = mlp([len(spec.dense), *config.bottom_mlp], last_relu=True)
         if config.arch == "dlrm":
-            self.interaction: nn.Module = DotInteraction()
+            self.interaction: nn.Module = DotInteraction(config.kernels)
             top_in = DotInteraction.output_dim(n_sparse + 1, dim)
         else:
             top_in = config.bottom_mlp[-1] + n_sparse * dim
@@ -92,7 +101,16 @@ class DenseArch(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """Click logits ``[B]`` from dense features and the pooled embeddings ``[B, n * dim]``."""
+        if self.precision == "fp32":
+            return self._logits(dense, pooled)
+        with torch.autocast(dense.device.type, dtype=torch.bfloat16):
+            return self._logits(dense, pooled).float()
+
+    def _logits(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         dense_out = self.bottom(dense)
+        # Autocast leaves a custom op's inputs alone: the interaction gets one dtype (the
+        # cast's backward hands the embeddings a float32 gradient).
+        pooled = pooled.to(dense_out.dtype)
         if self.arch == "dlrm":
             features = self.interaction(
                 dense_out, pooled.view(dense.shape[0], self.n_sparse, self.dim)
@@ -117,18 +135,20 @@ class DLRM(nn.Module):
         embedding_optimizer: EmbeddingOptimizer | None = None,
         seed: int = 0,
         embeddings: nn.Module | None = None,
+        precision: str = "fp32",
     ) -> None:
         """``embedding_optimizer`` is fused into the embeddings' backward (SGD by default, for
-        a model that is only evaluated); ``seed`` draws the embedding weights."""
+        a model that is only evaluated); ``seed`` draws the embedding weights; ``precision``
+        is the dense arch's (``DenseArch``)."""
         super().__init__()
         if any(f.embedding_dim != config.embedding_dim for f in spec.sparse):
             raise ValueError("every sparse feature must use model.embedding_dim")
         # All tables in one table-batched bag whose backward updates the touched rows itself:
         # no embedding gradient ever exists, so no torch optimizer sees these weights.
         self.embeddings = embeddings or TableBatchedEmbeddingBag(
-            spec.sparse, embedding_optimizer or SGD(lr=0.0), seed=seed
+            spec.sparse, embedding_optimizer or SGD(lr=0.0), seed=seed, kernels=config.kernels
         )
-        self.dense_arch = DenseArch(spec, config)
+        self.dense_arch = DenseArch(spec, config, precision)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         return self.dense_arch(dense, self.embeddings(sparse))

@@ -8,7 +8,10 @@ max/mean ratio. What a shard costs, per step (forward and backward):
 - **lookup**: every ID that hits the shard reads its row (forward), then the fused
   optimizer reads and writes the row back (backward): ``LOOKUP_PASSES`` passes over the
   row and ``STATE_PASSES`` over its optimizer state, at the bandwidth of the shard's tier
-  (device memory, host DRAM read by the device, or SSD).
+  (device memory, host DRAM read by the device, or SSD). A shard in DRAM or on SSD keeps
+  ``Topology.cache_load_factor`` of its rows in an LRU cache in device memory (counted in
+  the rank's device memory); the share of its lookups the cache serves (the table's
+  ``TableSpec.hit_rate``) is charged at device bandwidth, the rest at its tier's.
 - **all-to-all**: the owner receives the IDs of its rows (int64, plus an int32 length per
   sample) from every rank and sends back one pooled vector per sample (its gradient comes
   back in backward). Row-wise shards send a *partial sum* for every sample, so a table
@@ -24,12 +27,21 @@ Memory: ``rows * cols * weight_bytes`` for the weights plus the optimizer state
 (``OptimizerState``: row-wise Adagrad keeps one float32 per row, Adam two per element).
 A column-wise shard keeps its own per-row state, so row state is counted once per shard.
 
+What the data says: the IDs a step looks up come from each table's pooling factor (IDs per
+non-empty bag) and access frequency (the share of samples with a bag), and a cache's hit
+rate from how skewed the accesses are. ``tables_from_spec`` takes them from the dataset's
+``stats.json`` (``dlrmflow.ingest.stats``) when there is one; without it every table is
+one-hot, always accessed, and accessed uniformly (a cache of a fraction of the rows serves
+that fraction of the lookups). ``plan_for_config`` records which in the plan's estimates
+(``statistics``). ``plan_for_job`` plans on rank 0 only and broadcasts the plan, so ranks
+that see different files (or compute in a different order) still run one plan.
+
 The algorithm, in order:
 
 1. Tiny tables whose allreduce costs less than their all-to-all become data-parallel.
-2. Tiers: tables hottest per byte (IDs looked up per step per stored byte) go to the
-   fastest tier with room across the job, filling ``TIER_FILL`` of it (the rest is slack
-   for packing shards onto ranks).
+2. Tiers: tables hottest per byte (IDs looked up per step per stored byte, times the share
+   a cache would miss) go to the fastest tier with room across the job, filling
+   ``TIER_FILL`` of it (the rest is slack for packing shards onto ranks).
 3. Sharding: each table takes its cheapest option (least total seconds); a table whose
    largest shard would cost more than ``MAX_SHARD_SHARE`` of the mean rank load is split
    further (more column pieces, row-wise in one host, row-wise over all ranks) until the
@@ -38,7 +50,8 @@ The algorithm, in order:
 4. Placement: largest shard first onto the rank where the load ends lowest (LPT), in the
    fastest tier from its table's with room there. A table some of whose shards had to go
    to a slower tier is planned again in that tier (its load there may need more pieces).
-5. Promotion: shards hottest per byte move up into fast memory left free on their rank.
+5. Promotion: shards hottest per byte (cache misses counted) move up into fast memory
+   left free on their rank.
 6. Refinement: table-wise and column-wise shards are moved or swapped off the busiest
    rank while that lowers its load (row-wise kinds stay where they are: their shards go
    one per rank of their group anyway).
@@ -54,6 +67,8 @@ import numpy as np
 
 from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.ingest.manifest import join_url
+from dlrmflow.ingest.stats import STATS_NAME, DatasetStats, interpolate_hit_rate, read_stats
 from dlrmflow.train.sharding import (
     SHARDING_TYPES,
     TIERS,
@@ -94,6 +109,9 @@ class TableSpec:
 
     ``pooling_factor`` is the mean number of IDs in a bag and ``access_frequency`` the
     fraction of samples with a non-empty bag: together they say how many rows a step reads.
+    ``distinct_ids`` (None: as many as rows) and ``cache_hits`` (the ``(fraction of the
+    distinct IDs cached, hit rate)`` points of ``SparseStats.cache_hits``; empty: uniform
+    access) say how well a cache of its hottest rows works.
     """
 
     name: str
@@ -101,6 +119,8 @@ class TableSpec:
     dim: int
     pooling_factor: float = 1.0
     access_frequency: float = 1.0
+    distinct_ids: int | None = None
+    cache_hits: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.dim < 1:
@@ -109,10 +129,29 @@ class TableSpec:
             raise ValueError(
                 f"table {self.name}: pooling_factor must be >= 0 and access_frequency in [0, 1]"
             )
+        if self.distinct_ids is not None and self.distinct_ids < 1:
+            raise ValueError(f"table {self.name}: distinct_ids must be >= 1 (or None)")
+        if any(not (0 < f <= 1 and 0 <= h <= 1) for f, h in self.cache_hits):
+            raise ValueError(f"table {self.name}: cache_hits must be (0-1 fraction, 0-1 rate)")
 
     @property
     def ids_per_sample(self) -> float:
         return self.pooling_factor * self.access_frequency
+
+    def hit_rate(self, cache_fraction: float) -> float:
+        """The expected share of lookups served by a cache of ``cache_fraction`` of the
+        table's rows (of each shard's rows, alike: hashing spreads hot IDs over the rows).
+
+        The cache holds ``cache_fraction * rows`` of the ``distinct_ids`` IDs; where rows
+        are hash buckets shared by several IDs this counts a cached row as one ID, which
+        underestimates the hit rate a little rather than overestimating it.
+        """
+        if cache_fraction <= 0:
+            return 0.0
+        ids_fraction = min(1.0, cache_fraction * self.rows / (self.distinct_ids or self.rows))
+        if not self.cache_hits:
+            return ids_fraction
+        return interpolate_hit_rate(self.cache_hits, ids_fraction)
 
 
 @dataclass(frozen=True)
@@ -122,6 +161,10 @@ class Topology:
     The default bandwidths are those of a ZionEX-like GPU host: HBM at 2 TB/s, host DRAM
     read by the GPU over PCIe 4 (UVM) at 25 GB/s, NVMe at 3 GB/s, NVLink at 250 GB/s and one
     200 Gb/s NIC per GPU (25 GB/s) between hosts.
+
+    ``cache_load_factor``: the share of the rows of each DRAM or SSD shard cached in device
+    memory (as UVM caching does, and the tiered bag of ``dlrmflow.kernels.tiered``); the
+    cache takes that share of the shard's bytes from the rank's device memory. 0: no cache.
     """
 
     world_size: int
@@ -134,6 +177,7 @@ class Topology:
     ssd_bw: float = 3.0e9
     intra_host_bw: float = 2.5e11
     inter_host_bw: float = 2.5e10
+    cache_load_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_host < 1:
@@ -154,6 +198,8 @@ class Topology:
         )
         if min(bandwidths) <= 0:
             raise ValueError("bandwidths must be > 0")
+        if not 0 <= self.cache_load_factor <= 1:
+            raise ValueError(f"cache_load_factor must be in [0, 1], got {self.cache_load_factor}")
 
     @property
     def hosts(self) -> int:
@@ -184,15 +230,37 @@ ADAM_STATE = OptimizerState(bytes_per_element=8.0)
 OPTIMIZER_STATES = {"adagrad": ROW_WISE_ADAGRAD_STATE, "sgd": SGD_STATE}
 
 
-def cpu_topology(world_size: int, ranks_per_host: int) -> Topology:
+# A CPU job with ``train.embedding_memory_bytes``: the disk tier is bounded by the file
+# system, not by the planner.
+DISK_BYTES = 1e15
+# The share of ``train.embedding_memory_bytes`` kept for the cache of hot rows when some
+# shards must go to disk (the in-memory shards get the rest).
+CACHE_SHARE = 0.25
+
+
+def cpu_topology(
+    world_size: int,
+    ranks_per_host: int,
+    embedding_memory_bytes: float | None = None,
+    *,
+    cache_share: float = 0.0,
+) -> Topology:
     """A CPU job (gloo): the "device" tier is the process's RAM. Budgets are generous so that
-    any model a CPU can train fits; bandwidths are those of a commodity server."""
+    any model a CPU can train fits; bandwidths are those of a commodity server.
+
+    ``embedding_memory_bytes`` (``train.embedding_memory_bytes``, per rank) bounds that
+    memory instead, less ``cache_share`` of it kept for the cache of the shards on disk,
+    and adds a disk ("ssd") tier for the rest: the trainer keeps the shards planned there in
+    a tiered bag (``dlrmflow.kernels.tiered``)."""
+    if not 0 <= cache_share < 1:
+        raise ValueError(f"cache_share must be in [0, 1), got {cache_share}")
+    budget = embedding_memory_bytes
     return Topology(
         world_size=world_size,
         ranks_per_host=ranks_per_host,
-        device_bytes=64e9,
+        device_bytes=64e9 if budget is None else budget * (1 - cache_share),
         dram_bytes=0.0,
-        ssd_bytes=0.0,
+        ssd_bytes=0.0 if budget is None else DISK_BYTES,
         device_bw=2e10,
         dram_bw=2e10,
         ssd_bw=1e9,
@@ -201,9 +269,34 @@ def cpu_topology(world_size: int, ranks_per_host: int) -> Topology:
     )
 
 
-def tables_from_spec(spec: FeatureSpec) -> list[TableSpec]:
-    """The spec's tables, one-hot and always accessed (the spec carries no ID statistics)."""
-    return [TableSpec(f.name, f.num_embeddings, f.embedding_dim) for f in spec.sparse]
+def tables_from_spec(spec: FeatureSpec, stats: DatasetStats | None = None) -> list[TableSpec]:
+    """The spec's tables. With the dataset's ``stats``, each table's pooling factor, access
+    frequency, distinct IDs and cache hit rates are its feature's; without, every table is
+    one-hot, always accessed and accessed uniformly. Stats lacking a table's feature raise
+    ``PlanningError`` naming both."""
+    if stats is None:
+        return [TableSpec(f.name, f.num_embeddings, f.embedding_dim) for f in spec.sparse]
+    by_name = {s.name: s for s in stats.sparse}
+    tables = []
+    for f in spec.sparse:
+        s = by_name.get(f.name)
+        if s is None:
+            raise PlanningError(
+                f"table {f.name}: {stats.url} statistics have no feature {f.name}; "
+                "run `dlrmflow stats` on the dataset again"
+            )
+        tables.append(
+            TableSpec(
+                f.name,
+                f.num_embeddings,
+                f.embedding_dim,
+                pooling_factor=s.mean_length,
+                access_frequency=s.access_rate,
+                distinct_ids=max(s.distinct, 1),
+                cache_hits=s.cache_hits,
+            )
+        )
+    return tables
 
 
 # -- the cost model -----------------------------------------------------------------------
@@ -256,7 +349,12 @@ class _CostModel:
     """Traffic, seconds and bytes of shards, as the module docstring describes."""
 
     def __init__(
-        self, topology: Topology, batch_size: int, weight_bytes: int, optimizer: OptimizerState
+        self,
+        topology: Topology,
+        batch_size: int,
+        weight_bytes: int,
+        optimizer: OptimizerState,
+        tables: Sequence[TableSpec],
     ) -> None:
         self.topo = topology
         self.batch = batch_size
@@ -264,6 +362,13 @@ class _CostModel:
         self.opt = optimizer
         self.bw = topology.tier_bw
         self.capacity = topology.tier_bytes
+        self.cache_factor = topology.cache_load_factor
+        # per table (by index): the share of a DRAM or SSD shard's lookups its cache serves
+        self.hit = np.array([t.hit_rate(self.cache_factor) for t in tables], dtype=np.float64)
+
+    def cache(self, memory: float, tier: int) -> float:
+        """Device bytes of the cache of a shard of ``memory`` bytes in ``tier``."""
+        return self.cache_factor * memory if tier else 0.0
 
     def memory(self, rows: float, cols: float) -> float:
         per_row = cols * (self.wb + self.opt.bytes_per_element) + self.opt.bytes_per_row
@@ -304,12 +409,17 @@ class _CostModel:
 
     def seconds(self, d: _Draft, tier: int | None = None) -> float:
         return self._seconds(
-            d.lookup_bytes, d.intra_bytes, d.inter_bytes, d.tier if tier is None else tier
+            d.lookup_bytes, d.intra_bytes, d.inter_bytes, d.tier if tier is None else tier, d.table
         )
 
-    def _seconds(self, lookup: float, intra: float, inter: float, tier: int) -> float:
+    def _seconds(self, lookup: float, intra: float, inter: float, tier: int, table: int) -> float:
         t = self.topo
-        return lookup / self.bw[tier] + intra / t.intra_host_bw + inter / t.inter_host_bw
+        hit = self.hit[table] if tier else 0.0
+        if hit:
+            reads = lookup * hit / self.bw[0] + lookup * (1.0 - hit) / self.bw[tier]
+        else:
+            reads = lookup / self.bw[tier]
+        return reads + intra / t.intra_host_bw + inter / t.inter_host_bw
 
     def _shape(self, t: TableSpec, kind: str, pieces: int, largest: bool) -> tuple[float, float]:
         rows, cols = float(t.rows), float(t.dim)
@@ -328,8 +438,8 @@ class _CostModel:
             kind=kind,
             pieces=pieces,
             tier=tier,
-            total=copies * self._seconds(*self.traffic(t, kind, pieces, *mean), tier),
-            largest=self._seconds(*self.traffic(t, kind, pieces, *big), tier),
+            total=copies * self._seconds(*self.traffic(t, kind, pieces, *mean), tier, index),
+            largest=self._seconds(*self.traffic(t, kind, pieces, *big), tier, index),
             largest_memory=self.memory(*big),
         )
 
@@ -444,20 +554,32 @@ def _assign_tiers(
     model: _CostModel, tables: Sequence[TableSpec], kinds: list[str | None]
 ) -> list[int]:
     """Hottest per byte first, each table to the fastest tier with room left across the
-    job (data-parallel tables need room for a copy per rank)."""
+    job (data-parallel tables need room for a copy per rank). Heat counts only the lookups
+    a cache would miss: a skewed table loses less than a uniform one in a slower tier.
+
+    The caches of the tables in slower tiers are set aside in device memory first; as that
+    leaves less room there, more tables may go slower and need caches: the reserve grows
+    until it holds them all. Less room never puts more bytes in device memory, so the
+    reserve only grows, through finitely many values: this ends."""
     W = model.topo.world_size
-    free = W * model.capacity * TIER_FILL
     memory = np.array([model.memory(t.rows, t.dim) for t in tables])
-    copies = np.array([W if k == "data_parallel" else 1 for k in kinds])
-    heat = np.array([t.ids_per_sample for t in tables]) / memory
-    tiers = [0] * len(tables)
-    for i in np.argsort(-heat, kind="stable"):
-        need = memory[i] * copies[i]
-        room = np.flatnonzero(free >= need)
-        tier = int(room[0]) if room.size else int(np.argmax(free))
-        free[tier] -= need
-        tiers[i] = tier
-    return tiers
+    need = memory * np.array([W if k == "data_parallel" else 1 for k in kinds])
+    heat = np.array([t.ids_per_sample for t in tables]) * (1.0 - model.hit) / memory
+    order = np.argsort(-heat, kind="stable")
+    reserve = 0.0
+    while True:
+        free = W * model.capacity * TIER_FILL
+        free[0] -= reserve
+        tiers = [0] * len(tables)
+        for i in order:
+            room = np.flatnonzero(free >= need[i])
+            tier = int(room[0]) if room.size else int(np.argmax(free))
+            free[tier] -= need[i]
+            tiers[i] = tier
+        caches = sum(model.cache(need[i], tier) for i, tier in enumerate(tiers))
+        if caches <= reserve:
+            return tiers
+        reserve = caches
 
 
 def _choose_options(
@@ -533,13 +655,21 @@ class _Placement:
         self.used = np.zeros((W, len(TIERS)))
         self.held = np.zeros((len(tables), W), dtype=bool)
 
-    def fits(self, tier: int, memory: float) -> np.ndarray:
-        return self.used[:, tier] + memory <= self.model.capacity[tier]
+    def fits(self, tier: int, memory: float, ranks: np.ndarray | None = None) -> np.ndarray:
+        """Which ranks (all, or ``ranks``) have room for ``memory`` bytes in ``tier`` and,
+        in a slower tier, for its cache in device memory."""
+        used = self.used if ranks is None else self.used[ranks]
+        capacity = self.model.capacity
+        ok = used[..., tier] + memory <= capacity[tier]
+        if tier and self.model.cache_factor:
+            ok &= used[..., 0] + self.model.cache(memory, tier) <= capacity[0]
+        return ok
 
     def put(self, d: _Draft, rank: int, tier: int) -> None:
         d.rank, d.tier = rank, tier
         self.load[rank] += self.model.seconds(d)
         self.used[rank, tier] += d.memory
+        self.used[rank, 0] += self.model.cache(d.memory, tier)
         self.held[d.table, rank] = True
 
     def no_room(
@@ -555,9 +685,11 @@ class _Placement:
             why = f"the most free on one rank is {_format_bytes(most)}: {short} short"
         else:
             why = f"only {found} rank(s) have that much free"
+        cache = self.model.cache(memory, 1)
+        with_cache = f" (and {_format_bytes(cache)} of device memory for a cache)" if cache else ""
         return PlanningError(
             f"table {self.tables[d.table].name}: {needed} {kind} shard(s) of up to "
-            f"{_format_bytes(memory)} need room in {tiers} on {ranks}; {why}"
+            f"{_format_bytes(memory)} need room in {tiers}{with_cache} on {ranks}; {why}"
         )
 
     def put_on(self, d: _Draft, rank: int, kind: str) -> None:
@@ -596,7 +728,7 @@ class _Placement:
         memory = np.array([d.memory for d in drafts])
         tier = np.full(ranks.shape, -1)
         for t in reversed(range(option.tier, len(TIERS))):
-            tier[self.used[ranks, t] + memory <= self.model.capacity[t]] = t
+            tier[self.fits(t, memory, ranks)] = t
         seconds = np.array([[self.model.seconds(d, t) for t in range(len(TIERS))] for d in drafts])
         after = self.load[ranks] + seconds[np.arange(len(drafts)), tier]
         peak = np.where((tier >= 0).all(axis=1), after.max(axis=1), np.inf)
@@ -640,14 +772,21 @@ def _promote(p: _Placement, choice: list[_Option]) -> None:
     """Fill the fast memory planning left free (slack, and room freed by tables that had to
     go slower): on every rank, hottest shards per byte first, each into the fastest tier
     with room."""
+    model = p.model
     drafts = [d for o in choice for d in o.drafts if d.tier > 0 and d.memory > 0]
-    heat = np.array([d.lookup_bytes / d.memory for d in drafts])
+    heat = np.array([d.lookup_bytes * (1.0 - model.hit[d.table]) / d.memory for d in drafts])
     for i in np.argsort(-heat, kind="stable"):
         d = drafts[i]
-        faster = [t for t in range(d.tier) if p.fits(t, d.memory)[d.rank]]
+        cache = model.cache(d.memory, d.tier)
+        # Its cache stays in device memory unless the shard moves there itself.
+        room = [p.used[d.rank, 0] - cache + d.memory <= model.capacity[0]] + [
+            p.used[d.rank, t] + d.memory <= model.capacity[t] for t in range(1, d.tier)
+        ]
+        faster = [t for t in range(d.tier) if room[t]]
         if faster:
-            p.load[d.rank] -= p.model.seconds(d)
+            p.load[d.rank] -= model.seconds(d)
             p.used[d.rank, d.tier] -= d.memory
+            p.used[d.rank, 0] -= cache
             p.put(d, d.rank, faster[0])
 
 
@@ -666,6 +805,9 @@ class _Refiner:
         self.rank = np.array([d.rank for d in self.drafts], dtype=np.int64)
         self.table = np.array([d.table for d in self.drafts], dtype=np.int64)
         self.tier = np.array([d.tier for d in self.drafts], dtype=np.int64)
+        # device bytes of each shard's cache (0 in device memory), and all it holds there
+        self.cache = np.where(self.tier > 0, p.model.cache_factor * self.memory, 0.0)
+        self.device = np.where(self.tier > 0, self.cache, self.memory)
 
     def run(self) -> int:
         """Refine until no move or swap helps, or the busiest rank is within
@@ -709,6 +851,8 @@ class _Refiner:
         p, capacity = self.p, self.p.model.capacity
         x, tier = self.load[mine], self.tier[mine]
         fits = p.used[:, tier].T + self.memory[mine, None] <= capacity[tier, None]
+        if p.model.cache_factor:
+            fits &= p.used[None, :, 0] + self.cache[mine, None] <= capacity[0]
         ok = fits & ~p.held[self.table[mine]]
         score = np.where(ok, np.maximum(p.load[top] - x[:, None], p.load + x[:, None]), np.inf)
         a, dest = np.unravel_index(np.argmin(score), score.shape)
@@ -736,6 +880,10 @@ class _Refiner:
             & (memory_a[:, None] <= free_s + np.where(same_tier, self.memory[other], 0.0))
             & (self.memory[other] <= free_top + np.where(same_tier, memory_a[:, None], 0.0))
         )
+        if p.model.cache_factor:
+            # caches of shards in slower tiers trade device memory too
+            change = self.device[mine, None] - self.device[other]
+            ok &= (p.used[s, 0] + change <= capacity[0]) & (p.used[top, 0] - change <= capacity[0])
         score = np.where(ok, np.maximum(p.load[top] - delta, p.load[s] + delta), np.inf)
         a, b = np.unravel_index(np.argmin(score), score.shape)
         return float(score[a, b]), int(mine[a]), int(other[b])
@@ -753,9 +901,11 @@ class _Refiner:
         p, d = self.p, self.drafts[i]
         p.load[d.rank] -= self.load[i]
         p.used[d.rank, d.tier] -= d.memory
+        p.used[d.rank, 0] -= self.cache[i]
         p.held[d.table, d.rank] = False
         p.load[dest] += self.load[i]
         p.used[dest, d.tier] += d.memory
+        p.used[dest, 0] += self.cache[i]
         p.held[d.table, dest] = True
         d.rank = dest
         self.rank[i] = dest
@@ -784,7 +934,7 @@ def plan_sharding(
     started = time.perf_counter()
     constraints = dict(constraints or {})
     _check_inputs(tables, constraints, force, batch_size, weight_bytes)
-    model = _CostModel(topology, batch_size, weight_bytes, optimizer)
+    model = _CostModel(topology, batch_size, weight_bytes, optimizer, tables)
     W = topology.world_size
     kinds: list[str | None] = [constraints.get(t.name, force) for t in tables]
     forced = [t.name not in constraints and force is not None for t in tables]
@@ -822,21 +972,41 @@ def plan_sharding(
         ),
     )
     plan.validate()
-    plan.estimates.update(_estimates(model, [o.kind for o in choice], [o.drafts for o in choice]))
+    plan.estimates.update(
+        _estimates(model, tables, [o.kind for o in choice], [o.drafts for o in choice])
+    )
     plan.estimates["refine_rounds"] = rounds
     plan.estimates["planning_seconds"] = time.perf_counter() - started
     return plan
 
 
-def _estimates(model: _CostModel, kinds: list[str], drafts: list[list[_Draft]]) -> dict:
-    """Per-rank load and memory, and the cost model's totals per step, of placed shards."""
+def _estimates(
+    model: _CostModel, tables: Sequence[TableSpec], kinds: list[str], drafts: list[list[_Draft]]
+) -> dict:
+    """Per-rank load and memory, the cost model's totals per step, and per table the load
+    and memory of each shard (in the plan's shard order) and, when some of its shards are
+    in DRAM or on SSD, the hit rate expected of their caches. Device memory includes the
+    caches, which ``cache_bytes`` also gives alone."""
     W = model.topo.world_size
     flat = [d for ds in drafts for d in ds]
     ranks = np.array([d.rank for d in flat], dtype=np.int64)
     tiers = np.array([d.tier for d in flat], dtype=np.int64)
-    load = np.bincount(ranks, [model.seconds(d) for d in flat], minlength=W)
+    seconds = [model.seconds(d) for d in flat]
+    load = np.bincount(ranks, seconds, minlength=W)
     used = np.zeros((W, len(TIERS)))
     np.add.at(used, (ranks, tiers), [d.memory for d in flat])
+    caches = np.bincount(ranks, [model.cache(d.memory, d.tier) for d in flat], minlength=W)
+    used[:, 0] += caches
+    per_table = {}
+    start = 0
+    for i, (t, ds) in enumerate(zip(tables, drafts, strict=True)):
+        tiered = any(d.tier for d in ds)
+        per_table[t.name] = {
+            "load_seconds": seconds[start : start + len(ds)],
+            "memory_bytes": [d.memory for d in ds],
+            "cache_hit_rate": float(model.hit[i]) if tiered else None,
+        }
+        start += len(ds)
     a2a = [d for kind, ds in zip(kinds, drafts, strict=True) if kind != "data_parallel" for d in ds]
     copies = [
         d for kind, ds in zip(kinds, drafts, strict=True) if kind == "data_parallel" for d in ds
@@ -848,6 +1018,9 @@ def _estimates(model: _CostModel, kinds: list[str], drafts: list[list[_Draft]]) 
         "memory_bytes": {tier: used[:, i].tolist() for i, tier in enumerate(TIERS)},
         "max_over_mean_load": float(load.max()) / mean if mean > 0 else 1.0,
         "tables_per_sharding": {k: kinds.count(k) for k in SHARDING_TYPES},
+        "cache_load_factor": model.cache_factor,
+        "cache_bytes": caches.tolist(),
+        "tables": per_table,
         "totals": {
             "load_seconds": float(load.sum()),
             "lookup_bytes": float(sum(d.lookup_bytes for d in flat)),
@@ -877,12 +1050,14 @@ def evaluate_plan(
         )
     plan.validate()
     specs = {t.name: t for t in tables}
-    model = _CostModel(topology, batch_size, weight_bytes, optimizer)
-    drafts = []
-    for index, tp in enumerate(plan.tables):
+    for tp in plan.tables:
         t = specs.get(tp.name)
         if t is None or (t.rows, t.dim) != (tp.rows, tp.dim):
             raise PlanningError(f"table {tp.name}: the plan's {tp.rows}x{tp.dim} is not in tables")
+    ordered = [specs[tp.name] for tp in plan.tables]
+    model = _CostModel(topology, batch_size, weight_bytes, optimizer, ordered)
+    drafts = []
+    for index, (tp, t) in enumerate(zip(plan.tables, ordered, strict=True)):
         pieces = len(tp.shards)
         drafts.append(
             [
@@ -900,22 +1075,112 @@ def evaluate_plan(
                 for s in tp.shards
             ]
         )
-    return _estimates(model, [tp.sharding for tp in plan.tables], drafts)
+    return _estimates(model, ordered, [tp.sharding for tp in plan.tables], drafts)
+
+
+def load_plan_stats(root: str) -> DatasetStats | None:
+    """The feature statistics beside the dataset at ``root`` (``stats.json``, which the
+    ingest flow and ``dlrmflow stats`` write), or None when there are none. A file that is
+    there but unreadable raises, naming it: planning on defaults would hide it."""
+    try:
+        return read_stats(root)
+    except FileNotFoundError:
+        return None
 
 
 def plan_for_config(
-    config: RunConfig, spec: FeatureSpec, world_size: int, ranks_per_host: int
+    config: RunConfig,
+    spec: FeatureSpec,
+    world_size: int,
+    ranks_per_host: int,
+    *,
+    topology: Topology | None = None,
+    stats_root: str | None = None,
 ) -> ShardingPlan:
-    """The plan the sharded trainer runs: the spec's tables on a CPU topology
-    (``cpu_topology``), ``train.batch_size`` samples per rank, ``distributed.sharding`` forced
-    on every table when set, and the state of the configured embedding optimizer."""
-    return plan_sharding(
-        tables_from_spec(spec),
-        cpu_topology(world_size, ranks_per_host),
-        config.train.batch_size,
-        force=config.distributed.sharding,
-        optimizer=OPTIMIZER_STATES[config.train.optimizer],
-    )
+    """The plan the sharded trainer runs: the spec's tables on ``topology`` (default: a CPU
+    topology, ``cpu_topology``), ``train.batch_size`` samples per rank,
+    ``distributed.sharding`` forced on every table when set, and the state of the configured
+    embedding optimizer.
+
+    The tables' statistics come from ``stats.json`` under ``stats_root`` (default: the
+    dataset, ``data.url``) when it is there, else from defaults (``tables_from_spec``);
+    ``estimates["statistics"]`` says which: the file's URL, or ``"defaults"``. Each rank
+    calling this may see other files: a job plans with ``plan_for_job``.
+
+    With ``train.embedding_memory_bytes`` (and no ``topology``) each rank's memory is that
+    budget, and shards beyond it go to disk. When some do, the plan is made again with
+    ``CACHE_SHARE`` of the budget kept for their cache of hot rows; a model that fits
+    keeps all of the budget for its shards.
+    """
+    root = config.data.url if stats_root is None else stats_root
+    stats = load_plan_stats(root)
+    budget = config.train.embedding_memory_bytes
+
+    def plan_on(chosen: Topology) -> ShardingPlan:
+        return plan_sharding(
+            tables_from_spec(spec, stats),
+            chosen,
+            config.train.batch_size,
+            force=config.distributed.sharding,
+            optimizer=OPTIMIZER_STATES[config.train.optimizer],
+        )
+
+    if topology is not None:
+        plan = plan_on(topology)
+    else:
+        plan = plan_on(cpu_topology(world_size, ranks_per_host, budget))
+        on_disk = any(s.tier != "device" for t in plan.tables for s in t.shards)
+        if budget is not None and on_disk:
+            plan = plan_on(
+                cpu_topology(world_size, ranks_per_host, budget, cache_share=CACHE_SHARE)
+            )
+    plan.estimates["statistics"] = join_url(root, STATS_NAME) if stats is not None else "defaults"
+    return plan
+
+
+def plan_for_job(
+    config: RunConfig,
+    spec: FeatureSpec,
+    world_size: int,
+    ranks_per_host: int,
+    *,
+    stats_root: str | None = None,
+) -> ShardingPlan:
+    """``plan_for_config`` computed by rank 0 alone and broadcast to every rank, so that all
+    ranks run rank 0's plan even where they would plan differently (another host that sees
+    another ``stats.json``, or none). Every rank of the job must call it (a collective).
+    Outside a ``torch.distributed`` job it is ``plan_for_config``.
+
+    A failure to plan on rank 0 is broadcast too: rank 0 raises it, the others raise a
+    ``PlanningError`` quoting it, instead of waiting in the broadcast until the job times out.
+    """
+    import torch.distributed as dist  # here: planning alone needs only numpy, and is quick
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return plan_for_config(config, spec, world_size, ranks_per_host, stats_root=stats_root)
+    if dist.get_world_size() != world_size:
+        raise PlanningError(
+            f"plan_for_job: world_size {world_size}, but the process group has "
+            f"{dist.get_world_size()} ranks"
+        )
+    message: list[dict | None] = [None]
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            plan = plan_for_config(config, spec, world_size, ranks_per_host, stats_root=stats_root)
+            message[0] = {"plan": plan.to_dict()}
+        except Exception as e:  # every rank must hear of it, or the others wait forever
+            failure = e
+            message[0] = {"error": f"rank 0 could not plan: {e}"}
+    dist.broadcast_object_list(message, src=0)
+    if failure is not None:
+        raise failure
+    received = message[0]
+    if received is None or "error" in received:
+        raise PlanningError(received["error"] if received else "rank 0 sent no plan")
+    plan = ShardingPlan.from_dict(received["plan"])
+    plan.validate()
+    return plan
 
 
 PAPER_BATCH_SIZE = 512  # per rank: 64K samples a step on 128 ranks
@@ -953,57 +1218,90 @@ def paper_12t() -> tuple[list[TableSpec], Topology, int]:
 # -- printing ------------------------------------------------------------------------------
 
 
-def _ranks_text(ranks: Sequence[int], limit: int = 4) -> str:
-    """Ranks as runs (``0-7,12``); past ``limit`` runs, a count."""
-    ordered = sorted(ranks)
-    runs: list[list[int]] = []
-    for r in ordered:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    if len(runs) > limit:
-        return f"{len(ordered)} ranks"
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+def _span(start: int, end: int, size: int) -> str:
+    """A shard's row or column range, ``all`` when it is the whole table's."""
+    return "all" if (start, end) == (0, size) else f"{start}:{end}"
 
 
-def format_plan(plan: ShardingPlan, max_tables: int = 40) -> str:
-    """A plain-text table: one line per table (the ``max_tables`` largest by rows x dim when
-    there are more, with a count of the rest by sharding), one line per rank (estimated load,
-    memory per tier) and the max/mean load ratio. A plan without estimates (edited by hand)
-    prints ``-`` for them. ``--json`` output carries every table."""
+def _hit_text(hit: float | None, tier: str, cache_load_factor: float | None) -> str:
+    """A shard's expected cache hit rate: ``-`` in device memory (or unknown), ``no cache``
+    in a slower tier of a topology without caches."""
+    if tier == "device" or hit is None:
+        return "-"
+    return f"{hit:.1%}" if cache_load_factor else "no cache"
+
+
+def format_plan(plan: ShardingPlan, max_shards: int = 12) -> str:
+    """A plain-text report, one block per rank: its estimated load, memory per tier (device
+    memory includes caches) and shard count, then its shards, heaviest first: table,
+    sharding, rows and columns held, tier, memory, estimated load, and for a shard in DRAM or
+    on SSD the hit rate expected of its cache. Past ``max_shards`` a rank's lightest shards
+    are summed up in one line. A plan without estimates (edited by hand) prints ``-`` for
+    them; ``--json`` carries every shard."""
     est = plan.estimates
     kinds = {k: sum(t.sharding == k for t in plan.tables) for k in SHARDING_TYPES}
     hosts = plan.world_size // plan.ranks_per_host
     lines = [
         f"{len(plan.tables)} tables on {plan.world_size} ranks ({hosts} host"
         f"{'s' if hosts > 1 else ''} of {plan.ranks_per_host}): "
-        + ", ".join(f"{n} {k}" for k, n in kinds.items() if n),
-        "",
-        f"{'table':<24} {'rows':>14} {'dim':>5}  {'sharding':<15} {'ranks':<18} tier",
+        + ", ".join(f"{n} {k}" for k, n in kinds.items() if n)
     ]
-    shown = {t.name for t in sorted(plan.tables, key=lambda t: -t.rows * t.dim)[:max_tables]}
-    for t in plan.tables:
-        if t.name in shown:
-            tiers = "/".join(tier for tier in TIERS if any(s.tier == tier for s in t.shards))
-            ranks = _ranks_text(t.ranks)
-            lines.append(
-                f"{t.name:<24} {t.rows:>14,} {t.dim:>5}  {t.sharding:<15} {ranks:<18} {tiers}"
+    if "statistics" in est:
+        source = est["statistics"]
+        lines.append(
+            "statistics: "
+            + (
+                "defaults (no stats.json: one-hot, always accessed, uniform access)"
+                if source == "defaults"
+                else source
             )
-    hidden = [t for t in plan.tables if t.name not in shown]
-    if hidden:
-        counts = {k: sum(t.sharding == k for t in hidden) for k in SHARDING_TYPES}
-        summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-        lines.append(f"... {len(hidden)} smaller tables not shown ({summary})")
+        )
+    if est.get("cache_load_factor"):
+        lines.append(
+            f"cache: {est['cache_load_factor']:.0%} of the rows of each DRAM or SSD shard, "
+            "in device memory"
+        )
+    per_table = est.get("tables", {})
     loads = est.get("load_seconds")
     memory = est.get("memory_bytes", {})
-    lines += ["", f"{'rank':>5} {'load ms':>10} " + " ".join(f"{tier:>10}" for tier in TIERS)]
+    header = (
+        f"  {'table':<20} {'sharding':<15} {'rows':>21} {'cols':>9}  {'tier':<6} "
+        f"{'memory':>9} {'load ms':>10} {'cache hit':>9}"
+    )
     for r in range(plan.world_size):
-        load = f"{loads[r] * 1e3:>10.4g}" if loads else f"{'-':>10}"
-        mem = " ".join(
-            f"{_format_bytes(memory[tier][r]) if tier in memory else '-':>10}" for tier in TIERS
+        shards = []
+        for t in plan.tables:
+            numbers = per_table.get(t.name)
+            for j, s in enumerate(t.shards):
+                if s.rank != r:
+                    continue
+                load = numbers["load_seconds"][j] if numbers else None
+                mem = numbers["memory_bytes"][j] if numbers else None
+                hit = numbers["cache_hit_rate"] if numbers else None
+                shards.append((t, s, load, mem, hit))
+        if per_table:  # (a plan saved before per-shard estimates keeps its table order)
+            shards.sort(key=lambda x: -x[2])
+        load_text = f"{loads[r] * 1e3:.4g} ms" if loads else "-"
+        mem_text = ", ".join(
+            f"{tier} {_format_bytes(memory[tier][r]) if tier in memory else '-'}" for tier in TIERS
         )
-        lines.append(f"{r:>5} {load} {mem}")
+        lines += ["", f"rank {r}: load {load_text}; {mem_text}; {len(shards)} shards", header]
+        for t, s, load, mem, hit in shards[:max_shards]:
+            rows, cols = _span(s.row_start, s.row_end, t.rows), _span(s.col_start, s.col_end, t.dim)
+            lines.append(
+                f"  {t.name:<20} {t.sharding:<15} {rows:>21} {cols:>9}  {s.tier:<6} "
+                f"{_format_bytes(mem) if mem is not None else '-':>9} "
+                f"{f'{load * 1e3:.4g}' if load is not None else '-':>10} "
+                f"{_hit_text(hit, s.tier, est.get('cache_load_factor')):>9}"
+            )
+        rest = shards[max_shards:]
+        if rest:
+            summed = ""
+            if per_table:
+                rest_load = sum(x[2] for x in rest) * 1e3
+                rest_mem = _format_bytes(sum(x[3] for x in rest))
+                summed = f": {rest_load:.4g} ms, {rest_mem}"
+            lines.append(f"  ... {len(rest)} more shards{summed}")
     if "max_over_mean_load" in est:
-        lines.append(f"max/mean load: {est['max_over_mean_load']:.3f}")
+        lines += ["", f"max/mean load: {est['max_over_mean_load']:.3f}"]
     return "\n".join(lines)

@@ -107,12 +107,16 @@ class ShardedEmbeddingCollection(nn.Module):
         group: dist.ProcessGroup | None = None,
         input_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
+        device: torch.device | str = "cpu",
+        kernels: str = "auto",
     ) -> None:
         """``group`` carries the output all-to-all and its backward; ``input_group`` the
         input distribution, which the pipeline runs in the background, so it needs its own
         group to be ordered independently. ``seed`` draws the same initial rows as a
-        single-process model with that seed."""
+        single-process model with that seed. The shards, their optimizer state and the
+        routing tensors live on ``device``; ``kernels`` picks the bags' implementation."""
         super().__init__()
+        self.device = torch.device(device)
         self.group = group
         self.input_group = input_group if input_group is not None else group
         self.rank = dist.get_rank(group)
@@ -153,7 +157,8 @@ class ShardedEmbeddingCollection(nn.Module):
                 [self._local_table(route) for route in local],
                 optimizer,
                 init=lambda j, out: self._init_shard(local[j], out, seed),
-            )
+                kernels=kernels,
+            ).to(self.device)
             if local
             else None
         )
@@ -168,9 +173,7 @@ class ShardedEmbeddingCollection(nn.Module):
             if t.sharding == "column_wise" and len(t.shards) > 1:
                 ranks = tuple(sorted(t.ranks))
                 if ranks not in by_ranks:
-                    by_ranks[ranks] = dist.new_group(
-                        ranks=list(ranks), backend=dist.get_backend(group)
-                    )
+                    by_ranks[ranks] = dist.new_group(ranks=list(ranks))
                 self._column_groups[t.name] = by_ranks[ranks]
         if self.local is not None and any(r.table.name in self._column_groups for r in local):
             self.local.square_sum_hook = self._column_square_means
@@ -180,8 +183,11 @@ class ShardedEmbeddingCollection(nn.Module):
         self.replicated = None
         if self._replicated_features:
             self.replicated = TableBatchedEmbeddingBag(
-                [self.features[k] for k in self._replicated_features], optimizer, seed=seed
-            )
+                [self.features[k] for k in self._replicated_features],
+                optimizer,
+                seed=seed,
+                kernels=kernels,
+            ).to(self.device)
             self.replicated.gradient_hook = self._allreduce_rows
         self._build_maps()
 
@@ -222,24 +228,28 @@ class ShardedEmbeddingCollection(nn.Module):
     def _build_maps(self) -> None:
         """Index tensors of the routing, built once: which input columns go to each rank and
         with which row range, and where each rank's returned columns land in the output."""
+        device = self.device
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         self._send_keys, self._send_lo, self._send_hi, self._out_columns = [], [], [], []
         for routes in self.routes:
-            self._send_keys.append(torch.tensor([r.feature for r in routes], dtype=torch.int64))
-            self._send_lo.append(torch.tensor([r.shard.row_start for r in routes]))
-            self._send_hi.append(torch.tensor([r.shard.row_end for r in routes]))
+            self._send_keys.append(ints([r.feature for r in routes]))
+            self._send_lo.append(ints([r.shard.row_start for r in routes]))
+            self._send_hi.append(ints([r.shard.row_end for r in routes]))
             columns = [
-                torch.arange(r.shard.col_start, r.shard.col_end) + self._feature_start[r.feature]
+                self._feature_start[r.feature] + c
                 for r in routes
+                for c in range(r.shard.col_start, r.shard.col_end)
             ]
-            self._out_columns.append(
-                torch.cat(columns) if columns else torch.zeros(0, dtype=torch.int64)
-            )
-        self._replicated_columns = torch.cat(
+            self._out_columns.append(ints(columns))
+        self._replicated_columns = ints(
             [
-                torch.arange(self._feature_start[k], self._feature_start[k + 1])
+                c
                 for k in self._replicated_features
+                for c in range(self._feature_start[k], self._feature_start[k + 1])
             ]
-            or [torch.zeros(0, dtype=torch.int64)]
         )
         # Features whose shards return partial sums of a mean-pooled bag: divided at the owner.
         self._mean_partial = sorted(
@@ -258,11 +268,11 @@ class ShardedEmbeddingCollection(nn.Module):
         self._concatenated_in_order = False
         if not any(r.partial for routes in self.routes for r in routes):
             order = torch.cat([*self._out_columns, self._replicated_columns])
-            if torch.equal(order, torch.arange(self.output_dim)):
+            if torch.equal(order.cpu(), torch.arange(self.output_dim)):
                 self._concatenated_in_order = True
             else:
                 self._permutation = torch.empty_like(order)
-                self._permutation[order] = torch.arange(order.numel())
+                self._permutation[order] = torch.arange(order.numel(), device=device)
         # The quantization row: one table's vector when every shard has the same width (row-wise
         # codecs then scale each embedding on its own), else one sample's block.
         widths = {r.shard.cols for routes in self.routes for r in routes}
@@ -329,19 +339,22 @@ class ShardedEmbeddingCollection(nn.Module):
                 w = None if weights is None else weights[key_start[k] : key_start[k + 1]]
                 if route.partial:
                     inside = (v >= route.shard.row_start) & (v < route.shard.row_end)
-                    bag = torch.arange(batch).repeat_interleave(n.long(), output_size=v.numel())
-                    n = torch.zeros(batch, dtype=torch.int64).index_add_(0, bag, inside.long())
+                    bag = torch.arange(batch, device=v.device)
+                    bag = bag.repeat_interleave(n.long(), output_size=v.numel())
+                    n = torch.zeros(batch, dtype=torch.int64, device=v.device)
+                    n = n.index_add_(0, bag, inside.long())
                     v = v[inside] - route.shard.row_start
                     w = None if w is None else w[inside]
                 lens.append(n.to(torch.int32))
                 vals.append(v)
                 if w is not None:
                     wts.append(w)
-            send_lengths.append(torch.cat(lens) if lens else torch.zeros(0, dtype=torch.int32))
-            send_values.append(torch.cat(vals) if vals else torch.zeros(0, dtype=torch.int64))
-            send_weights.append(torch.cat(wts) if wts else torch.zeros(0))
+            send_lengths.append(torch.cat(lens) if lens else values.new_zeros(0, dtype=torch.int32))
+            send_values.append(torch.cat(vals) if vals else values.new_zeros(0))
+            send_weights.append(torch.cat(wts) if wts else values.new_zeros(0, dtype=torch.float32))
         n_local = len(self.routes[self.rank])
-        # How many IDs each rank receives from each: exchanged before the IDs themselves.
+        # How many IDs each rank receives from each: exchanged before the IDs themselves, on
+        # the host (gloo): the receiver needs them there to size its buffers.
         counts = torch.tensor([v.numel() for v in send_values], dtype=torch.int64)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.input_group)
@@ -392,9 +405,9 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.local is not None and received.kjt is not None:
             pooled = self.local(received.kjt)
         else:
-            pooled = torch.zeros(total, 0)
+            pooled = torch.zeros(total, 0, device=self.device)
         training = self.training and torch.is_grad_enabled()
-        trigger = torch.empty(0, requires_grad=training)
+        trigger = torch.empty(0, requires_grad=training, device=self.device)
         blocks = list(_OutputDist.apply(trigger, pooled, self, received.batch_sizes))
         if self.replicated is not None:
             keys = [self.names[k] for k in self._replicated_features]
@@ -404,7 +417,7 @@ class ShardedEmbeddingCollection(nn.Module):
         if self._permutation is not None:
             return torch.cat(blocks, dim=1).index_select(1, self._permutation)
         batch = received.batch_sizes[self.rank]
-        out = torch.zeros(batch, self.output_dim)
+        out = torch.zeros(batch, self.output_dim, device=self.device)
         # Rank order: partial sums of row-wise tables always add up the same way.
         columns = list(self._out_columns)
         if self.replicated is not None:
@@ -418,7 +431,7 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _mean_scale(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """1 / bag length on the columns of mean-pooled row-wise features, 1 elsewhere."""
-        scale = torch.ones(kjt.stride, self.output_dim)
+        scale = torch.ones(kjt.stride, self.output_dim, device=self.device)
         lengths = kjt.lengths.view(len(self.names), kjt.stride)
         for k in self._mean_partial:
             cols = slice(self._feature_start[k], self._feature_start[k + 1])
@@ -428,14 +441,14 @@ class ShardedEmbeddingCollection(nn.Module):
     def _encode(self, codec: Codec, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, dim] as the codec's bytes, flat (rows of ``_codec_width`` values)."""
         if x.numel() == 0:
-            return torch.zeros(0, dtype=torch.uint8)
+            return torch.zeros(0, dtype=torch.uint8, device=self.device)
         width = self._codec_width or x.shape[1]
         return codec.encode(x.reshape(-1, width)).data.reshape(-1)
 
     def _decode(self, codec: Codec, data: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
         """The ``[rows, dim]`` floats of flat bytes from ``_encode``."""
         if rows == 0 or dim == 0:
-            return torch.zeros(rows, dim)
+            return torch.zeros(rows, dim, device=self.device)
         width = self._codec_width or dim
         encoded = Encoded(data.view(rows * (dim // width), codec.row_nbytes(width)), width)
         return codec.decode(encoded).view(rows, dim)
@@ -449,7 +462,9 @@ class ShardedEmbeddingCollection(nn.Module):
         # The piece a rank keeps never travels: it skips the codec and the collective.
         me = self.rank
         flat = [
-            torch.zeros(0, dtype=torch.uint8) if r == me else self._encode(codec, p)
+            torch.zeros(0, dtype=torch.uint8, device=self.device)
+            if r == me
+            else self._encode(codec, p)
             for r, p in enumerate(parts)
         ]
         recv_bytes = [
@@ -502,7 +517,7 @@ class ShardedEmbeddingCollection(nn.Module):
         """Every rank's reduced row gradients of a data-parallel group, summed, then scaled
         to the mean over the global batch; a row is updated when any rank touched it."""
         group = self.replicated.groups[group_index]
-        dense = torch.zeros(group.num_rows, group.dim + 1)
+        dense = torch.zeros(group.num_rows, group.dim + 1, device=self.device)
         dense[rows, : group.dim] = grads
         dense[rows, group.dim] = 1.0
         self.stats.add_allreduce("replicated", dense.numel() * 4, self.world_size)
@@ -529,7 +544,11 @@ class ShardedEmbeddingCollection(nn.Module):
             route = mine.get(table.name)
             weight = self.local.table(table.name) if route else None
             state[f"{table.name}.weight"] = _sharded(
-                weight, table.shards, route.shard if route else None, (table.rows, table.dim)
+                weight,
+                table.shards,
+                route.shard if route else None,
+                (table.rows, table.dim),
+                self.device,
             )
             for key, kind in _optimizer_state_kinds(self.optimizer).items():
                 value = self.local.state(table.name)[key] if route else None
@@ -538,12 +557,12 @@ class ShardedEmbeddingCollection(nn.Module):
                     owners = [s for s in table.shards if s.col_start == 0]
                     own = route.shard if route and route.shard.col_start == 0 else None
                     state[f"{table.name}.{key}"] = _sharded(
-                        value if own else None, owners, own, (table.rows,)
+                        value if own else None, owners, own, (table.rows,), self.device
                     )
                 else:
                     shard = route.shard if route else None
                     state[f"{table.name}.{key}"] = _sharded(
-                        value, table.shards, shard, (table.rows, table.dim)
+                        value, table.shards, shard, (table.rows, table.dim), self.device
                     )
         if self.replicated is not None:
             for k in self._replicated_features:
@@ -595,8 +614,9 @@ class _OutputDist(torch.autograd.Function):
     def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
         module = ctx.module
         scale = 1.0 / module.world_size
+        rows = ctx.batch_sizes[module.rank]
         parts = [
-            g if g is not None else torch.zeros(ctx.batch_sizes[module.rank], w)
+            g if g is not None else torch.zeros(rows, w, device=module.device)
             for g, w in zip(grads, module._widths, strict=True)
         ]
         if module.world_size > 1:
@@ -620,14 +640,21 @@ def _sharded(
     shards: Sequence[Shard],
     mine: Shard | None,
     size: tuple[int, ...],
+    device: torch.device,
 ) -> ShardedTensor:
     """A ``ShardedTensor`` over ``shards`` (1-D: row ranges; 2-D: row and column ranges) whose
-    local shard is ``local`` (a view, not a copy) on the rank holding ``mine``."""
+    local shard is ``local`` (a view, not a copy) on the rank holding ``mine``.
+
+    The placements only say where each shard lives now (this rank's exact device, the
+    others' device type); the checkpoint stores no device, so it loads on any.
+    """
 
     def metadata(s: Shard) -> ShardMetadata:
+        where = device if s == mine else torch.device(device.type)
+        placement = f"rank:{s.rank}/{where}"
         if len(size) == 1:
-            return ShardMetadata([s.row_start], [s.rows], f"rank:{s.rank}/cpu")
-        return ShardMetadata([s.row_start, s.col_start], [s.rows, s.cols], f"rank:{s.rank}/cpu")
+            return ShardMetadata([s.row_start], [s.rows], placement)
+        return ShardMetadata([s.row_start, s.col_start], [s.rows, s.cols], placement)
 
     local_shards = [] if mine is None else [ShardedTensorShard(local, metadata(mine))]
     return ShardedTensor._init_from_local_shards_and_global_metadata(

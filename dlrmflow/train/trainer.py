@@ -30,6 +30,9 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
+from dlrmflow.kernels.backends import check_kernels
+from dlrmflow.kernels.backends import resolve as resolve_kernels
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import FILE_SUFFIX as TIERED_SUFFIX
 from dlrmflow.kernels.tiered import TieredEmbeddingBag, record_width
 from dlrmflow.memory import tune_allocator
@@ -48,6 +51,7 @@ from dlrmflow.train.checkpoint import (
 )
 from dlrmflow.train.comms import CommStats
 from dlrmflow.train.data import IdMapper, fit_features, load_ids, make_train_loader
+from dlrmflow.train.device import BatchStager, resolve_device, use_device
 from dlrmflow.train.distributed import (
     DistEnv,
     ShardedDLRM,
@@ -58,7 +62,7 @@ from dlrmflow.train.distributed import (
 from dlrmflow.train.evaluate import score, test_loader
 from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import DLRM, embedding_optimizer
-from dlrmflow.train.planner import plan_for_config
+from dlrmflow.train.planner import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
 from dlrmflow.train.sharding import ShardingPlan
 from dlrmflow.train.tracking import Tracker, config_params, open_tracker, require_tracker
@@ -90,6 +94,9 @@ class TrainResult:
     warnings: list[str] = field(default_factory=list)  # e.g. training days without rows
     checkpoint_save_s: float = 0.0  # writing (and hashing) this invocation's checkpoints
     checkpoint_verify_s: float = 0.0  # verifying the checkpoint it resumed from
+    device: str = "cpu"  # where rank 0 trained (cuda:0, cpu)
+    precision: str = "fp32"  # the dense arch's (train.precision)
+    kernels: dict[str, str] = field(default_factory=dict)  # what ran: {"tbe", "interaction"}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,14 +135,28 @@ def _features(
 
 
 def _build_model(
-    config: RunConfig, spec: FeatureSpec, env: DistEnv, run_dir: Path
+    config: RunConfig, spec: FeatureSpec, env: DistEnv, run_dir: Path, device: torch.device
 ) -> tuple[nn.Module, list[nn.Parameter], CommStats | None, ShardingPlan | None]:
     """One process: the DLRM. Several: the sharded DLRM under the planner's plan, which
-    rank 0 writes to ``RUN_DIR/plan.json`` for the report and for resharding."""
+    rank 0 writes to ``RUN_DIR/plan.json`` for the report and for resharding. Either is
+    built on the CPU (the seed's draws are the same on every device) and lives on
+    ``device``."""
     optimizer = embedding_optimizer(config.train)
+    if config.train.embedding_memory_bytes is not None and device.type != "cpu":
+        raise ConfigError(
+            "train.embedding_memory_bytes: embeddings on disk are served from host memory; "
+            f"set train.device=cpu (the model is on {device})"
+        )
     if not env.distributed:
         embeddings = _tiered_embeddings(config, spec, optimizer, run_dir)
-        model = DLRM(spec, config.model, optimizer, seed=config.train.seed, embeddings=embeddings)
+        model = DLRM(
+            spec,
+            config.model,
+            optimizer,
+            seed=config.train.seed,
+            embeddings=embeddings,
+            precision=config.train.precision,
+        ).to(device)
         return model, list(model.parameters()), None, None
     if config.train.embedding_memory_bytes is not None:
         raise ConfigError(
@@ -143,11 +164,11 @@ def _build_model(
             f"(distributed.nproc is {env.world_size})"
         )
     ranks_per_host = config.distributed.ranks_per_host or env.local_world_size
-    plan = plan_for_config(config, spec, env.world_size, ranks_per_host)
+    plan = plan_for_job(config, spec, env.world_size, ranks_per_host)
     if env.rank == 0:
         write_atomic(run_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=1))
     stats = CommStats()
-    model = ShardedDLRM(spec, config, plan, optimizer, stats=stats)
+    model = ShardedDLRM(spec, config, plan, optimizer, stats=stats, device=device)
     return model, model.dense_parameters(), stats, plan
 
 
@@ -182,6 +203,22 @@ def _tiered_embeddings(
     )
 
 
+def kernels_used(model: nn.Module, config: RunConfig) -> dict[str, str]:
+    """Which implementation ran the embedding bags and the interaction (``model.kernels``
+    resolved on the model's device), for the result: "auto" hides what it picked."""
+    embeddings = model.embeddings
+    bags = [embeddings]
+    if isinstance(model, ShardedDLRM):
+        bags = [b for b in (embeddings.local, embeddings.replicated) if b is not None]
+    tbe = sorted({b.backend for b in bags if isinstance(b, TableBatchedEmbeddingBag)})
+    dense = next(model.dense_arch.parameters())
+    interaction = resolve_kernels(config.model.kernels, dense)
+    return {
+        "tbe": "+".join(tbe) or "tiered",
+        "interaction": "triton" if interaction == "triton" else "torch",
+    }
+
+
 def dense_optimizer(parameters: list[nn.Parameter], config: RunConfig) -> torch.optim.Optimizer:
     """The torch optimizer of the MLPs and the interaction (the embedding weights are
     buffers updated by their own fused backward)."""
@@ -200,27 +237,29 @@ class _Batches:
     of the epoch is trained, none dropped.
     """
 
-    def __init__(self, loader, env: DistEnv, spec: FeatureSpec) -> None:
+    def __init__(self, loader, env: DistEnv, spec: FeatureSpec, stager: BatchStager) -> None:
         self._iter = iter(loader)
         self._env = env
         self._spec = spec
+        self._stager = stager
         self._done = False
 
     def next(self) -> Batch | None:
-        """The next batch; None once every rank's share of the epoch has run out."""
+        """The next batch, its copy to the device started; None once every rank's share
+        of the epoch has run out."""
         batch = None if self._done else next(self._iter, None)
         self._done = batch is None
+        batch = self._stager.stage(batch)
         if not self._env.distributed:
             return batch
         anyone = torch.tensor([int(batch is not None)])
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
         if not bool(anyone):
             return None
-        return (
-            batch
-            if batch is not None
-            else Batch.empty(len(self._spec.dense), self._spec.sparse_names)
-        )
+        if batch is not None:
+            return batch
+        spec = self._spec
+        return Batch.empty(len(spec.dense), spec.sparse_names, self._stager.device)
 
 
 # What makes two configurations the same run: resuming one's checkpoint under the other
@@ -236,7 +275,11 @@ RUN_KEYS = (
     "train.shuffle",
     "train.shuffle_window",
     "train.num_workers",  # rows are dealt to a rank's reader streams by their number
+    "train.precision",
 )
+# Configuration keys under the sections above that choose how a step is computed, not what
+# it computes: a run may continue under another (on a GPU after a CPU, with other kernels).
+IMPLEMENTATION_KEYS = ("model.kernels",)
 # What an explicit ``train.resume`` path (fine-tuning) may not change: the weights and the
 # optimizer state would not fit.
 SHAPE_KEYS = ("model", "features", "train.optimizer")
@@ -286,7 +329,7 @@ def _resume_point(config: RunConfig, run_dir: Path, spec: FeatureSpec, digest: s
                 "to go back to it, fine-tune from it into another --run-dir"
             )
         _refuse_differences(source, config, spec, digest, SHAPE_KEYS, "fine-tuning")
-        changed = differences(source.manifest, config, digest, RUN_KEYS)
+        changed = differences(source.manifest, config, digest, RUN_KEYS, IMPLEMENTATION_KEYS)
         return _Resume(source, True, changed, source.manifest.get("origin"))
     origin = str(source.path.resolve())
     if own is not None:
@@ -298,7 +341,8 @@ def _resume_point(config: RunConfig, run_dir: Path, spec: FeatureSpec, digest: s
         _refuse_differences(own, config, spec, digest, RUN_KEYS, "its continuation")
         return _Resume(own, True, {}, origin)
     _refuse_differences(source, config, spec, digest, SHAPE_KEYS, "fine-tuning")
-    return _Resume(source, False, differences(source.manifest, config, digest, RUN_KEYS), origin)
+    changed = differences(source.manifest, config, digest, RUN_KEYS, IMPLEMENTATION_KEYS)
+    return _Resume(source, False, changed, origin)
 
 
 def _refuse_differences(
@@ -311,7 +355,9 @@ def _refuse_differences(
 ) -> None:
     """``IncompatibleCheckpoint`` naming every key among ``keys`` (and the feature spec,
     which must match for the weights to load) in which ``info`` differs from this run."""
-    changed: dict[str, object] = differences(info.manifest, config, digest, keys)
+    changed: dict[str, object] = differences(
+        info.manifest, config, digest, keys, IMPLEMENTATION_KEYS
+    )
     if keys is SHAPE_KEYS:
         changed.pop(DATASET_KEY, None)
     recorded = info.manifest.get("spec")
@@ -417,10 +463,13 @@ def train(
     """
     env = DistEnv.from_env()
     tune_allocator()  # also when called outside the CLI (a Prefect worker, a notebook)
-    init_distributed(config, env)
+    device = resolve_device(config.train.device, env.local_rank)
+    check_kernels(config.model.kernels, device)
+    use_device(device)
+    init_distributed(config, env, device)
     run_dir = Path(config.run_dir)
     with rank0_lock(run_dir, "train", env.rank, env.distributed):
-        return _train(config, env, run_dir, progress)
+        return _train(config, env, run_dir, progress, device)
 
 
 def _train(
@@ -428,6 +477,7 @@ def _train(
     env: DistEnv,
     run_dir: Path,
     progress: Callable[[dict], None] | None,
+    device: torch.device,
 ) -> TrainResult:
     rank0 = env.rank == 0
     if rank0:
@@ -458,6 +508,7 @@ def _train(
         manifest.day_paths(config.data.url, manifest.train_days()),
         rank=env.rank,
         world_size=env.world_size,
+        pin_memory=device.type == "cuda",
     )
     try:
         # train.tracker: ends the run FINISHED, or FAILED when training raises.
@@ -476,6 +527,7 @@ def _train(
                 data_warnings,
                 progress,
                 tracker,
+                device,
             )
     finally:
         loader.close()  # also on errors: no reader thread outlives the run
@@ -493,10 +545,12 @@ def _train_loop(
     data_warnings: list[str],
     progress: Callable[[dict], None] | None,
     tracker: Tracker,
+    device: torch.device,
 ) -> TrainResult:
     rank0 = env.rank == 0
     resume_from, own = resume.info, resume.own
-    model, parameters, stats, plan = _build_model(config, spec, env, run_dir)
+    model, parameters, stats, plan = _build_model(config, spec, env, run_dir, device)
+    stager = BatchStager(device)
     optimizer = dense_optimizer(parameters, config)
     # Summed, then divided by the global batch (all ranks' rows) and multiplied by the world
     # size that DDP and the embeddings' backward divide by: the gradient of the mean loss
@@ -528,10 +582,14 @@ def _train_loop(
     trained_from = state["step"]
 
     def start(batch: Batch):
-        """Begin fetching what the embeddings need (the sharded input all-to-all)."""
-        return model.start_input_dist(batch.sparse, async_op=pipelined) if sharded else None
+        """Begin fetching what the embeddings need (the sharded input all-to-all), once the
+        batch's copy to the device is in (a wait on the device, not the host)."""
+        if not sharded:
+            return None
+        return model.start_input_dist(stager.ready(batch).sparse, async_op=pipelined)
 
     def forward(batch: Batch, pending) -> tuple[torch.Tensor, int]:
+        batch = stager.ready(batch)
         if not sharded:
             return model(batch.dense, batch.sparse), len(batch)
         received = pending.wait()
@@ -558,7 +616,7 @@ def _train_loop(
             "loss": state["loss"],
             "samples_per_s": window["rows"] / max(now - window_start, 1e-9),
             "elapsed_s": elapsed_before + now - start_time,
-            "data_wait_s": loader.wait_seconds,
+            "data_wait_s": loader.wait_seconds + stager.wait_seconds,
         }
         if stats is not None:
             steps_here = max(state["step"] - trained_from, 1)
@@ -576,7 +634,9 @@ def _train_loop(
             progress(record)
 
     eval_loader = (
-        test_loader(config, spec, ids, env)[0] if config.train.eval_every is not None else None
+        test_loader(config, spec, ids, env, pin_memory=device.type == "cuda")[0]
+        if config.train.eval_every is not None
+        else None
     )
     last_eval: dict[str, float] = {}
 
@@ -643,7 +703,7 @@ def _train_loop(
     model.train()
     while state["epoch"] < config.train.epochs and state["step"] < max_steps:
         loader.set_epoch(state["epoch"])
-        batches = _Batches(loader, env, spec)
+        batches = _Batches(loader, env, spec, stager)
         batch = batches.next()
         if batch is None:  # nothing left of this epoch (resumed right at its end)
             state["epoch"] += 1
@@ -713,7 +773,7 @@ def _train_loop(
         final_loss=state["loss"] if state["loss"] is not None else float("nan"),
         checkpoint=str(saved["path"]),
         world_size=env.world_size,
-        data_wait_s=loader.wait_seconds,
+        data_wait_s=loader.wait_seconds + stager.wait_seconds,
         comm_bytes_per_step=(
             {k: n // max(state["step"], 1) for k, n in stats.snapshot().items()}
             if stats is not None
@@ -727,6 +787,9 @@ def _train_loop(
         warnings=data_warnings,
         checkpoint_save_s=saved["seconds"],
         checkpoint_verify_s=resume.verify_seconds,
+        device=str(device),
+        precision=config.train.precision,
+        kernels=kernels_used(model, config),
     )
     if rank0:
         write_atomic(run_dir / RESULT_FILE, json.dumps(result.to_dict(), indent=1))

@@ -35,6 +35,7 @@ if DEVICE == "cpu":
 # The dev extra installs triton, so these tests run everywhere the suite does; a missing
 # triton fails them loudly rather than skipping.
 needs_triton = pytest.mark.usefixtures("triton_installed")
+pytestmark = pytest.mark.triton  # make gpu-check runs these on the GPU
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The sharding planner: valid plans for every sharding type, constraints, tiers, balance,
-errors that say by how much, the paper-scale model, and the printed and JSON forms."""
+errors that say by how much, the paper-scale model, the printed and JSON forms, what the
+dataset's stats.json changes (pooling factors, cache hit rates), and rank 0's plan for all."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from dlrmflow.config import build_config
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.stats import DatasetStats, SparseStats, lru_hit_rates, write_stats
 from dlrmflow.train.planner import (
     PlanningError,
     TableSpec,
@@ -18,6 +21,7 @@ from dlrmflow.train.planner import (
     format_plan,
     paper_12t,
     plan_for_config,
+    plan_for_job,
     plan_sharding,
     tables_from_spec,
 )
@@ -284,17 +288,52 @@ def test_plan_round_trips_through_json():
     loaded.validate()
 
 
-def test_format_plan_shows_every_rank_and_truncates_many_tables():
-    plan = plan_sharding(skewed_tables(), Topology(8, 4, 16e9, 64e9, 0), 1024)
-    text = format_plan(plan, max_tables=10)
-    rank_lines = [line.split() for line in text.splitlines() if line[:5].strip().isdigit()]
-    assert [int(words[0]) for words in rank_lines] == list(range(8))
-    loads = [float(words[1]) for words in rank_lines]
-    np.testing.assert_allclose(loads, np.array(plan.estimates["load_seconds"]) * 1e3, atol=1e-3)
-    assert "30 smaller tables not shown" in text
+def test_format_plan_shows_each_ranks_shards_with_load_memory_tier_and_cache_hits():
+    tables = skewed_tables(12)
+    topology = Topology(4, 2, 0.05e9, 8e9, 0, cache_load_factor=0.1)
+    plan = plan_sharding(tables, topology, 1024)
+    plan.estimates["statistics"] = "memory://data/stats.json"
+    lines = format_plan(plan, max_shards=100).splitlines()
+    assert lines[1] == "statistics: memory://data/stats.json"
+    assert lines[2] == "cache: 10% of the rows of each DRAM or SSD shard, in device memory"
+    heads = [line.split() for line in lines if line.startswith("rank ")]
+    assert [words[1] for words in heads] == [f"{r}:" for r in range(4)]
+    loads = [float(words[3]) for words in heads]
+    np.testing.assert_allclose(loads, np.array(plan.estimates["load_seconds"]) * 1e3, rtol=1e-3)
+    per_table = plan.estimates["tables"]
+    seen = []
+    for line in lines:
+        if line.startswith("rank "):
+            rank, last_load = int(line.split()[1][:-1]), np.inf
+        elif line.startswith("  f"):
+            name, sharding, rows, cols, tier, _, _, load_ms, hit = line.split()
+            t = plan.table(name)
+            (j, shard), *others = [(j, s) for j, s in enumerate(t.shards) if s.rank == rank]
+            assert not others and (sharding, tier) == (t.sharding, shard.tier)
+            assert rows == ("all" if shard.rows == t.rows else f"{shard.row_start}:{shard.row_end}")
+            assert cols == ("all" if shard.cols == t.dim else f"{shard.col_start}:{shard.col_end}")
+            load = per_table[name]["load_seconds"][j]
+            assert float(load_ms) == pytest.approx(load * 1e3, rel=1e-3)
+            assert load <= last_load  # heaviest first
+            last_load = load
+            rate = per_table[name]["cache_hit_rate"]
+            assert hit == ("-" if tier == "device" else f"{rate:.1%}")
+            seen.append(tier)
+    assert len(seen) == sum(len(t.shards) for t in plan.tables)
+    assert set(seen) == {"device", "dram"}
+    # three heaviest shards a rank, the rest summed up
+    text = format_plan(plan, max_shards=3)
+    for r in range(4):
+        held = sum(1 for t in plan.tables for s in t.shards if s.rank == r)
+        if held > 3:
+            assert f"  ... {held - 3} more shards" in text
     assert f"max/mean load: {plan.estimates['max_over_mean_load']:.3f}" in text
-    largest = max(plan.tables, key=lambda t: t.rows * t.dim)
-    assert any(line.startswith(largest.name + " ") for line in text.splitlines())
+
+    default = format_plan(plan_sharding(TINY, tiny_topology(2, 2), 16))
+    assert "cache:" not in default and "%" not in default
+    uncached = format_plan(plan_sharding(tables, Topology(4, 2, 0.05e9, 8e9, 0), 1024), 100)
+    dram = [words for words in map(str.split, uncached.splitlines()) if words[4:5] == ["dram"]]
+    assert dram and all(words[-2:] == ["no", "cache"] for words in dram)
 
 
 def test_plan_for_config_uses_the_configured_sharding_and_batch():
@@ -312,3 +351,204 @@ def test_plan_for_config_uses_the_configured_sharding_and_batch():
     auto = plan_for_config(build_config({}), spec, world_size=2, ranks_per_host=2)
     auto.validate()
     assert {t.name for t in auto.tables} == {"C1", "C2"}
+
+
+# -- what the data says: stats.json ----------------------------------------------------------
+
+
+def _sparse(name: str, **fields) -> SparseStats:
+    values = {"rows": 1000, "missing": 0, "empty": 0, "ids": 1000, "distinct": 500}
+    values.update(fields)
+    return SparseStats(name, max_length=1, **values)
+
+
+def _dataset_stats(url: str, *sparse: SparseStats) -> DatasetStats:
+    return DatasetStats(url, 1000, 30, 1, True, (), sparse)
+
+
+# Che's hit rates of 10,000 IDs accessed Zipf-like, and evenly (100 times each)
+ZIPF_HITS = lru_hit_rates(np.floor(1e5 * np.arange(1, 10_001) ** -1.1) + 1)
+EVEN_HITS = lru_hit_rates(np.full(10_000, 100.0))
+
+
+def test_pooling_factor_and_access_rate_from_stats_scale_lookup_bytes():
+    spec = FeatureSpec(
+        dense=("I1",), sparse=(SparseFeature("C1", 5000, 16), SparseFeature("C2", 5000, 16))
+    )
+    stats = _dataset_stats(
+        "memory://d",
+        _sparse("C1", ids=4000),  # multi-hot: 4 IDs a bag
+        _sparse("C2", missing=250, ids=750),  # a quarter of the rows without an ID
+    )
+    defaults = tables_from_spec(spec)
+    measured = tables_from_spec(spec, stats)
+    assert [(t.pooling_factor, t.access_frequency) for t in defaults] == [(1, 1), (1, 1)]
+    assert [(t.pooling_factor, t.access_frequency) for t in measured] == [(4, 1), (1, 0.75)]
+    assert [t.distinct_ids for t in measured] == [500, 500]
+    topology = tiny_topology(2, 1)
+
+    def lookup_bytes(table: TableSpec) -> float:
+        plan = plan_sharding([table], topology, 64, force="table_wise")
+        return plan.estimates["totals"]["lookup_bytes"]
+
+    assert lookup_bytes(measured[0]) == 4 * lookup_bytes(defaults[0])
+    assert lookup_bytes(measured[1]) == pytest.approx(0.75 * lookup_bytes(defaults[1]), rel=1e-12)
+    with pytest.raises(PlanningError, match=r"table C2: memory://d statistics have no .*C2"):
+        tables_from_spec(spec, _dataset_stats("memory://d", _sparse("C1")))
+
+
+def test_hit_rate_comes_from_the_recorded_skew_and_cache_size():
+    skewed = TableSpec("s", 10_000, 16, distinct_ids=10_000, cache_hits=ZIPF_HITS)
+    even = TableSpec("e", 10_000, 16, distinct_ids=10_000, cache_hits=EVEN_HITS)
+    unknown = TableSpec("u", 10_000, 16)
+    assert skewed.hit_rate(0.1) == pytest.approx(dict(ZIPF_HITS)[0.1], rel=1e-12)
+    assert skewed.hit_rate(0.1) > 0.5 > 0.11 > even.hit_rate(0.1) > 0.09
+    assert unknown.hit_rate(0.1) == 0.1  # no stats: accesses spread evenly over the rows
+    assert skewed.hit_rate(0.0) == unknown.hit_rate(0.0) == 0.0
+    # twice as many rows as IDs (hash buckets): a cache of 10% of the rows holds 20% of IDs
+    sparse_rows = TableSpec("h", 20_000, 16, distinct_ids=10_000, cache_hits=ZIPF_HITS)
+    assert sparse_rows.hit_rate(0.1) == pytest.approx(dict(ZIPF_HITS)[0.2], rel=1e-12)
+
+
+def test_skewed_accesses_take_the_cached_slow_tier_and_cost_less_there():
+    """Room in device memory for one of two equal tables: the one whose accesses are skewed
+    goes to DRAM behind its cache, whichever it is, and costs less there than the evenly
+    accessed one would."""
+    topology = Topology(1, 1, device_bytes=0.8e6, dram_bytes=1e8, ssd_bytes=0,
+                        cache_load_factor=0.1)  # fmt: skip
+
+    def table(name: str, hits) -> TableSpec:
+        return TableSpec(name, 10_000, 16, pooling_factor=4.0, distinct_ids=10_000,
+                         cache_hits=hits)  # fmt: skip
+
+    def tiers(plan: ShardingPlan) -> dict[str, str]:
+        return {t.name: t.shards[0].tier for t in plan.tables}
+
+    a_skewed = [table("a", ZIPF_HITS), table("b", EVEN_HITS)]
+    b_skewed = [table("a", EVEN_HITS), table("b", ZIPF_HITS)]
+    plan = plan_sharding(a_skewed, topology, 256, force="table_wise")
+    assert tiers(plan) == {"a": "dram", "b": "device"}
+    assert tiers(plan_sharding(b_skewed, topology, 256, force="table_wise")) == {
+        "a": "device",
+        "b": "dram",
+    }
+    assert plan.estimates["tables"]["a"]["cache_hit_rate"] == pytest.approx(
+        a_skewed[0].hit_rate(0.1), rel=1e-12
+    )
+    assert plan.estimates["tables"]["b"]["cache_hit_rate"] is None  # all in device memory
+    # a's lookups: 256 samples x 4 IDs, each row read and written back (3 x 64 B) and its
+    # Adagrad float twice; the cache's hits at device bandwidth, its misses at DRAM's
+    hit = a_skewed[0].hit_rate(0.1)
+    lookup = 256 * 4 * (3 * 64 + 2 * 4)
+    expected = lookup * (hit / topology.device_bw + (1 - hit) / topology.dram_bw)
+    assert plan.estimates["tables"]["a"]["load_seconds"] == [pytest.approx(expected, rel=1e-12)]
+    # the same placement costs more with a's accesses even, and more again without a cache
+    both_even = [table("a", EVEN_HITS), table("b", EVEN_HITS)]
+    even = evaluate_plan(plan, both_even, topology, 256)["tables"]["a"]["load_seconds"][0]
+    no_cache = Topology(1, 1, 0.8e6, 1e8, 0)
+    uncached = evaluate_plan(plan, a_skewed, no_cache, 256)["tables"]["a"]["load_seconds"][0]
+    assert expected < even < uncached == pytest.approx(lookup / topology.dram_bw, rel=1e-12)
+
+
+def test_caches_take_device_memory():
+    # each table: 10,000 rows of 16 float32 and an Adagrad float, 680 kB
+    tables = [TableSpec("a", 10_000, 16), TableSpec("b", 10_000, 16, access_frequency=0.5)]
+
+    def memory(device_bytes: float) -> dict:
+        topology = Topology(1, 1, device_bytes, 1e8, 0, cache_load_factor=0.25)
+        est = plan_sharding(tables, topology, 256, force="table_wise").estimates
+        return {
+            "device": est["memory_bytes"]["device"][0],
+            "dram": est["memory_bytes"]["dram"][0],
+            "cache": est["cache_bytes"][0],
+        }
+
+    # a and b's 170 kB cache fit in 900 kB of device memory...
+    assert memory(0.9e6) == {"device": 850_000, "dram": 680_000, "cache": 170_000}
+    # ...not in 800 kB: both go to DRAM, behind caches
+    assert memory(0.8e6) == {"device": 340_000, "dram": 1_360_000, "cache": 340_000}
+    # no room for even the caches: a clear error
+    with pytest.raises(PlanningError, match=r"170\.0 kB of device memory for a cache"):
+        memory(0.1e6)
+
+
+def test_skew_without_a_cache_changes_nothing():
+    """Without a cache (the default topology) the recorded skew has nothing to act on: the
+    same plan and estimates as the defaults, so plans without stats are as before."""
+    topology = Topology(4, 2, device_bytes=0.05e9, dram_bytes=8e9, ssd_bytes=0)
+    tables = skewed_tables(12)
+    with_skew = [
+        TableSpec(t.name, t.rows, t.dim, t.pooling_factor, t.access_frequency, t.rows, ZIPF_HITS)
+        for t in tables
+    ]
+    plain = plan_sharding(tables, topology, 256)
+    skewed = plan_sharding(with_skew, topology, 256)
+    assert skewed == plain
+    assert skewed.estimates["load_seconds"] == plain.estimates["load_seconds"]
+    assert {t.shards[0].tier for t in plain.tables} == {"device", "dram"}
+
+
+def _two_feature_spec() -> FeatureSpec:
+    return FeatureSpec(
+        dense=("I1",), sparse=(SparseFeature("C1", 5000, 16), SparseFeature("C2", 40, 16))
+    )
+
+
+def _multi_hot_stats(url: str) -> DatasetStats:
+    return _dataset_stats(url, _sparse("C1", ids=50_000), _sparse("C2", ids=1000))
+
+
+def test_plan_for_config_reads_the_datasets_stats_and_says_so(tmp_path):
+    spec = _two_feature_spec()
+    data = tmp_path / "data"
+    data.mkdir()
+    config = build_config({"data": {"url": str(data)}})
+    without = plan_for_config(config, spec, world_size=2, ranks_per_host=2)
+    assert without.estimates["statistics"] == "defaults"
+    write_stats(str(data), _multi_hot_stats(str(data)))
+    with_stats = plan_for_config(config, spec, world_size=2, ranks_per_host=2)
+    assert with_stats.estimates["statistics"] == f"{data}/stats.json"
+    lookups = [p.estimates["totals"]["lookup_bytes"] for p in (without, with_stats)]
+    assert lookups[1] > 10 * lookups[0]  # 50 IDs a bag in C1, not one
+    elsewhere = plan_for_config(config, spec, 2, 2, stats_root=str(tmp_path / "none"))
+    assert elsewhere.estimates["statistics"] == "defaults"
+    (data / "stats.json").write_text("{")
+    with pytest.raises(DataError, match=r"data/stats\.json: not JSON"):
+        plan_for_config(config, spec, 2, 2)
+
+
+def _plan_on_rank(rank: int, world: int, roots: list[str], broken: str) -> tuple[dict, str]:
+    """One rank of a job: plans with its own view of the data (``roots[rank]``), then once
+    more where rank 0 cannot plan; returns the plan and the error it got."""
+    spec = _two_feature_spec()
+    config = build_config({"data": {"url": roots[rank]}})
+    plan = plan_for_job(config, spec, world, world)
+    try:
+        plan_for_job(config, spec, world, world, stats_root=broken if rank == 0 else roots[1])
+    except PlanningError as e:
+        return plan.to_dict(), str(e)
+    return plan.to_dict(), ""
+
+
+def test_plan_for_job_runs_rank_zeros_plan_on_every_rank(tmp_path):
+    """Two gloo ranks that would plan differently (only rank 0 sees stats.json) both run
+    rank 0's plan; when rank 0 cannot plan, both fail saying so instead of hanging."""
+    from dlrmflow.bench.spawn import run_spawned_job
+
+    spec = _two_feature_spec()
+    seen, unseen, broken = (str(tmp_path / d) for d in ("seen", "unseen", "broken"))
+    write_stats(seen, _multi_hot_stats(seen))
+    write_stats(broken, _dataset_stats(broken, _sparse("C1")))  # no C2
+    own = [
+        plan_for_config(build_config({"data": {"url": root}}), spec, 2, 2)
+        for root in (seen, unseen)
+    ]
+    assert own[0].tables != own[1].tables  # they really would disagree
+
+    results = run_spawned_job(_plan_on_rank, 2, [seen, unseen], broken, threads=1)
+    (plan0, error0), (plan1, error1) = (r.result for r in results)
+    assert plan1 == plan0
+    assert ShardingPlan.from_dict(plan0) == own[0]
+    assert plan0["estimates"]["statistics"] == f"{seen}/stats.json"
+    assert "statistics have no feature C2" in error0
+    assert error1.startswith("rank 0 could not plan: table C2:")
