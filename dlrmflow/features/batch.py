@@ -258,8 +258,9 @@ class KeyedJaggedTensor:
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        """This batch's IDs on ``device``, in the same form (one-hot or jagged)."""
-        if self._rows is not None and self._values is None:
+        """This batch's IDs on ``device``, one-hot when this batch has that form (the
+        lookup's fast path), else jagged."""
+        if self._rows is not None:
             return KeyedJaggedTensor.from_one_hot(
                 self.keys, self._rows.to(device, non_blocking=non_blocking)
             )
@@ -273,8 +274,9 @@ class KeyedJaggedTensor:
         )
 
     def pin_memory(self) -> KeyedJaggedTensor:
-        """A copy in page-locked memory (what an asynchronous copy to a GPU needs)."""
-        if self._rows is not None and self._values is None:
+        """A copy in page-locked memory (what an asynchronous copy to a GPU needs), in the
+        same form as ``to``."""
+        if self._rows is not None:
             return KeyedJaggedTensor.from_one_hot(self.keys, self._rows.pin_memory())
         return KeyedJaggedTensor(
             keys=self.keys,

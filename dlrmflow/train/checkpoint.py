@@ -218,7 +218,7 @@ def save_checkpoint(
         except OSError as e:
             error = e
     # Every rank learns whether any failed, so none waits for the others at a barrier.
-    failed = torch.tensor([0.0 if error is None else 1.0])
+    failed = torch.tensor([0.0 if error is None else 1.0], device="cpu")
     if dist.is_initialized():
         dist.all_reduce(failed)
     if bool(failed):

@@ -79,7 +79,11 @@ def all_to_all(
     rank = dist.get_rank(group)
     trailing = send[0].shape[1:]
     send_rows = [int(t.shape[0]) for t in send]
-    flat = torch.cat([t.reshape(-1, *trailing) for t in send]) if send else torch.empty(0)
+    flat = (
+        torch.cat([t.reshape(-1, *trailing) for t in send])
+        if send
+        else torch.empty(0, device="cpu")
+    )
     output = flat.new_empty((sum(recv_rows), *trailing))
     if stats is not None:
         row_bytes = flat.element_size() * (flat[0].numel() if flat.dim() > 1 else 1)
@@ -97,7 +101,7 @@ def all_to_all(
 
 def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     """``[world_size, len(values)]``: every rank's ``values``."""
-    mine = torch.tensor(list(values), dtype=torch.int64)
+    mine = torch.tensor(list(values), dtype=torch.int64, device="cpu")
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
     return torch.stack(out)

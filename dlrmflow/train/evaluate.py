@@ -97,7 +97,7 @@ def score(
     while True:
         batch = next(batches, None) if limit is None or seen < limit else None
         if env.distributed:
-            anyone = torch.tensor([int(batch is not None)])
+            anyone = torch.tensor([int(batch is not None)], device="cpu")
             dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
             if not bool(anyone):
                 break
@@ -117,7 +117,11 @@ def score(
         if progress is not None and take:
             progress(take * env.world_size)
     model.train(was_training)
-    mine = (torch.cat(probs), torch.cat(labels)) if probs else (torch.empty(0), torch.empty(0))
+    mine = (
+        (torch.cat(probs), torch.cat(labels))
+        if probs
+        else (torch.empty(0, device="cpu"), torch.empty(0, device="cpu"))
+    )
     if not env.distributed:
         return mine
     gathered = [None] * env.world_size if env.rank == 0 else None

@@ -268,7 +268,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self._concatenated_in_order = False
         if not any(r.partial for routes in self.routes for r in routes):
             order = torch.cat([*self._out_columns, self._replicated_columns])
-            if torch.equal(order.cpu(), torch.arange(self.output_dim)):
+            if torch.equal(order.cpu(), torch.arange(self.output_dim, device="cpu")):
                 self._concatenated_in_order = True
             else:
                 self._permutation = torch.empty_like(order)
@@ -355,7 +355,7 @@ class ShardedEmbeddingCollection(nn.Module):
         n_local = len(self.routes[self.rank])
         # How many IDs each rank receives from each: exchanged before the IDs themselves, on
         # the host (gloo): the receiver needs them there to size its buffers.
-        counts = torch.tensor([v.numel() for v in send_values], dtype=torch.int64)
+        counts = torch.tensor([v.numel() for v in send_values], dtype=torch.int64, device="cpu")
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.input_group)
         recv_counts_list = recv_counts.tolist()

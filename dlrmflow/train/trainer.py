@@ -252,7 +252,7 @@ class _Batches:
         batch = self._stager.stage(batch)
         if not self._env.distributed:
             return batch
-        anyone = torch.tensor([int(batch is not None)])
+        anyone = torch.tensor([int(batch is not None)], device="cpu")
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
         if not bool(anyone):
             return None
@@ -604,7 +604,7 @@ def _train_loop(
         distributed: the loss is averaged over the ranks)."""
         nonlocal window_start
         now = time.perf_counter()
-        loss = torch.tensor([window["loss"] / window["steps"]], dtype=torch.float64)
+        loss = torch.tensor([window["loss"] / window["steps"]], dtype=torch.float64, device="cpu")
         if sharded:
             dist.all_reduce(loss)
             loss /= env.world_size
@@ -681,7 +681,7 @@ def _train_loop(
     def check_finite(step: int, value: float) -> None:
         """Stop every rank at the first step whose loss is NaN or infinite, before that
         step updates anything: such a model is never checkpointed or reported."""
-        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device="cpu")
         if env.distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if not bool(bad):

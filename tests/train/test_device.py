@@ -74,6 +74,7 @@ def test_moving_a_batch_keeps_its_one_hot_form() -> None:
     """The one-hot form is the fast path of the lookup and of the input exchange: a copy
     to the device must not turn it into the jagged one."""
     batch = _one_hot_batch()
+    batch.sparse.values  # the jagged form built too (as the benchmarks' counting does)
     moved = batch.to("cpu")
     assert moved.sparse.one_hot_rows is not None
     assert torch.equal(moved.sparse.one_hot_rows, batch.sparse.one_hot_rows)
@@ -202,3 +203,61 @@ def test_two_gpu_ranks_train_over_nccl(tiny_dataset: str, tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((run / "train_result.json").read_text())
     assert result["world_size"] == 2 and result["device"] == "cuda:0"
+
+
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "eye", "rand"}
+FACTORIES |= {"randn", "randint", "linspace"}
+
+
+def test_every_tensor_the_training_code_makes_names_its_device() -> None:
+    """Nothing in ``dlrmflow/train`` may assume CPU tensors: each tensor it makes from
+    nothing names its device, the model's (``device=...``) or, for the host's control
+    values that travel over gloo, ``device="cpu"``; the rest derive from their inputs."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "dlrmflow" / "train"
+    unnamed = []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and node.func.attr in FACTORIES
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
+                unnamed.append(f"{path.name}:{node.lineno} torch.{node.func.attr}")
+    assert unnamed == []
+
+
+def test_a_checkpoint_written_on_a_gpu_continues_on_the_cpu(
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU run's checkpoint files tag every tensor with its device ("cuda:0"); loaded on
+    a machine without CUDA they must be mapped to the host, not refused. Here the tags are
+    written as a GPU run writes them, then the run continues, is scored and exported on
+    the CPU, ending bitwise where the uninterrupted run ends."""
+    import torch.serialization
+
+    run = tmp_path / "gpu_tagged"
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        train(tiny_run_config(tiny_dataset, run, max_steps=3))
+    data_files = list((run / "checkpoints").glob("step_*/*.distcp"))
+    assert data_files and all(b"cuda:0" in f.read_bytes() for f in data_files)
+    resumed = train(tiny_run_config(tiny_dataset, run, max_steps=6))
+    assert (resumed.resumed_from_step, resumed.steps) == (3, 6)
+    whole = tmp_path / "whole"
+    train(tiny_run_config(tiny_dataset, whole, max_steps=6))
+    got = load_checkpoint(run).model.state_dict()
+    want = load_checkpoint(whole).model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    tagged = tmp_path / "tagged_eval"
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        train(tiny_run_config(tiny_dataset, tagged, max_steps=3))
+    assert evaluate(tagged, device="cpu")["rows"] > 0
+    export_model(tagged, tmp_path / "model.safetensors")
