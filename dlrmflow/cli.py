@@ -345,7 +345,8 @@ def plan_cmd(
     tier, memory, estimated load, cache hit rate) and totals.
 
     The config's model is planned with the dataset's stats.json (pooling factors, access
-    skew) when it has one. Memory options replace the topology's (a CPU job's: all in RAM).
+    skew) when it has one, on the topology its job would have (all in RAM, or within
+    train.embedding_memory_bytes per rank and the rest on disk); memory options replace it.
     """
     import dataclasses
 
@@ -374,7 +375,13 @@ def plan_cmd(
         cfg = _config(config, set_)
         spec = FeatureSpec.for_dataset(read_manifest(cfg.data.url), cfg.features, cfg.model)
         per_host = ranks_per_host or world_size
-        topology = dataclasses.replace(planner.cpu_topology(world_size, per_host), **overrides)
+        # Without memory options: the plan a job of this configuration runs (a budget in
+        # train.embedding_memory_bytes puts shards on disk, as the trainer's plan does).
+        topology = (
+            dataclasses.replace(planner.cpu_topology(world_size, per_host), **overrides)
+            if overrides
+            else None
+        )
         plan = planner.plan_for_config(cfg, spec, world_size, per_host, topology=topology)
     if json_out:
         _echo_json(plan.to_dict())

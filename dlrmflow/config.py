@@ -148,8 +148,10 @@ class TrainConfig(_Section):
     embedding_memory_bytes: Int | None = Field(
         None,
         ge=1,
-        description="memory for embedding rows and their optimizer state; tables beyond it "
-        "live on disk (RUN_DIR/embeddings) behind a cache of hot rows this size (one process)",
+        description="per rank: memory for embedding rows and their optimizer state. A job's "
+        "planner keeps the shards that fit in memory and puts the rest on disk "
+        "(RUN_DIR/embeddings/rank{r}) behind a cache of hot rows in what is left; one process "
+        "puts every table on disk, behind a cache this size, once they exceed it",
     )
     resume: str = Field(
         "auto",

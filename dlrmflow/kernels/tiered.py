@@ -50,7 +50,7 @@ from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe import INIT_BLOCK_ROWS, TableBatchedEmbeddingBag, init_table_rows
 from dlrmflow.kernels.tbe_layout import Adam, Optimizer, RowWiseAdagrad
 
-__all__ = ["CacheStats", "TieredEmbeddingBag"]
+__all__ = ["CacheStats", "CacheTooSmall", "TieredEmbeddingBag"]
 
 HEADER_BYTES = 4096
 MAGIC = "dlrmflow-tiered-embeddings"
@@ -59,7 +59,14 @@ FILE_SUFFIX = ".tiered"
 # Rows initialised per write: whole init blocks, so that no block is drawn twice.
 INIT_CHUNK_ROWS = 8 * INIT_BLOCK_ROWS
 NEVER_USED = -1
+# A square-sum hook (see ``TableBatchedEmbeddingBag``) told which bag it runs in: the
+# working set, whose group-local rows the hook receives.
+WorkingSetHook = Callable[[TableBatchedEmbeddingBag, int, torch.Tensor, torch.Tensor], torch.Tensor]
 UNUSABLE = torch.iinfo(torch.int64).max
+
+
+class CacheTooSmall(RuntimeError):
+    """A batch needs more distinct rows in memory at once than the cache can hold."""
 
 
 @dataclass
@@ -290,8 +297,10 @@ class _WorkingSet(TableBatchedEmbeddingBag):
     """One batch's rows as a table-batched bag of their own; after the inherited fused
     update, ``on_update`` hands them back to the cache."""
 
-    def __init__(self, tables: Sequence[SparseFeature], optimizer: Optimizer) -> None:
-        super().__init__(tables, optimizer, init=lambda _k, rows: rows.zero_())
+    def __init__(
+        self, tables: Sequence[SparseFeature], optimizer: Optimizer, kernels: str = "auto"
+    ) -> None:
+        super().__init__(tables, optimizer, init=lambda _k, rows: rows.zero_(), kernels=kernels)
         self.on_update: Callable[[_WorkingSet], None] | None = None
 
     def _apply_gradient(self, grad_out: torch.Tensor, lookups: list) -> None:
@@ -326,10 +335,17 @@ class TieredEmbeddingBag(nn.Module):
     the same tables, optimizer and seed. The file is ``directory/name.tiered``: a new bag
     creates it (rows drawn by ``init_table_rows``) and refuses to overwrite one;
     ``resume=True`` opens the file an earlier bag flushed. The cache must hold at least
-    the distinct rows of one batch. Unlike the TBE, it has no gradient or square-sum
-    hooks (it holds no replicated or column-sharded tables), and ``state_dict`` does not
-    hold the rows: the flushed file does. Rows updated since the last ``flush`` (or
-    ``close``) exist only in memory, so a checkpoint must flush first.
+    the distinct rows of one batch. Unlike the TBE, it has no gradient hook (it holds no
+    replicated tables); its ``square_sum_hook`` (column shards under row-wise Adagrad) is
+    the TBE's with the working set first, whose rows it is called with. ``state_dict``
+    does not hold the rows: the flushed file does. Rows updated since the last ``flush`` (or
+    ``close``) exist only in memory, so a checkpoint must flush first (``file_views``
+    does).
+
+    ``init(k, rows, first)`` fills rows ``[first, first + len(rows))`` of table ``k`` when
+    the file is created (default: ``init_table_rows`` from ``seed`` and the table's name;
+    a shard of a larger table passes its own offsets). ``kernels`` picks the working
+    set's TBE implementation, as for the in-memory bag, so both run the same code.
     """
 
     def __init__(
@@ -342,6 +358,8 @@ class TieredEmbeddingBag(nn.Module):
         name: str = "embeddings",
         seed: int = 0,
         resume: bool = False,
+        init: Callable[[int, torch.Tensor, int], None] | None = None,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
         if "://" in str(directory):
@@ -351,8 +369,11 @@ class TieredEmbeddingBag(nn.Module):
         # A one-row TBE of the same tables checks them and the optimizer, and its groups
         # (runs of same-dim tables) are the file's regions.
         layout = _WorkingSet(
-            [SparseFeature(t.name, 1, t.embedding_dim, t.pooling) for t in tables], optimizer
+            [SparseFeature(t.name, 1, t.embedding_dim, t.pooling) for t in tables],
+            optimizer,
+            kernels,
         )
+        self.kernels = kernels
         self.tables = list(tables)
         self.optimizer = optimizer
         self.lr = optimizer.lr
@@ -362,7 +383,7 @@ class TieredEmbeddingBag(nn.Module):
         torch.cumsum(self._sizes, 0, out=self._starts[1:])
         self._group_keys = [(g.first_key, g.end_key) for g in layout.groups]
         self.step = 0  # Adam's global step count, as the TBE keeps it
-        self._memmap = self._open() if resume else self._create(seed)
+        self._memmap = self._open() if resume else self._create(seed, init)
         total_rows = int(self._starts[-1])
         self._cache = _RowCache(self._regions(), min(cache_rows, total_rows))
         self._stats = CacheStats()
@@ -370,6 +391,7 @@ class TieredEmbeddingBag(nn.Module):
         self._jobs = _Jobs()
         self._prefetched: list[_Prefetched] = []
         self._in_flight: _InFlight | None = None
+        self.square_sum_hook: WorkingSetHook | None = None
 
     # -- the file -------------------------------------------------------------------------
 
@@ -412,7 +434,9 @@ class TieredEmbeddingBag(nn.Module):
         with self.path.open("r+b") as f:
             f.write(raw.ljust(HEADER_BYTES, b" "))
 
-    def _create(self, seed: int) -> np.memmap:
+    def _create(
+        self, seed: int, init: Callable[[int, torch.Tensor, int], None] | None
+    ) -> np.memmap:
         if self.path.exists():
             raise FileExistsError(
                 f"{self.path}: already exists; pass resume=True to train on from it, or "
@@ -431,9 +455,12 @@ class TieredEmbeddingBag(nn.Module):
                 for start in range(0, t.num_embeddings, INIT_CHUNK_ROWS):
                     rows = min(INIT_CHUNK_ROWS, t.num_embeddings - start)
                     chunk = torch.empty(rows, t.embedding_dim)
-                    init_table_rows(
-                        chunk, t.name, seed, table_rows=t.num_embeddings, row_start=start
-                    )
+                    if init is None:
+                        init_table_rows(
+                            chunk, t.name, seed, table_rows=t.num_embeddings, row_start=start
+                        )
+                    else:
+                        init(k, chunk, start)
                     region.records[row + start : row + start + rows, : t.embedding_dim] = (
                         chunk.numpy()
                     )
@@ -553,6 +580,37 @@ class TieredEmbeddingBag(nn.Module):
         self._memmap.flush()
         self._cache = _RowCache(self._regions(), self._cache.records.shape[0])
 
+    def file_views(self, name: str) -> dict[str, torch.Tensor]:
+        """One table's rows (``"weight"``) and optimizer state (keyed as ``state(name)``) as
+        views of the file, after a ``flush``: a checkpoint saves from them and loads into
+        them without a copy of a table that may not fit in memory. After writing into
+        them, call ``reload``; training on before that would use stale cached rows."""
+        self.flush()
+        k = self.names.index(name)
+        start, end = int(self._starts[k]), int(self._starts[k + 1])
+        region = next(r for r in self._cache.regions if r.start <= start < r.end)
+        records = torch.from_numpy(region.records[start - region.start : end - region.start])
+        dim = self.tables[k].embedding_dim
+        views = {"weight": records[:, :dim]}
+        if isinstance(self.optimizer, RowWiseAdagrad):
+            views["sum_squares"] = records[:, dim]
+        elif isinstance(self.optimizer, Adam):
+            views["momentum1"] = records[:, dim : 2 * dim]
+            views["momentum2"] = records[:, 2 * dim : 3 * dim]
+        return views
+
+    def reload(self) -> None:
+        """Forget every cached row and pending prefetch, so that the next batches read the
+        file (written through ``file_views``, e.g. by a checkpoint load). The cache must
+        hold no update the file lacks: ``file_views`` flushed it."""
+        self._jobs.wait()
+        if bool(self._cache.dirty.any()):
+            raise RuntimeError(f"{self.path}: reload would drop rows updated since the last flush")
+        self._memmap.flush()
+        self._cache = _RowCache(self._regions(), self._cache.capacity)
+        self._prefetched.clear()
+        self._in_flight = None
+
     def _read_table(self, name: str, columns: Callable[[int], slice]) -> torch.Tensor:
         """Record columns ``columns(dim)`` of every row of one table, as they are now."""
         k = self.names.index(name)
@@ -614,7 +672,7 @@ class TieredEmbeddingBag(nn.Module):
             # A forward takes precedence over batches prefetched after it: drop their pins.
             self._release_prefetched(len(self._prefetched))
             if need > self._cache.available(self._tick):
-                raise RuntimeError(
+                raise CacheTooSmall(
                     f"{self.path}: a batch needs {rows.numel()} distinct rows but the cache "
                     f"holds {self._cache.capacity} ({int((self._cache.pins > 0).sum())} of "
                     "them pinned by another batch); raise cache_rows"
@@ -684,6 +742,9 @@ class TieredEmbeddingBag(nn.Module):
                 self._cache.run(transfer)
             ws, ws_kjt, ws_rows = self._working_set(kjt, unique, inverse, slots)
         ws.train(self.training)
+        hook = self.square_sum_hook
+        if hook is not None:
+            ws.square_sum_hook = lambda g, rows, sums: hook(ws, g, rows, sums)
         if training:
             in_flight = _InFlight(slots, ws_rows)
             self._cache.pin(slots, 1)
@@ -710,6 +771,7 @@ class TieredEmbeddingBag(nn.Module):
                 for t, n in zip(self.tables, ws_sizes.tolist(), strict=True)
             ],
             self.optimizer,
+            self.kernels,
         )
         ws.lr = self.lr
         if isinstance(self.optimizer, Adam):

@@ -426,7 +426,11 @@ def restore(
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{info.path}: cannot be loaded: {_reason(e, info.path)}") from e
     if isinstance(model, ShardedDLRM):
-        model.embeddings.after_checkpoint_load()
+        # Shards on disk were loaded into copies: the collection writes them to its files.
+        prefix = "emb."
+        model.embeddings.after_checkpoint_load(
+            {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        )
     elif isinstance(model.embeddings, TieredEmbeddingBag):
         # Its tables are copies read from the file: write what was loaded back into it.
         bag = model.embeddings

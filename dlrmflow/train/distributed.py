@@ -27,7 +27,12 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.train.comms import CommStats, dense_comm_hook
 from dlrmflow.train.device import process_group_backend
 from dlrmflow.train.model import DenseArch, EmbeddingOptimizer
-from dlrmflow.train.sharded import PendingInput, ReceivedInput, ShardedEmbeddingCollection
+from dlrmflow.train.sharded import (
+    PendingInput,
+    ReceivedInput,
+    ShardedEmbeddingCollection,
+    TierStorage,
+)
 from dlrmflow.train.sharding import ShardingPlan
 
 
@@ -134,7 +139,10 @@ class ShardedDLRM(nn.Module):
         *,
         stats: CommStats | None = None,
         device: torch.device | str = "cpu",
+        tiers: TierStorage | None = None,
     ) -> None:
+        """``tiers``: where the shards the plan puts in DRAM or on SSD live, and the rank's
+        memory budget (see ``ShardedEmbeddingCollection``); None keeps all in memory."""
         super().__init__()
         device = torch.device(device)
         self.stats = stats or CommStats()
@@ -156,6 +164,7 @@ class ShardedDLRM(nn.Module):
             stats=self.stats,
             device=device,
             kernels=config.model.kernels,
+            tiers=tiers,
         )
         self.dense_arch = DenseArch(spec, config.model, config.train.precision).to(device)
         self.ddp = DistributedDataParallel(

@@ -21,12 +21,23 @@ table. A step, for the batch each rank read:
 
 Mean pooling of a row-wise table is a sum on every shard, divided by the whole bag's
 length at the owner, since no shard sees the whole bag.
+
+**Tiers.** Given a ``TierStorage``, the shards the plan puts in DRAM or on SSD live in a
+``TieredEmbeddingBag`` (rows and optimizer state in a file per rank, hot rows cached in
+what the rank's memory budget leaves after its in-memory shards) and the others in the
+table-batched bag. Step 2 then splits the received IDs by key between the two bags and
+puts their pooled columns back in route order; both bags run the same TBE code, so the
+weights are bitwise those of an all-in-memory run. The shards of a column-wise table
+split over ranks go to disk together or not at all (their square-sum collectives must
+come in one order on every rank). Without a ``TierStorage`` every shard is in memory,
+whatever tier the plan names (plans printed for another machine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,6 +51,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.codecs import Codec, Encoded, get_codec
@@ -50,6 +62,7 @@ from dlrmflow.kernels.tbe import (
     TableBatchedEmbeddingBag,
     init_table_rows,
 )
+from dlrmflow.kernels.tiered import CacheStats, CacheTooSmall, TieredEmbeddingBag, record_width
 from dlrmflow.train.comms import CommStats, PendingAllToAll, all_gather_ints, all_to_all
 from dlrmflow.train.sharding import Shard, ShardingPlan, TablePlan
 
@@ -69,6 +82,24 @@ class _Route:
         return self.table.sharding in PARTIAL_SUM_TYPES
 
 
+class TierBudgetError(DlrmflowError):
+    """A rank's memory budget leaves no room for the cache of its shards on disk."""
+
+
+@dataclass(frozen=True)
+class TierStorage:
+    """Where a rank keeps the shards its plan puts in DRAM or on SSD, and its memory.
+
+    ``memory_bytes`` is the rank's budget for embedding rows and optimizer state
+    (``train.embedding_memory_bytes``): the shards kept in memory and the replicas of
+    data-parallel tables take theirs first; the cache of hot rows of the shards on disk
+    gets the rest. The cache's row map (4 bytes per row on disk) is not counted.
+    """
+
+    directory: Path
+    memory_bytes: int
+
+
 @dataclass
 class ReceivedInput:
     """What a rank got from the input distribution: its shards' IDs for every sample of
@@ -77,18 +108,29 @@ class ReceivedInput:
     kjt: KeyedJaggedTensor | None
     batch_sizes: list[int]
     source: KeyedJaggedTensor  # this rank's own batch, for data-parallel tables and means
+    # ``kjt`` split between the in-memory and the tiered bag, made once: the tiered bag
+    # knows a prefetched batch by its object.
+    split: tuple[KeyedJaggedTensor | None, KeyedJaggedTensor | None] | None = field(
+        default=None, repr=False
+    )
 
 
 class PendingInput:
-    """An input distribution in flight (the pipeline overlaps it with the previous step)."""
+    """An input distribution in flight (the pipeline overlaps it with the previous step).
+
+    ``wait`` may be called again and returns the same ``ReceivedInput``: the trainer waits
+    early to prefetch the rows of shards on disk, then hands it to the forward."""
 
     def __init__(self, finish, batch_sizes: list[int], source: KeyedJaggedTensor) -> None:
         self._finish = finish
         self._batch_sizes = batch_sizes
         self._source = source
+        self._received: ReceivedInput | None = None
 
     def wait(self) -> ReceivedInput:
-        return ReceivedInput(self._finish(), self._batch_sizes, self._source)
+        if self._received is None:
+            self._received = ReceivedInput(self._finish(), self._batch_sizes, self._source)
+        return self._received
 
 
 class ShardedEmbeddingCollection(nn.Module):
@@ -109,14 +151,21 @@ class ShardedEmbeddingCollection(nn.Module):
         stats: CommStats | None = None,
         device: torch.device | str = "cpu",
         kernels: str = "auto",
+        tiers: TierStorage | None = None,
     ) -> None:
         """``group`` carries the output all-to-all and its backward; ``input_group`` the
         input distribution, which the pipeline runs in the background, so it needs its own
         group to be ordered independently. ``seed`` draws the same initial rows as a
         single-process model with that seed. The shards, their optimizer state and the
-        routing tensors live on ``device``; ``kernels`` picks the bags' implementation."""
+        routing tensors live on ``device``; ``kernels`` picks the bags' implementation.
+        ``tiers``: where the shards the plan puts in DRAM or on SSD live (a new file, with
+        the seed's rows), and this rank's memory budget; None keeps every shard in memory.
+        """
         super().__init__()
         self.device = torch.device(device)
+        if tiers is not None and self.device.type != "cpu":
+            raise ValueError(f"shards on disk are served from host memory, not {self.device}")
+        self.tiers = tiers
         self.group = group
         self.input_group = input_group if input_group is not None else group
         self.rank = dist.get_rank(group)
@@ -152,16 +201,7 @@ class ShardedEmbeddingCollection(nn.Module):
             for r in range(self.world_size)
         ]
         local = self.routes[self.rank]
-        self.local = (
-            TableBatchedEmbeddingBag(
-                [self._local_table(route) for route in local],
-                optimizer,
-                init=lambda j, out: self._init_shard(local[j], out, seed),
-                kernels=kernels,
-            ).to(self.device)
-            if local
-            else None
-        )
+        self._local_names = [self.features[r.feature].name for r in local]
         # Row-wise Adagrad keeps one value per row, the mean of the squared gradient over
         # the row's columns: the shards of a column-wise table sum their columns' squares
         # over the table's ranks so that every shard keeps the whole row's value.
@@ -175,11 +215,52 @@ class ShardedEmbeddingCollection(nn.Module):
                 if ranks not in by_ranks:
                     by_ranks[ranks] = dist.new_group(ranks=list(ranks))
                 self._column_groups[t.name] = by_ranks[ranks]
-        if self.local is not None and any(r.table.name in self._column_groups for r in local):
+        on_disk = [tiers is not None and self._tiered(route) for route in local]
+        self._memory_routes = [r for r, d in zip(local, on_disk, strict=True) if not d]
+        self._tiered_routes = [r for r, d in zip(local, on_disk, strict=True) if d]
+        memory = self._memory_routes
+        self.local = (
+            TableBatchedEmbeddingBag(
+                [self._local_table(route) for route in memory],
+                optimizer,
+                init=lambda j, out: self._init_shard(memory[j], out, seed),
+                kernels=kernels,
+            ).to(self.device)
+            if memory
+            else None
+        )
+        if self.local is not None and any(r.table.name in self._column_groups for r in memory):
             self.local.square_sum_hook = self._column_square_means
         self._replicated_features = [
             index[t.name] for t in plan.tables if t.sharding == "data_parallel"
         ]
+        self.tiered: TieredEmbeddingBag | None = None
+        if tiers is not None:
+            routes = self._tiered_routes
+            tables = [self._local_table(route) for route in routes]
+            cache_rows = self._cache_rows(tiers, tables)
+            if routes:
+                self.tiered = TieredEmbeddingBag(
+                    tables,
+                    optimizer,
+                    tiers.directory,
+                    cache_rows=cache_rows,
+                    init=lambda j, out, first: self._init_shard(routes[j], out, seed, first),
+                    kernels=kernels,
+                )
+                if any(r.table.name in self._column_groups for r in routes):
+                    self.tiered.square_sum_hook = self._tiered_square_means
+        # Where each local shard's pooled columns are in [in-memory bag's | tiered bag's].
+        block_start = {}
+        column = 0
+        for route in memory + self._tiered_routes:
+            block_start[id(route)] = column
+            column += route.shard.cols
+        self._pooled_order = torch.tensor(
+            [block_start[id(route)] + c for route in local for c in range(route.shard.cols)],
+            dtype=torch.int64,
+            device=self.device,
+        )
         self.replicated = None
         if self._replicated_features:
             self.replicated = TableBatchedEmbeddingBag(
@@ -213,14 +294,61 @@ class ShardedEmbeddingCollection(nn.Module):
         pooling = "sum" if route.partial else feature.pooling
         return SparseFeature(feature.name, route.shard.rows, route.shard.cols, pooling)
 
+    def _tiered(self, route: _Route) -> bool:
+        """Whether a local shard lives on disk: the plan put it in DRAM or on SSD. The
+        shards of a column-wise table split over ranks go together, on disk only when the
+        plan puts all of them there: each bag's backward runs their square-sum collectives
+        in its own table order, and both bags must be in the same order on every rank."""
+        if route.table.name in self._column_groups:
+            return all(s.tier != "device" for s in route.table.shards)
+        return route.shard.tier != "device"
+
+    def _cache_rows(self, tiers: TierStorage, tables: list[SparseFeature]) -> int:
+        """The rows of the tiered bag's cache (of ``tables``; 0 without): what the budget
+        leaves after the in-memory shards and replicated tables (rows and optimizer
+        state), in slots as wide as the widest record. A collective: when any rank's
+        budget leaves no room, every rank raises its error, none waits for the others."""
+        problem = ""
+        try:
+            rows = self._rows_left(tiers, tables) if tables else 0
+        except TierBudgetError as e:
+            problem, rows = str(e), 0
+        problems: list[str] = [""] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        first = next((p for p in problems if p), "")
+        if first:
+            raise TierBudgetError(first)
+        return rows
+
+    def _rows_left(self, tiers: TierStorage, tables: list[SparseFeature]) -> int:
+        optimizer = self.optimizer
+        kept = sum(
+            4 * r.shard.rows * record_width(optimizer, r.shard.cols) for r in self._memory_routes
+        )
+        replicated = [self.features[k] for k in self._replicated_features]
+        kept += sum(
+            4 * f.num_embeddings * record_width(optimizer, f.embedding_dim) for f in replicated
+        )
+        slot = 4 * max(record_width(optimizer, t.embedding_dim) for t in tables)
+        rows = (tiers.memory_bytes - kept) // slot
+        if rows < 1:
+            raise TierBudgetError(
+                f"train.embedding_memory_bytes: rank {self.rank} keeps {kept} bytes of "
+                f"embeddings in memory, so {tiers.memory_bytes} bytes leave no room for a "
+                f"cache of its {sum(t.num_embeddings for t in tables)} rows on disk "
+                f"({slot} bytes a row); raise it"
+            )
+        return rows
+
     @staticmethod
-    def _init_shard(route: _Route, out: torch.Tensor, seed: int) -> None:
+    def _init_shard(route: _Route, out: torch.Tensor, seed: int, first: int = 0) -> None:
+        """Rows ``[first, first + len(out))`` of the shard, as the whole table draws them."""
         init_table_rows(
             out,
             route.table.name,
             seed,
             table_rows=route.table.rows,
-            row_start=route.shard.row_start,
+            row_start=route.shard.row_start + first,
             col_start=route.shard.col_start,
             table_dim=route.table.dim,
         )
@@ -319,7 +447,7 @@ class ShardedEmbeddingCollection(nn.Module):
             if not n_local:
                 return None
             local_rows = torch.cat(received).view(-1, n_local)
-            return KeyedJaggedTensor.from_one_hot(self.local.names, local_rows)
+            return KeyedJaggedTensor.from_one_hot(self._local_names, local_rows)
 
         return finish
 
@@ -383,7 +511,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 return None
             parts = [
                 KeyedJaggedTensor(
-                    self.local.names,
+                    self._local_names,
                     received[1][s],
                     received[0][s],
                     received[2][s] if weights is not None else None,
@@ -402,8 +530,8 @@ class ShardedEmbeddingCollection(nn.Module):
     def forward_received(self, received: ReceivedInput) -> torch.Tensor:
         """The pooled embeddings of this rank's batch from an input distribution's result."""
         total = sum(received.batch_sizes)
-        if self.local is not None and received.kjt is not None:
-            pooled = self.local(received.kjt)
+        if received.kjt is not None:
+            pooled = self._look_up(received)
         else:
             pooled = torch.zeros(total, 0, device=self.device)
         training = self.training and torch.is_grad_enabled()
@@ -428,6 +556,68 @@ class ShardedEmbeddingCollection(nn.Module):
         if self._mean_partial:
             out = out * self._mean_scale(received.source)
         return out
+
+    def _split(
+        self, received: ReceivedInput
+    ) -> tuple[KeyedJaggedTensor | None, KeyedJaggedTensor | None]:
+        """The received IDs of the in-memory and of the tiered shards (None: no such bag),
+        made once per input."""
+        if received.split is None:
+            kjt = received.kjt
+            assert kjt is not None
+            if self.tiered is None:
+                received.split = (kjt, None)
+            elif self.local is None:
+                received.split = (None, kjt)
+            else:
+                received.split = (
+                    _select_keys(kjt, self.local.names),
+                    _select_keys(kjt, self.tiered.names),
+                )
+        return received.split
+
+    def _look_up(self, received: ReceivedInput) -> torch.Tensor:
+        """Every local shard's pooled vectors, in route order (both bags' columns)."""
+        in_memory, on_disk = self._split(received)
+        if on_disk is None:
+            return self.local(in_memory)
+        try:
+            from_disk = self.tiered(on_disk)
+        except CacheTooSmall as e:
+            raise TierBudgetError(
+                f"train.embedding_memory_bytes: on rank {self.rank}, {e}; raise it (or lower "
+                "train.batch_size)"
+            ) from e
+        if in_memory is None:
+            return from_disk
+        both = torch.cat([self.local(in_memory), from_disk], dim=1)
+        return both.index_select(1, self._pooled_order)
+
+    # -- shards on disk ------------------------------------------------------------------
+
+    def prefetch(self, received: ReceivedInput) -> None:
+        """Start reading from disk the rows a later input (the next step's) needs of this
+        rank's tiered shards; they load in the background while this step computes.
+        Nothing without such shards. Weights never depend on whether or when it runs."""
+        if self.tiered is not None and received.kjt is not None:
+            self.tiered.prefetch(self._split(received)[1])
+
+    def flush(self) -> None:
+        """Write every updated row of the shards on disk to their file."""
+        if self.tiered is not None:
+            self.tiered.flush()
+
+    def cache_stats(self) -> CacheStats | None:
+        """The caches' counters summed over the ranks of ``group`` (a collective), None
+        when the collection keeps everything in memory (``tiers`` not given)."""
+        if self.tiers is None:
+            return None
+        mine = self.tiered.stats if self.tiered is not None else CacheStats()
+        names = [f.name for f in fields(CacheStats)]
+        # Host values (the tiered bags serve from host memory): gloo.
+        counts = torch.tensor([getattr(mine, n) for n in names], dtype=torch.int64, device="cpu")
+        dist.all_reduce(counts, group=self.group)
+        return CacheStats(**dict(zip(names, counts.tolist(), strict=True)))
 
     def _mean_scale(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """1 / bag length on the columns of mean-pooled row-wise features, 1 elsewhere."""
@@ -490,18 +680,41 @@ class ShardedEmbeddingCollection(nn.Module):
     def _column_square_means(
         self, group_index: int, rows: torch.Tensor, sums: torch.Tensor
     ) -> torch.Tensor:
+        """The in-memory bag's square-sum hook (see ``_square_means``)."""
+        return self._square_means(self.local, self._memory_routes, group_index, rows, sums)
+
+    def _tiered_square_means(
+        self,
+        working_set: TableBatchedEmbeddingBag,
+        group_index: int,
+        rows: torch.Tensor,
+        sums: torch.Tensor,
+    ) -> torch.Tensor:
+        """The tiered bag's square-sum hook: the same, in the batch's working set."""
+        return self._square_means(working_set, self._tiered_routes, group_index, rows, sums)
+
+    def _square_means(
+        self,
+        bag: TableBatchedEmbeddingBag,
+        routes: list[_Route],
+        group_index: int,
+        rows: torch.Tensor,
+        sums: torch.Tensor,
+    ) -> torch.Tensor:
         """Each row's mean squared gradient over all its table's columns. Every column shard
-        of a table got the same bags, so its touched rows, sorted, line up across ranks."""
-        bag = self.local
+        of a table got the same bags, so its touched rows, sorted, line up across ranks,
+        whether the shard is in memory or on disk (a working set numbers a batch's rows in
+        table row order). ``routes[k]`` is the shard of ``bag``'s table ``k``."""
         group = bag.groups[group_index]
         means = sums / group.dim
         for key in range(group.first_key, group.end_key):
-            route = self.routes[self.rank][key]
+            route = routes[key]
             process_group = self._column_groups.get(route.table.name)
             if process_group is None:
                 continue
             start = int(bag._local_start[key])
-            inside = ((rows >= start) & (rows < start + route.shard.rows)).nonzero().squeeze(1)
+            end = start + bag.tables[key].num_embeddings
+            inside = ((rows >= start) & (rows < end)).nonzero().squeeze(1)
             if inside.numel() == 0:  # the same on every shard of the table: no collective
                 continue
             total = sums.index_select(0, inside)
@@ -534,15 +747,28 @@ class ShardedEmbeddingCollection(nn.Module):
         or world size reads the right rows and columns), replicated tables as plain tensors.
 
         Loading writes into the views, i.e. straight into the bags; call
-        ``after_checkpoint_load`` afterwards.
+        ``after_checkpoint_load`` with this state afterwards. Shards on disk are flushed
+        and given as copies of their file's rows and state (``ShardedTensor`` takes only
+        contiguous shards; a record holds a row and its state side by side), which
+        ``after_checkpoint_load`` writes back into the file: a checkpoint holds this rank's
+        shards on disk in memory while it is saved or loaded.
         """
         state: dict[str, torch.Tensor | ShardedTensor] = {}
         mine = {route.table.name: route for route in self.routes[self.rank]}
+        on_disk = {route.table.name for route in self._tiered_routes}
         for table in self.plan.tables:
             if table.sharding == "data_parallel":
                 continue
             route = mine.get(table.name)
-            weight = self.local.table(table.name) if route else None
+            stored: dict[str, torch.Tensor] = {}
+            if route is None:
+                pass
+            elif table.name in on_disk:
+                views = self.tiered.file_views(table.name)
+                stored = {key: view.contiguous() for key, view in views.items()}
+            else:
+                stored = {"weight": self.local.table(table.name), **self.local.state(table.name)}
+            weight = stored.get("weight")
             state[f"{table.name}.weight"] = _sharded(
                 weight,
                 table.shards,
@@ -551,7 +777,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 self.device,
             )
             for key, kind in _optimizer_state_kinds(self.optimizer).items():
-                value = self.local.state(table.name)[key] if route else None
+                value = stored.get(key)
                 if kind == "row":
                     # One value per row: the column shards starting at column 0 own it.
                     owners = [s for s in table.shards if s.col_start == 0]
@@ -570,24 +796,62 @@ class ShardedEmbeddingCollection(nn.Module):
                 state[f"{name}.weight"] = self.replicated.table(name)
                 for key, value in self.replicated.state(name).items():
                     state[f"{name}.{key}"] = value
-        for bag in (self.local, self.replicated):
-            if bag is not None and hasattr(bag, "step"):
-                state["adam_step"] = bag.step
+        if isinstance(self.optimizer, Adam):
+            # Every bag of the rank counts the same steps: the in-memory bags' count, or a
+            # copy of the tiered bag's, which ``after_checkpoint_load`` reads back.
+            bags = [b for b in (self.local, self.replicated) if b is not None]
+            if bags:
+                state["adam_step"] = bags[0].step
+            elif self.tiered is not None:
+                state["adam_step"] = torch.tensor(self.tiered.step, dtype=torch.int64, device="cpu")
         return state
 
-    def after_checkpoint_load(self) -> None:
-        """Copy the row-wise state to the column shards that do not own it (a collective
-        over each column-wise table's ranks)."""
+    def after_checkpoint_load(
+        self, state: Mapping[str, torch.Tensor | ShardedTensor] | None = None
+    ) -> None:
+        """Make the loaded values the live ones: the column shards that do not own the
+        row-wise state get it (a collective over each column-wise table's ranks), the
+        shards on disk get theirs written from ``state`` (what ``checkpoint_state``
+        returned, filled by the load; needed only with shards on disk) into their file and
+        drop their cached rows, and every bag takes the loaded Adam step count."""
+        on_disk = {route.table.name: route for route in self._tiered_routes}
+        if on_disk and state is None:
+            raise ValueError("after_checkpoint_load: shards on disk need the loaded state")
+        loaded: dict[str, dict[str, torch.Tensor]] = {}
+        for name in on_disk:
+            assert state is not None and self.tiered is not None
+            loaded[name] = {
+                key: _local_shard(state[f"{name}.{key}"], view.shape)
+                for key, view in self.tiered.file_views(name).items()
+            }
         for table in self.plan.tables:
             process_group = self._column_groups.get(table.name)
-            if process_group is None:
+            if process_group is None or self.rank not in table.ranks:
                 continue
             owner = next(s.rank for s in table.shards if s.col_start == 0)
             for key, kind in _optimizer_state_kinds(self.optimizer).items():
-                if kind == "row" and self.rank in table.ranks:
-                    dist.broadcast(
-                        self.local.state(table.name)[key], src=owner, group=process_group
+                if kind == "row":
+                    value = (
+                        loaded[table.name][key]
+                        if table.name in on_disk
+                        else self.local.state(table.name)[key]
                     )
+                    dist.broadcast(value, owner, process_group)
+        for name, values in loaded.items():
+            for key, view in self.tiered.file_views(name).items():
+                view.copy_(values[key])
+        if self.tiered is not None:
+            self.tiered.reload()
+        if isinstance(self.optimizer, Adam):
+            bags = [b for b in (self.local, self.replicated) if b is not None]
+            step = bags[0].step if bags else None
+            if step is None and state is not None and "adam_step" in state:
+                step = state["adam_step"]
+            if step is not None:
+                for bag in bags:
+                    bag.step.copy_(step)
+                if self.tiered is not None:
+                    self.tiered.step = int(step)
 
 
 class _OutputDist(torch.autograd.Function):
@@ -624,6 +888,13 @@ class _OutputDist(torch.autograd.Function):
         recv = [(rows, ctx.local_width) for rows in ctx.batch_sizes]
         received = module._exchange(module.backward_codec, parts, recv, "backward")
         return None, torch.cat(received), None, None
+
+
+def _local_shard(value: torch.Tensor | ShardedTensor, shape: torch.Size) -> torch.Tensor:
+    """This rank's shard of a loaded ``ShardedTensor``; a new tensor of ``shape`` when it
+    has none (a column shard's row-wise state, which the owning shard broadcasts)."""
+    shards = value.local_shards() if isinstance(value, ShardedTensor) else []
+    return shards[0].tensor if shards else torch.empty(shape, device="cpu")  # tiers: host
 
 
 def _optimizer_state_kinds(optimizer: Optimizer) -> dict[str, str]:

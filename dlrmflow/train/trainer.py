@@ -64,6 +64,7 @@ from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.planner import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
+from dlrmflow.train.sharded import TierStorage
 from dlrmflow.train.sharding import ShardingPlan
 from dlrmflow.train.tracking import Tracker, config_params, open_tracker, require_tracker
 
@@ -158,21 +159,48 @@ def _build_model(
             precision=config.train.precision,
         ).to(device)
         return model, list(model.parameters()), None, None
-    if config.train.embedding_memory_bytes is not None:
-        raise ConfigError(
-            "train.embedding_memory_bytes: embeddings on disk run in one process for now "
-            f"(distributed.nproc is {env.world_size})"
-        )
     ranks_per_host = config.distributed.ranks_per_host or env.local_world_size
+    # With train.embedding_memory_bytes the plan puts the shards beyond it on disk.
     plan = plan_for_job(config, spec, env.world_size, ranks_per_host)
     if env.rank == 0:
         write_atomic(run_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=1))
     stats = CommStats()
-    model = ShardedDLRM(spec, config, plan, optimizer, stats=stats, device=device)
+    model = ShardedDLRM(
+        spec,
+        config,
+        plan,
+        optimizer,
+        stats=stats,
+        device=device,
+        tiers=_tier_storage(config, env, run_dir),
+    )
     return model, model.dense_parameters(), stats, plan
 
 
 TIERED_DIR = "embeddings"
+
+
+def _tier_storage(config: RunConfig, env: DistEnv, run_dir: Path) -> TierStorage | None:
+    """Where this rank of a job keeps its shards on disk (``RUN_DIR/embeddings/rank{r}/``)
+    and its memory budget, ``train.embedding_memory_bytes``; None without a budget.
+
+    Each rank's file starts afresh from the seed's rows, as in one process; rank 0 also
+    removes the files of ranks this job does not have (an earlier run at another world
+    size) and the one-process file.
+    """
+    budget = config.train.embedding_memory_bytes
+    if budget is None:
+        return None
+    root = run_dir / TIERED_DIR
+    directory = root / f"rank{env.rank}"
+    (directory / f"embeddings{TIERED_SUFFIX}").unlink(missing_ok=True)
+    if env.rank == 0:
+        (root / f"embeddings{TIERED_SUFFIX}").unlink(missing_ok=True)
+        for other in root.glob("rank*"):
+            number = other.name.removeprefix("rank")
+            if number.isdigit() and int(number) >= env.world_size:
+                shutil.rmtree(other, ignore_errors=True)
+    return TierStorage(directory, budget)
 
 
 def _tiered_embeddings(
@@ -559,6 +587,8 @@ def _train_loop(
     sharded = isinstance(model, ShardedDLRM)
     pipelined = sharded and config.distributed.pipeline
     tiered = isinstance(getattr(model, "embeddings", None), TieredEmbeddingBag)
+    # A job's shards on disk (train.embedding_memory_bytes): prefetched when pipelined.
+    sharded_tiers = sharded and model.embeddings.tiers is not None
 
     # Where the run stands after its last step; a checkpoint stores it, a resumed run
     # continues it. ``epoch`` is the epoch the next step reads: a checkpoint taken on an
@@ -727,6 +757,9 @@ def _train_loop(
                     # Its rows load from disk into the cache while this one computes.
                     model.embeddings.prefetch(following.sparse)
             logits, n = forward(batch, pending)
+            if sharded_tiers and following_pending is not None:
+                # The next batch's IDs are in: its rows on disk load during this backward.
+                model.embeddings.prefetch(following_pending.wait())
             loss = loss_fn(logits, batch.labels) * (env.world_size / n)
             value = loss.item()
             check_finite(step, value)
@@ -757,12 +790,15 @@ def _train_loop(
         log_window()
     if eval_loader is not None:
         eval_loader.close()  # on an error path, the reader's exit hook closes it
-    if tiered:
+    if tiered or sharded_tiers:
         model.embeddings.flush()
     if state["step"] == 0:
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
     if saved["path"] is None or saved["step"] != state["step"]:
         checkpoint(loader_state)
+    cache = model.embeddings.cache_stats() if sharded_tiers else None  # a collective
+    if tiered:
+        cache = model.embeddings.stats
     seconds = time.perf_counter() - start_time
     rows_here = state["rows"] - (resume_from.manifest["progress"]["rows"] if resume_from else 0)
     result = TrainResult(
@@ -780,7 +816,7 @@ def _train_loop(
             else {}
         ),
         resumed_from_step=resume_from.step if resume_from else None,
-        embedding_cache=model.embeddings.stats.to_dict() if tiered else {},
+        embedding_cache=cache.to_dict() if cache is not None else {},
         trained_steps=state["step"] - trained_from,
         resumed_from=str(resume_from.path) if resume_from else None,
         changed_on_resume=lineage["changed_on_resume"],

@@ -7,7 +7,13 @@ from torch import nn
 from dlrmflow.config import ModelConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.tbe import (
+    SGD,
+    Adam,
+    RowWiseAdagrad,
+    TableBatchedEmbeddingBag,
+    init_table_rows,
+)
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.train.model import DLRM
 from tests.kernels.batches import random_jagged, random_one_hot
@@ -244,3 +250,44 @@ def test_backward_of_a_superseded_forward_is_refused(tmp_path):
     tiered(_one_hot(1)).sum().backward()
     with pytest.raises(RuntimeError, match="superseded"):
         first.sum().backward()
+
+
+def test_file_views_save_and_load_the_rows_in_place(tmp_path):
+    """A checkpoint reads and writes the file through views (no copy of a table), and the
+    bag then serves what was written, not the rows it had cached."""
+    optimizer = RowWiseAdagrad(lr=0.2)
+    ref = TableBatchedEmbeddingBag(TABLES, optimizer, seed=2)
+    tiered = TieredEmbeddingBag(TABLES, optimizer, tmp_path, cache_rows=120, seed=2)
+    _train_pair(ref, tiered, [_one_hot(s) for s in range(4)], prefetch=True)
+    views = tiered.file_views("a")  # flushed first: the file holds every update
+    assert views.keys() == {"weight", "sum_squares"}
+    assert torch.equal(views["weight"], ref.table("a"))
+    assert torch.equal(views["sum_squares"], ref.state("a")["sum_squares"])
+
+    other = TableBatchedEmbeddingBag(TABLES, optimizer, seed=9)
+    _train_pair(other, TableBatchedEmbeddingBag(TABLES, optimizer, seed=9), [_one_hot(7)], False)
+    for name in tiered.names:  # a load: the values of another model, written in place
+        for key, view in tiered.file_views(name).items():
+            view.copy_(other.table(name) if key == "weight" else other.state(name)[key])
+    tiered.reload()
+    _assert_same_tables(other, tiered)
+    _train_pair(other, tiered, [_jagged(s) for s in range(8, 12)], prefetch=True)
+    _assert_same_tables(other, tiered)
+
+    tiered(_one_hot(20)).sum().backward()  # an update the file does not have yet
+    with pytest.raises(RuntimeError, match="reload would drop rows updated"):
+        tiered.reload()
+
+
+def test_a_shard_initialises_its_rows_as_the_whole_table_does(tmp_path):
+    """``init`` fills a shard's rows (here rows 20-59, columns 1-3 of a 4-column table)
+    with the whole table's initial values, chunk by chunk."""
+    whole = TableBatchedEmbeddingBag([SparseFeature("a", 60, 4)], SGD(lr=0.1), seed=4)
+
+    def init(k: int, out: torch.Tensor, first: int) -> None:
+        init_table_rows(out, "a", 4, table_rows=60, row_start=20 + first, col_start=1, table_dim=4)
+
+    shard = TieredEmbeddingBag(
+        [SparseFeature("a", 40, 3)], SGD(lr=0.1), tmp_path, cache_rows=8, init=init
+    )
+    assert torch.equal(shard.table("a"), whole.table("a")[20:, 1:])

@@ -403,13 +403,17 @@ STARTUP_S = 3  # --connect-timeout of the failing jobs
 STARTED_S = 45
 
 
+def _failing_start_args(tiny_dataset: str, tmp_path: Path) -> list[str]:
+    """``dlrmflow train`` arguments of a job whose start-up is meant to fail fast."""
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(_config(tiny_dataset, tmp_path / "run").model_dump()))
+    return ["--config", str(config_file), "--connect-timeout", str(STARTUP_S)]
+
+
 def test_an_unreachable_rendezvous_endpoint_fails_in_bounded_time_naming_it(
     net: Namespaces, tiny_dataset: str, tmp_path: Path
 ) -> None:
-    cfg = _config(tiny_dataset, tmp_path / "run")
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.model_dump()))
-    train = ["--config", str(config_file), "--connect-timeout", str(STARTUP_S)]
+    train = _failing_start_args(tiny_dataset, tmp_path)
     # Node 1 is told an endpoint where nobody is; node 0 waits for it in vain.
     job = _job(net, "train", train, b=["--rdzv-endpoint", f"{NOBODY}:29500"])
     ended = _outcome(job, timeout=STARTUP_S + STARTED_S + 30)
@@ -431,10 +435,7 @@ def test_an_unreachable_rendezvous_endpoint_fails_in_bounded_time_naming_it(
 def test_an_advertised_address_another_host_cannot_reach_fails_naming_it(
     net: Namespaces, tiny_dataset: str, tmp_path: Path
 ) -> None:
-    cfg = _config(tiny_dataset, tmp_path / "run")
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.model_dump()))
-    train = ["--config", str(config_file), "--connect-timeout", str(STARTUP_S)]
+    train = _failing_start_args(tiny_dataset, tmp_path)
     # The rendezvous succeeds; then host b cannot reach the address host a advertises
     # (what a host name resolving to an unreachable address did: a silent hang before).
     job = _job(net, "train", train, a=["--local-addr", HIDDEN])

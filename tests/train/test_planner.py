@@ -14,9 +14,12 @@ from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.stats import DatasetStats, SparseStats, lru_hit_rates, write_stats
 from dlrmflow.train.planner import (
+    CACHE_SHARE,
+    DISK_BYTES,
     PlanningError,
     TableSpec,
     Topology,
+    cpu_topology,
     evaluate_plan,
     format_plan,
     paper_12t,
@@ -552,3 +555,43 @@ def test_plan_for_job_runs_rank_zeros_plan_on_every_rank(tmp_path):
     assert plan0["estimates"]["statistics"] == f"{seen}/stats.json"
     assert "statistics have no feature C2" in error0
     assert error1.startswith("rank 0 could not plan: table C2:")
+
+
+# -- train.embedding_memory_bytes: memory per rank, the rest on disk --------------------------
+
+
+def test_the_cpu_topology_takes_the_per_rank_embedding_budget():
+    assert cpu_topology(2, 2).ssd_bytes == 0  # no budget: memory only, as before
+    budget = cpu_topology(2, 2, 1000)
+    assert (budget.device_bytes, budget.dram_bytes, budget.ssd_bytes) == (1000, 0, DISK_BYTES)
+    assert cpu_topology(2, 2, 1000, cache_share=0.25).device_bytes == 750
+    with pytest.raises(ValueError, match="cache_share"):
+        cpu_topology(2, 2, 1000, cache_share=1.0)
+
+
+def test_the_embedding_budget_puts_what_does_not_fit_in_memory_on_disk():
+    """Per rank: the shards that fit stay in memory, within the budget less the cache's
+    share; the rest go to the disk tier. A budget that holds everything changes nothing."""
+    spec = FeatureSpec(
+        dense=("I1",),
+        sparse=tuple(SparseFeature(f"C{k}", rows, 8) for k, rows in enumerate([40, 300, 900, 70])),
+    )
+
+    def plan(budget: int | None) -> ShardingPlan:
+        config = build_config({"train": {"batch_size": 16, "embedding_memory_bytes": budget}})
+        return plan_for_config(config, spec, world_size=2, ranks_per_host=2)
+
+    def memory(p: ShardingPlan, tier: str) -> list[float]:
+        return p.estimates["memory_bytes"][tier]
+
+    without = plan(None)
+    assert set(memory(without, "ssd")) == {0.0}
+    budget = 20_000  # of the ~52 KB the tables and their state take
+    tight = plan(budget)
+    tight.validate()
+    assert all(b > 0 for b in memory(tight, "ssd"))  # every rank has shards on disk...
+    kept = memory(tight, "device")
+    assert all(0 < b <= budget * (1 - CACHE_SHARE) for b in kept)  # ...and in memory
+    roomy = plan(10**6)
+    assert set(memory(roomy, "ssd")) == {0.0}
+    assert roomy.tables == without.tables
