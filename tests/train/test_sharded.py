@@ -61,12 +61,17 @@ def forced_plan(spec: FeatureSpec, world: int, sharding: str) -> ShardingPlan:
 
 def global_batch(step: int, world: int, multi_hot: bool) -> Batch:
     """Deterministic random data: one-hot with empty bags, or multi-hot bags of 0-3 IDs."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    n = BATCH * world
-    dense = torch.rand(n, len(SPEC.dense), generator=gen)
+    return random_batch(SPEC, BATCH * world, 1000 + step, multi_hot)
+
+
+def random_batch(spec: FeatureSpec, n: int, seed: int, multi_hot: bool) -> Batch:
+    """``n`` rows of ``spec``'s features drawn from ``seed``: one-hot with 10% empty bags,
+    or multi-hot bags of 0-3 IDs."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.rand(n, len(spec.dense), generator=gen)
     labels = (torch.rand(n, generator=gen) < 0.3).float()
-    keys = SPEC.sparse_names
-    sizes = torch.tensor([f.num_embeddings for f in SPEC.sparse])
+    keys = spec.sparse_names
+    sizes = torch.tensor([f.num_embeddings for f in spec.sparse])
     if not multi_hot:
         rows = (torch.rand(n, len(keys), generator=gen) * sizes).long()
         rows[torch.rand(n, len(keys), generator=gen) < 0.1] = -1

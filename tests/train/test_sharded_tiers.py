@@ -27,7 +27,7 @@ from torch import nn
 
 from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import RunConfig
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
 from dlrmflow.train.checkpoint import model_state
@@ -35,6 +35,7 @@ from dlrmflow.train.model import DLRM
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
 from dlrmflow.train.sharded import TierBudgetError, TierStorage
 from dlrmflow.train.sharding import ShardingPlan
+from tests.train.test_sharded import random_batch
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 STEPS = 12
@@ -99,24 +100,7 @@ def budget_for(plan: ShardingPlan, rank: int, cache_rows: int) -> int:
 
 def global_batch(step: int, world: int, multi_hot: bool) -> Batch:
     """Deterministic random data: one-hot with empty bags, or multi-hot bags of 0-3 IDs."""
-    gen = torch.Generator().manual_seed(500 + step)
-    n = BATCH * world
-    dense = torch.rand(n, len(SPEC.dense), generator=gen)
-    labels = (torch.rand(n, generator=gen) < 0.3).float()
-    keys = SPEC.sparse_names
-    sizes = torch.tensor([f.num_embeddings for f in SPEC.sparse])
-    if not multi_hot:
-        rows = (torch.rand(n, len(keys), generator=gen) * sizes).long()
-        rows[torch.rand(n, len(keys), generator=gen) < 0.1] = -1
-        return Batch(dense, KeyedJaggedTensor.from_one_hot(keys, rows), labels)
-    lengths = torch.randint(0, 4, (len(keys), n), generator=gen)
-    values = torch.cat(
-        [
-            (torch.rand(int(lengths[k].sum()), generator=gen) * sizes[k]).long()
-            for k in range(len(keys))
-        ]
-    )
-    return Batch(dense, KeyedJaggedTensor(keys, values, lengths.reshape(-1).int()), labels)
+    return random_batch(SPEC, BATCH * world, 500 + step, multi_hot)
 
 
 def _model(plan: ShardingPlan, rank: int, tiers_dir: Path | None, cache_rows: int):
