@@ -58,11 +58,14 @@ def multi_hot_data(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _config(
-    data: str, run_dir: Path, kernels: str, multi_hot: bool = True, **train_options
+    data: str,
+    run_dir: Path,
+    kernels: str,
+    multi_hot: bool = True,
+    steps: int = STEPS,
+    batch_size: int = 32,
 ) -> RunConfig:
-    cfg = tiny_run_config(
-        data, run_dir, batch_size=32, max_steps=STEPS, device="cpu", **train_options
-    )
+    cfg = tiny_run_config(data, run_dir, batch_size=batch_size, max_steps=steps, device="cpu")
     cfg.data.multi_hot = multi_hot
     cfg.model.kernels = kernels
     return cfg
@@ -165,13 +168,15 @@ def test_forced_triton_trains_the_sharded_collection(
 ) -> None:
     """Two ranks: table-wise shards (the fused reduce and update on each rank's bag) and
     data-parallel tables (the Triton reduction, the allreduce hook, the Triton update)."""
-    reference = _launch(_config(tiny_dataset, tmp_path / "compiled", "compiled", False), sharding)
-    forced = _launch(_config(tiny_dataset, tmp_path / "triton", "triton", False), sharding)
+    # Two steps of 16 rows a rank: the interpreter runs a program per bag and per row.
+    small = {"multi_hot": False, "steps": 2, "batch_size": 16}
+    reference = _launch(_config(tiny_dataset, tmp_path / "compiled", "compiled", **small), sharding)
+    forced = _launch(_config(tiny_dataset, tmp_path / "triton", "triton", **small), sharding)
     plan = json.loads((tmp_path / "triton" / "plan.json").read_text())
     assert {table["sharding"] for table in plan["tables"]} == {sharding}
     assert reference["kernels"] == {"tbe": "compiled", "interaction": "torch"}
     assert forced["kernels"] == {"tbe": "triton", "interaction": "triton"}
-    assert forced["steps"] == reference["steps"] == STEPS
+    assert forced["steps"] == reference["steps"] == small["steps"]
     _assert_close(tmp_path / "triton", tmp_path / "compiled")
 
 
