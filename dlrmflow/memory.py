@@ -87,3 +87,32 @@ def _glibc_mallopt():
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return mallopt
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (``VmHWM``: anonymous memory and mapped file pages
+    alike) since it started or since ``reset_peak_rss``; elsewhere than Linux, getrusage's
+    maximum."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart ``peak_rss_bytes`` from the current resident set (Linux 4.0+: writing 5 to
+    ``/proc/self/clear_refs``); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -28,14 +28,24 @@ one vectorized gather per batch instead of a hash table). One LRU serves every t
 slot is as wide as the widest record, so tables of smaller dims waste the difference.
 
 The file holds a 4 KiB JSON header (layout, optimizer, step count) and then, per run of
-same-dim tables, one record per row: the weights followed by the optimizer state
-(row-wise Adagrad: one float; Adam: the two moments), so that a row and its state are one
-contiguous read.
+same-dim tables, the weights of every row (``[rows, dim]``) followed by each optimizer
+state in the same row order (row-wise Adagrad: ``[rows, 1]``; Adam: the two moments, each
+``[rows, dim]``). Each table's weights and states are thus contiguous in the file, so a
+checkpoint saves and loads them as views of the mapping, never as a copy of a table that
+may not fit in memory; in the cache a row and its state sit side by side as one record.
+
+Resident memory stays bounded however much of the file a run touches: pages of a shared
+file mapping count in a process's resident set once touched, so every bulk access (a
+batch's reads and write-backs, a table's initialisation, a checkpoint item) is followed by
+``MADV_DONTNEED`` over the range it touched, in chunks of ``PAGE_CHUNK_ROWS`` rows. The
+data stays in the page cache (dirty pages are written back by the kernel); only this
+process's mapping of it is dropped.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -54,11 +64,20 @@ __all__ = ["CacheStats", "CacheTooSmall", "TieredEmbeddingBag"]
 
 HEADER_BYTES = 4096
 MAGIC = "dlrmflow-tiered-embeddings"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 stored a row's weights and state side by side
 FILE_SUFFIX = ".tiered"
 # Rows initialised per write: whole init blocks, so that no block is drawn twice.
 INIT_CHUNK_ROWS = 8 * INIT_BLOCK_ROWS
 NEVER_USED = -1
+# Rows gathered from or scattered to the file between two drops of its mapped pages: each
+# row touches a page per part, and a fault maps up to 16 cached neighbours with it, so the
+# mapped pages of one chunk stay within 2 x 16 x 4 KiB x PAGE_CHUNK_ROWS (32 MiB at 256).
+PAGE_CHUNK_ROWS = 256
+# Memory a cache needs besides its records: per slot its row, last use, pending job (8
+# bytes each), pin count (4) and dirty flag (1). Outside the cache's memory: per row in the
+# file, its slot (4 bytes, the row map).
+SLOT_BOOKKEEPING_BYTES = 29
+ROW_MAP_BYTES = 4
 # A square-sum hook (see ``TableBatchedEmbeddingBag``) told which bag it runs in: the
 # working set, whose group-local rows the hook receives.
 WorkingSetHook = Callable[[TableBatchedEmbeddingBag, int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -94,13 +113,97 @@ class CacheStats:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
+class _Pages:
+    """The file's mapping, and dropping this process's mapped pages of a range of it."""
+
+    def __init__(self, memmap: np.memmap) -> None:
+        self.memmap = memmap
+        self._mmap: mmap.mmap = memmap._mmap  # the mapping numpy made (from HEADER_BYTES)
+        if memmap.offset % mmap.ALLOCATIONGRANULARITY:
+            raise ValueError(f"the header ({memmap.offset} bytes) must be whole pages")
+        self._base = memmap.ctypes.data
+        self._size = len(self._mmap)
+        if hasattr(mmap, "MADV_RANDOM"):
+            self._mmap.madvise(mmap.MADV_RANDOM)  # no readahead: rows are read at random
+
+    def drop(self, array: np.ndarray, first: int, last: int) -> None:
+        """Unmap the pages of rows ``first..last`` (inclusive) of ``array``, a 2-D view of
+        the mapping; their data stays in the page cache and the file."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        row_bytes = array.strides[0]
+        start = array.ctypes.data - self._base + first * row_bytes
+        end = array.ctypes.data - self._base + (last + 1) * row_bytes
+        start -= start % mmap.PAGESIZE
+        end = min(end + (-end % mmap.PAGESIZE), self._size)
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def drop_all(self) -> None:
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
+
 @dataclass(frozen=True)
 class _Region:
-    """The records of global rows ``[start, end)`` in the file: ``[end - start, width]``."""
+    """The rows ``[start, end)`` of one run of same-dim tables in the file: one 2-D array
+    per record part (the weights, then each optimizer state), ``[end - start, width]``."""
 
     start: int
     end: int
-    records: np.ndarray
+    parts: list[np.ndarray]
+
+    def gather(self, local: np.ndarray, pages: _Pages) -> np.ndarray:
+        """Records ``[len(local), width]`` of rows ``local`` (sorted or not)."""
+        out = np.empty((len(local), sum(p.shape[1] for p in self.parts)), np.float32)
+        for lo in range(0, len(local), PAGE_CHUNK_ROWS):
+            chunk = local[lo : lo + PAGE_CHUNK_ROWS]
+            first, last = int(chunk.min()), int(chunk.max())
+            column = 0
+            for part in self.parts:
+                width = part.shape[1]
+                out[lo : lo + len(chunk), column : column + width] = part[chunk]
+                pages.drop(part, first, last)
+                column += width
+        return out
+
+    def scatter(self, local: np.ndarray, records: np.ndarray, pages: _Pages) -> None:
+        """Write ``records`` (their first columns) as rows ``local``."""
+        for lo in range(0, len(local), PAGE_CHUNK_ROWS):
+            chunk = local[lo : lo + PAGE_CHUNK_ROWS]
+            first, last = int(chunk.min()), int(chunk.max())
+            column = 0
+            for part in self.parts:
+                width = part.shape[1]
+                part[chunk] = records[lo : lo + len(chunk), column : column + width]
+                pages.drop(part, first, last)
+                column += width
+
+    def read_rows(self, first: int, end: int, pages: _Pages) -> np.ndarray:
+        """A copy of the records of local rows ``[first, end)``."""
+        out = np.empty((end - first, sum(p.shape[1] for p in self.parts)), np.float32)
+        step = PAGE_CHUNK_ROWS * 64  # sequential: faults map neighbours, not strangers
+        for lo in range(first, end, step):
+            hi = min(lo + step, end)
+            column = 0
+            for part in self.parts:
+                width = part.shape[1]
+                out[lo - first : hi - first, column : column + width] = part[lo:hi]
+                pages.drop(part, lo, hi - 1)
+                column += width
+        return out
+
+    def write_rows(self, first: int, records: np.ndarray, pages: _Pages) -> None:
+        """Write ``records`` as local rows ``first, first + 1, ...``."""
+        step = PAGE_CHUNK_ROWS * 64
+        for lo in range(0, len(records), step):
+            hi = min(lo + step, len(records))
+            column = 0
+            for part in self.parts:
+                width = part.shape[1]
+                part[first + lo : first + hi] = records[lo:hi, column : column + width]
+                pages.drop(part, first + lo, first + hi - 1)
+                column += width
 
 
 @dataclass
@@ -126,10 +229,13 @@ class _RowCache:
     thread changes the bookkeeping; ``run`` (the data) may run in another.
     """
 
-    def __init__(self, regions: list[_Region], capacity: int) -> None:
+    def __init__(self, regions: list[_Region], capacity: int, pages: _Pages) -> None:
         self.regions = regions
-        width = max(r.records.shape[1] for r in regions)
-        self.records = torch.zeros(capacity, width)
+        self.pages = pages
+        width = max(sum(p.shape[1] for p in r.parts) for r in regions)
+        # Uninitialised: a slot is written (read from the file) before it is ever used, so
+        # the cache's pages become resident only as it fills.
+        self.records = torch.empty(capacity, width)
         self.slot_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.row_slot = torch.full((regions[-1].end,), -1, dtype=torch.int32)
         self.last_used = torch.full((capacity,), NEVER_USED, dtype=torch.int64)
@@ -144,6 +250,17 @@ class _RowCache:
     @property
     def capacity(self) -> int:
         return self.records.shape[0]
+
+    def clear(self) -> None:
+        """Forget every cached row (none may be dirty or pending), keeping the memory: a
+        second cache beside this one, even briefly, would double the peak."""
+        self.slot_row.fill_(-1)
+        self.row_slot.fill_(-1)
+        self.last_used.fill_(NEVER_USED)
+        self.dirty.zero_()
+        self.pins.zero_()
+        self.ready.zero_()
+        self.filled = 0
 
     def lookup(self, rows: torch.Tensor, tick: int) -> torch.Tensor:
         """Slots of ``rows`` (-1: not cached); the cached ones count as used at ``tick``, so
@@ -221,15 +338,14 @@ class _RowCache:
         for r in self.regions:
             inside = (rows >= r.start) & (rows < r.end)
             if bool(inside.any()):
-                width = r.records.shape[1]
-                r.records[(rows[inside] - r.start).numpy()] = records[inside, :width].numpy()
+                r.scatter((rows[inside] - r.start).numpy(), records[inside].numpy(), self.pages)
 
     def _read(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(rows.numel(), self.records.shape[1])
         for r in self.regions:
             inside = (rows >= r.start) & (rows < r.end)
             if bool(inside.any()):
-                values = r.records[(rows[inside] - r.start).numpy()]
+                values = r.gather((rows[inside] - r.start).numpy(), self.pages)
                 out[inside, : values.shape[1]] = torch.from_numpy(values)
         return out
 
@@ -237,8 +353,8 @@ class _RowCache:
         """Record ``columns`` of rows ``[start, end)`` of one region, a copy, taken from the
         cache where the row is cached."""
         region = next(r for r in self.regions if r.start <= start < r.end)
-        records = region.records[start - region.start : end - region.start, columns]
-        out = torch.from_numpy(np.array(records))  # a copy: never write into the file here
+        records = region.read_rows(start - region.start, end - region.start, self.pages)
+        out = torch.from_numpy(np.ascontiguousarray(records[:, columns]))
         cached = ((self.slot_row >= start) & (self.slot_row < end)).nonzero().squeeze(1)
         rows = self.slot_row.index_select(0, cached) - start
         out.index_copy_(0, rows, self.records.index_select(0, cached)[:, columns])
@@ -319,13 +435,27 @@ class _WorkingSet(TableBatchedEmbeddingBag):
         return views
 
 
+def part_widths(optimizer: Optimizer, dim: int) -> list[int]:
+    """Floats per row of each record part: the weights, then each optimizer state."""
+    if isinstance(optimizer, RowWiseAdagrad):
+        return [dim, 1]
+    if isinstance(optimizer, Adam):
+        return [dim, dim, dim]
+    return [dim]
+
+
 def record_width(optimizer: Optimizer, dim: int) -> int:
     """Floats per row in the file: the weights, then the optimizer state."""
-    if isinstance(optimizer, RowWiseAdagrad):
-        return dim + 1
-    if isinstance(optimizer, Adam):
-        return 3 * dim
-    return dim
+    return sum(part_widths(optimizer, dim))
+
+
+def cache_rows_for(memory_bytes: int, tables: Sequence[SparseFeature], optimizer: Optimizer) -> int:
+    """The cache slots that ``memory_bytes`` holds for a bag of ``tables``: the records
+    (each slot as wide as the widest) and the slots' bookkeeping. The row map
+    (``ROW_MAP_BYTES`` per row in the file) is not counted: it follows the tables, not
+    the cache. Below 1: the memory cannot hold a cache at all."""
+    slot = 4 * max(record_width(optimizer, t.embedding_dim) for t in tables)
+    return memory_bytes // (slot + SLOT_BOOKKEEPING_BYTES)
 
 
 class TieredEmbeddingBag(nn.Module):
@@ -344,7 +474,8 @@ class TieredEmbeddingBag(nn.Module):
 
     ``init(k, rows, first)`` fills rows ``[first, first + len(rows))`` of table ``k`` when
     the file is created (default: ``init_table_rows`` from ``seed`` and the table's name;
-    a shard of a larger table passes its own offsets). ``kernels`` picks the working
+    a shard of a larger table passes its own offsets); ``fill=False`` leaves them zeros
+    (a sparse file), for a bag that a checkpoint load fills next. ``kernels`` picks the working
     set's TBE implementation, as for the in-memory bag, so both run the same code.
     """
 
@@ -360,6 +491,7 @@ class TieredEmbeddingBag(nn.Module):
         resume: bool = False,
         init: Callable[[int, torch.Tensor, int], None] | None = None,
         kernels: str = "auto",
+        fill: bool = True,
     ) -> None:
         super().__init__()
         if "://" in str(directory):
@@ -383,9 +515,10 @@ class TieredEmbeddingBag(nn.Module):
         torch.cumsum(self._sizes, 0, out=self._starts[1:])
         self._group_keys = [(g.first_key, g.end_key) for g in layout.groups]
         self.step = 0  # Adam's global step count, as the TBE keeps it
-        self._memmap = self._open() if resume else self._create(seed, init)
+        self._memmap = self._open() if resume else self._create(seed, init if fill else False)
+        self._pages = _Pages(self._memmap)
         total_rows = int(self._starts[-1])
-        self._cache = _RowCache(self._regions(), min(cache_rows, total_rows))
+        self._cache = self._new_cache(min(cache_rows, total_rows))
         self._stats = CacheStats()
         self._tick = 0
         self._jobs = _Jobs()
@@ -409,11 +542,18 @@ class TieredEmbeddingBag(nn.Module):
     def _regions(self, memmap: np.memmap | None = None) -> list[_Region]:
         memmap = self._memmap if memmap is None else memmap
         regions, offset = [], 0
-        for start, rows, width in self._region_shapes():
-            records = memmap[offset : offset + rows * width].reshape(rows, width)
-            regions.append(_Region(start, start + rows, records))
-            offset += rows * width
+        for (start, rows, _), (first, _end) in zip(
+            self._region_shapes(), self._group_keys, strict=True
+        ):
+            parts = []
+            for width in part_widths(self.optimizer, self.tables[first].embedding_dim):
+                parts.append(memmap[offset : offset + rows * width].reshape(rows, width))
+                offset += rows * width
+            regions.append(_Region(start, start + rows, parts))
         return regions
+
+    def _new_cache(self, capacity: int) -> _RowCache:
+        return _RowCache(self._regions(), capacity, self._pages)
 
     def _header(self) -> dict:
         return {
@@ -435,7 +575,7 @@ class TieredEmbeddingBag(nn.Module):
             f.write(raw.ljust(HEADER_BYTES, b" "))
 
     def _create(
-        self, seed: int, init: Callable[[int, torch.Tensor, int], None] | None
+        self, seed: int, init: Callable[[int, torch.Tensor, int], None] | None | bool
     ) -> np.memmap:
         if self.path.exists():
             raise FileExistsError(
@@ -448,7 +588,11 @@ class TieredEmbeddingBag(nn.Module):
             f.truncate(self._file_bytes())
         self._write_header()
         memmap = np.memmap(self.path, np.float32, "r+", offset=HEADER_BYTES)
+        if init is False:  # ``fill=False``: the rows stay zeros until a load writes them
+            return memmap
+        pages = _Pages(memmap)
         for region, (first, end) in zip(self._regions(memmap), self._group_keys, strict=True):
+            weights = region.parts[0]
             for k in range(first, end):
                 t = self.tables[k]
                 row = int(self._starts[k]) - region.start
@@ -461,9 +605,8 @@ class TieredEmbeddingBag(nn.Module):
                         )
                     else:
                         init(k, chunk, start)
-                    region.records[row + start : row + start + rows, : t.embedding_dim] = (
-                        chunk.numpy()
-                    )
+                    weights[row + start : row + start + rows] = chunk.numpy()
+                    pages.drop(weights, row + start, row + start + rows - 1)
         memmap.flush()
         return memmap
 
@@ -573,31 +716,41 @@ class TieredEmbeddingBag(nn.Module):
                 f"{expected}"
             )
         self.flush()
-        start, end = int(self._starts[k]), int(self._starts[k + 1])
-        for region in self._cache.regions:
-            if region.start <= start < region.end:
-                region.records[start - region.start : end - region.start] = record.numpy()
-        self._memmap.flush()
-        self._cache = _RowCache(self._regions(), self._cache.records.shape[0])
-
-    def file_views(self, name: str) -> dict[str, torch.Tensor]:
-        """One table's rows (``"weight"``) and optimizer state (keyed as ``state(name)``) as
-        views of the file, after a ``flush``: a checkpoint saves from them and loads into
-        them without a copy of a table that may not fit in memory. After writing into
-        them, call ``reload``; training on before that would use stale cached rows."""
-        self.flush()
-        k = self.names.index(name)
-        start, end = int(self._starts[k]), int(self._starts[k + 1])
+        start = int(self._starts[k])
         region = next(r for r in self._cache.regions if r.start <= start < r.end)
-        records = torch.from_numpy(region.records[start - region.start : end - region.start])
-        dim = self.tables[k].embedding_dim
-        views = {"weight": records[:, :dim]}
+        region.write_rows(start - region.start, record.numpy(), self._pages)
+        self._memmap.flush()
+        self._cache.clear()
+
+    def file_views(
+        self, name: str, rows: tuple[int, int] | None = None, *, flush: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """One table's rows (``"weight"``) and optimizer state (keyed as ``state(name)``) as
+        views of the file (``rows``: only the table's rows ``[first, end)``), after a
+        ``flush``: a checkpoint saves from them and loads into them without a copy of a
+        table that may not fit in memory. Each view is contiguous and is the whole of its
+        storage, so ``torch.distributed.checkpoint`` writes it as it is. Reading or writing
+        them maps pages of the file: ``drop_pages`` unmaps them again. After writing into
+        them, call ``reload``; training on before that would use stale cached rows."""
+        if flush:
+            self.flush()
+        k = self.names.index(name)
+        first, end = rows if rows is not None else (0, self.tables[k].num_embeddings)
+        start = int(self._starts[k])
+        region = next(r for r in self._cache.regions if r.start <= start < r.end)
+        lo, hi = start - region.start + first, start - region.start + end
+        parts = [torch.from_numpy(part[lo:hi]) for part in region.parts]
+        views = {"weight": parts[0]}
         if isinstance(self.optimizer, RowWiseAdagrad):
-            views["sum_squares"] = records[:, dim]
+            views["sum_squares"] = parts[1].view(-1)
         elif isinstance(self.optimizer, Adam):
-            views["momentum1"] = records[:, dim : 2 * dim]
-            views["momentum2"] = records[:, 2 * dim : 3 * dim]
+            views["momentum1"], views["momentum2"] = parts[1], parts[2]
         return views
+
+    def drop_pages(self) -> None:
+        """Unmap every page of the file this process has mapped (the data stays in the page
+        cache and the file): after a checkpoint item read or wrote ``file_views``."""
+        self._pages.drop_all()
 
     def reload(self) -> None:
         """Forget every cached row and pending prefetch, so that the next batches read the
@@ -607,7 +760,8 @@ class TieredEmbeddingBag(nn.Module):
         if bool(self._cache.dirty.any()):
             raise RuntimeError(f"{self.path}: reload would drop rows updated since the last flush")
         self._memmap.flush()
-        self._cache = _RowCache(self._regions(), self._cache.capacity)
+        self._pages.drop_all()
+        self._cache.clear()
         self._prefetched.clear()
         self._in_flight = None
 

@@ -26,6 +26,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from dlrmflow.config import RunConfig, build_config
 from dlrmflow.errors import DlrmflowError
@@ -112,17 +114,29 @@ def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     ``dense_optim.<parameter>.<state>``, the same keys whatever the sharding.
     """
     from dlrmflow.train.distributed import ShardedDLRM
+    from dlrmflow.train.sharded import exact_storage
 
     state: dict[str, Any] = {}
     if isinstance(model, ShardedDLRM):
         embedding_state = model.embeddings.checkpoint_state()
+    elif isinstance(model.embeddings, TieredEmbeddingBag):
+        # Views of the file (loaded in place, then ``reload``): never a copy of the tables.
+        bag = model.embeddings
+        bag.flush()
+        embedding_state = {
+            f"{name}.{key}": view
+            for name in bag.names
+            for key, view in bag.file_views(name, flush=False).items()
+        }
+        if isinstance(bag.optimizer, Adam):
+            embedding_state["adam_step"] = torch.tensor(bag.step, dtype=torch.int64, device="cpu")
     else:
         bag = model.embeddings
         embedding_state = {}
         for name in bag.names:
-            embedding_state[f"{name}.weight"] = bag.table(name)
+            embedding_state[f"{name}.weight"] = exact_storage(bag.table(name))
             for key, value in bag.state(name).items():
-                embedding_state[f"{name}.{key}"] = value
+                embedding_state[f"{name}.{key}"] = exact_storage(value)
         if isinstance(bag.optimizer, Adam):
             embedding_state["adam_step"] = bag.step
     state.update({f"emb.{k}": v for k, v in embedding_state.items()})
@@ -135,6 +149,45 @@ def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
             if isinstance(value, torch.Tensor):
                 state[f"dense_optim.{name}.{key}"] = value
     return state
+
+
+def _file_pages(model: torch.nn.Module) -> Callable[[], None]:
+    """What unmaps the pages of the model's embedding files that a checkpoint item touched
+    (nothing without tiered embeddings), so a checkpoint of tables on disk keeps one item
+    of them resident at a time."""
+    from dlrmflow.train.distributed import ShardedDLRM
+
+    if isinstance(model, ShardedDLRM):
+        return model.embeddings.drop_file_pages
+    if isinstance(model.embeddings, TieredEmbeddingBag):
+        return model.embeddings.drop_pages
+    return lambda: None
+
+
+class _DroppingSavePlanner(DefaultSavePlanner):
+    """DCP's planner, unmapping file pages before each item: the writer asks for item k + 1
+    once item k is written, and keeps a reference to every item until its file is done,
+    which costs nothing for a view of a file whose pages are unmapped."""
+
+    def __init__(self, drop: Callable[[], None]) -> None:
+        super().__init__()
+        self._drop = drop
+
+    def resolve_data(self, write_item):  # noqa: ANN001, ANN201 (DCP's signature)
+        self._drop()
+        return super().resolve_data(write_item)
+
+
+class _DroppingLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, unmapping file pages after each item is loaded in place."""
+
+    def __init__(self, drop: Callable[[], None]) -> None:
+        super().__init__()
+        self._drop = drop
+
+    def commit_tensor(self, read_item, tensor) -> None:  # noqa: ANN001 (DCP's signature)
+        super().commit_tensor(read_item, tensor)
+        self._drop()
 
 
 def _sha256(path: Path) -> str:
@@ -182,8 +235,12 @@ def save_checkpoint(
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
+        drop = _file_pages(model)
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=str(partial))
+            try:
+                dcp.save(state, checkpoint_id=str(partial), planner=_DroppingSavePlanner(drop))
+            finally:
+                drop()
     except (Exception, CheckpointException) as e:  # reported below with the step
         error = e
     # Each rank hashes the files it wrote, all ranks at once, and rank 0 gathers the
@@ -421,24 +478,25 @@ def restore(
         state[f"rank{rank}.loader"] = ""
         state[f"rank{rank}.rng"] = torch.get_rng_state()
     try:
+        drop = _file_pages(model)
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(info.path))
+            try:
+                dcp.load(state, checkpoint_id=str(info.path), planner=_DroppingLoadPlanner(drop))
+            finally:
+                drop()
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{info.path}: cannot be loaded: {_reason(e, info.path)}") from e
     if isinstance(model, ShardedDLRM):
-        # Shards on disk were loaded into copies: the collection writes them to its files.
         prefix = "emb."
         model.embeddings.after_checkpoint_load(
             {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
         )
     elif isinstance(model.embeddings, TieredEmbeddingBag):
-        # Its tables are copies read from the file: write what was loaded back into it.
+        # Loaded in place, into its file: its cached rows are stale now.
         bag = model.embeddings
-        for name in bag.names:
-            keys = bag.state(name).keys()
-            bag.load_table(
-                name, state[f"emb.{name}.weight"], {k: state[f"emb.{name}.{k}"] for k in keys}
-            )
+        bag.reload()
+        if "emb.adam_step" in state:
+            bag.step = int(state["emb.adam_step"])
     if not same_world:
         return None
     torch.set_rng_state(state[f"rank{rank}.rng"])

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.memory import peak_rss_bytes
 from dlrmflow.train.comms import CommStats, dense_comm_hook
 from dlrmflow.train.device import process_group_backend
 from dlrmflow.train.model import DenseArch, EmbeddingOptimizer
@@ -114,6 +115,16 @@ def compute_threads(config: RunConfig, env: DistEnv | None = None) -> int:
     ranks = env.local_world_size if env is not None else 1
     cores = max(1, (os.cpu_count() or 1) // ranks)
     return max(1, cores - config.train.num_workers)
+
+
+def gather_peak_rss(env: DistEnv) -> list[int]:
+    """Every rank's peak resident set in bytes, by rank (a collective in a job)."""
+    mine = torch.tensor([peak_rss_bytes()], dtype=torch.int64, device="cpu")
+    if not env.distributed:
+        return mine.tolist()
+    every = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    dist.all_gather(every, mine)  # host values: the gloo group (cpu:gloo on a GPU)
+    return [int(t) for t in every]
 
 
 def seed_everything(seed: int, threads: int) -> None:

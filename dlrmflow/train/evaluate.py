@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +34,18 @@ from dlrmflow.train.checkpoint import (
 )
 from dlrmflow.train.data import batch_loader, load_ids
 from dlrmflow.train.device import resolve_device, use_device
-from dlrmflow.train.distributed import DistEnv, ShardedDLRM, compute_threads, init_distributed
+from dlrmflow.train.distributed import (
+    DistEnv,
+    ShardedDLRM,
+    compute_threads,
+    gather_peak_rss,
+    init_distributed,
+)
 from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import embedding_optimizer
 from dlrmflow.train.planner import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
+from dlrmflow.train.sharded import TierStorage
 
 EVAL_FILE = "eval.json"
 
@@ -135,6 +143,22 @@ def score(
     return out_probs, out_labels
 
 
+def _scratch_tiers(config, env: DistEnv, run_dir: Path) -> TierStorage | None:
+    """With ``train.embedding_memory_bytes``, where this rank keeps the shards its plan puts
+    on disk while it scores (``RUN_DIR/embeddings/eval-rank{r}``, removed afterwards, never
+    the training's files): evaluation keeps to the rank's budget as training did."""
+    budget = config.train.embedding_memory_bytes
+    if budget is None:
+        return None
+    directory = _scratch_directory(Path(run_dir), env)
+    shutil.rmtree(directory, ignore_errors=True)
+    return TierStorage(directory, budget, fill=False)
+
+
+def _scratch_directory(run_dir: Path, env: DistEnv) -> Path:
+    return run_dir / "embeddings" / f"eval-rank{env.rank}"
+
+
 def evaluate(
     run_dir: str | Path,
     *,
@@ -165,7 +189,10 @@ def evaluate(
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir, verified=False)
         init_distributed(build_config(info.manifest["config"]), env, where)
     with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
-        return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels)
+        try:
+            return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels)
+        finally:
+            shutil.rmtree(_scratch_directory(run_dir, env), ignore_errors=True)
 
 
 def _evaluate(
@@ -184,11 +211,15 @@ def _evaluate(
         config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
         plan = plan_for_job(config, spec, env.world_size, env.local_world_size)
+        tiers = _scratch_tiers(config, env, run_dir)
         model: nn.Module = ShardedDLRM(
-            spec, config, plan, embedding_optimizer(config.train), device=device
+            spec, config, plan, embedding_optimizer(config.train), device=device, tiers=tiers
         )
         restore(info, model, None)
         step, path = info.step, info.path
+        if tiers is not None:
+            # The cache was sized for a training batch's rows: score in batches no larger.
+            config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
     else:
         ckpt = load_checkpoint(checkpoint if checkpoint is not None else run_dir, device, kernels)
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
@@ -204,6 +235,7 @@ def _evaluate(
     finally:
         loader.close()
     seconds = time.perf_counter() - start
+    peaks = gather_peak_rss(env)
     if scored is None:
         return {}
     if len(scored[0]) == 0:
@@ -224,6 +256,7 @@ def _evaluate(
             "step": step,
             "eval_seconds": seconds,
             "world_size": env.world_size,
+            "peak_rss_bytes": peaks,
         }
     )
     write_atomic(run_dir / EVAL_FILE, json.dumps(metrics, indent=2) + "\n")

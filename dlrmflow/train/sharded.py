@@ -62,7 +62,14 @@ from dlrmflow.kernels.tbe import (
     TableBatchedEmbeddingBag,
     init_table_rows,
 )
-from dlrmflow.kernels.tiered import CacheStats, CacheTooSmall, TieredEmbeddingBag, record_width
+from dlrmflow.kernels.tiered import (
+    SLOT_BOOKKEEPING_BYTES,
+    CacheStats,
+    CacheTooSmall,
+    TieredEmbeddingBag,
+    cache_rows_for,
+    record_width,
+)
 from dlrmflow.train.comms import CommStats, PendingAllToAll, all_gather_ints, all_to_all
 from dlrmflow.train.sharding import Shard, ShardingPlan, TablePlan
 
@@ -93,11 +100,15 @@ class TierStorage:
     ``memory_bytes`` is the rank's budget for embedding rows and optimizer state
     (``train.embedding_memory_bytes``): the shards kept in memory and the replicas of
     data-parallel tables take theirs first; the cache of hot rows of the shards on disk
-    gets the rest. The cache's row map (4 bytes per row on disk) is not counted.
+    gets the rest, its slots' bookkeeping included. The cache's row map (4 bytes per row on
+    disk) is not counted.
+    ``fill=False`` leaves the new file's rows unwritten (zeros, sparse on disk): for a
+    model that a checkpoint load fills at once (evaluation), drawing them would be waste.
     """
 
     directory: Path
     memory_bytes: int
+    fill: bool = True
 
 
 @dataclass
@@ -247,6 +258,7 @@ class ShardedEmbeddingCollection(nn.Module):
                     cache_rows=cache_rows,
                     init=lambda j, out, first: self._init_shard(routes[j], out, seed, first),
                     kernels=kernels,
+                    fill=tiers.fill,
                 )
                 if any(r.table.name in self._column_groups for r in routes):
                     self.tiered.square_sum_hook = self._tiered_square_means
@@ -329,14 +341,14 @@ class ShardedEmbeddingCollection(nn.Module):
         kept += sum(
             4 * f.num_embeddings * record_width(optimizer, f.embedding_dim) for f in replicated
         )
-        slot = 4 * max(record_width(optimizer, t.embedding_dim) for t in tables)
-        rows = (tiers.memory_bytes - kept) // slot
+        rows = cache_rows_for(tiers.memory_bytes - kept, tables, optimizer)
         if rows < 1:
+            slot = 4 * max(record_width(optimizer, t.embedding_dim) for t in tables)
             raise TierBudgetError(
                 f"train.embedding_memory_bytes: rank {self.rank} keeps {kept} bytes of "
                 f"embeddings in memory, so {tiers.memory_bytes} bytes leave no room for a "
                 f"cache of its {sum(t.num_embeddings for t in tables)} rows on disk "
-                f"({slot} bytes a row); raise it"
+                f"({slot} bytes a row, plus {SLOT_BOOKKEEPING_BYTES} to track it); raise it"
             )
         return rows
 
@@ -747,27 +759,36 @@ class ShardedEmbeddingCollection(nn.Module):
         or world size reads the right rows and columns), replicated tables as plain tensors.
 
         Loading writes into the views, i.e. straight into the bags; call
-        ``after_checkpoint_load`` with this state afterwards. Shards on disk are flushed
-        and given as copies of their file's rows and state (``ShardedTensor`` takes only
-        contiguous shards; a record holds a row and its state side by side), which
-        ``after_checkpoint_load`` writes back into the file: a checkpoint holds this rank's
-        shards on disk in memory while it is saved or loaded.
+        ``after_checkpoint_load`` afterwards. Each shard is given in chunks of at most
+        ``CHECKPOINT_CHUNK_ROWS`` rows, each chunk a tensor that is the whole of its storage
+        (an alias of the bag's memory, or of the file's for shards on disk): DCP then
+        writes every chunk as it is, with no copy, and a rank's shards on disk pass through
+        memory one chunk at a time (``drop_file_pages`` after each).
         """
         state: dict[str, torch.Tensor | ShardedTensor] = {}
         mine = {route.table.name: route for route in self.routes[self.rank]}
         on_disk = {route.table.name for route in self._tiered_routes}
+        if self.tiered is not None:
+            self.tiered.flush()
         for table in self.plan.tables:
             if table.sharding == "data_parallel":
                 continue
             route = mine.get(table.name)
-            stored: dict[str, torch.Tensor] = {}
+            stored: dict[str, list[torch.Tensor]] = {}
             if route is None:
                 pass
             elif table.name in on_disk:
-                views = self.tiered.file_views(table.name)
-                stored = {key: view.contiguous() for key, view in views.items()}
+                chunks = [
+                    self.tiered.file_views(table.name, bounds, flush=False)
+                    for bounds in _chunks(route.shard.rows)
+                ]
+                stored = {key: [c[key] for c in chunks] for key in chunks[0]}
             else:
-                stored = {"weight": self.local.table(table.name), **self.local.state(table.name)}
+                whole = {"weight": self.local.table(table.name), **self.local.state(table.name)}
+                stored = {
+                    key: [exact_storage(value[lo:hi]) for lo, hi in _chunks(route.shard.rows)]
+                    for key, value in whole.items()
+                }
             weight = stored.get("weight")
             state[f"{table.name}.weight"] = _sharded(
                 weight,
@@ -793,9 +814,9 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.replicated is not None:
             for k in self._replicated_features:
                 name = self.names[k]
-                state[f"{name}.weight"] = self.replicated.table(name)
+                state[f"{name}.weight"] = exact_storage(self.replicated.table(name))
                 for key, value in self.replicated.state(name).items():
-                    state[f"{name}.{key}"] = value
+                    state[f"{name}.{key}"] = exact_storage(value)
         if isinstance(self.optimizer, Adam):
             # Every bag of the rank counts the same steps: the in-memory bags' count, or a
             # copy of the tiered bag's, which ``after_checkpoint_load`` reads back.
@@ -806,24 +827,21 @@ class ShardedEmbeddingCollection(nn.Module):
                 state["adam_step"] = torch.tensor(self.tiered.step, dtype=torch.int64, device="cpu")
         return state
 
+    def drop_file_pages(self) -> None:
+        """Unmap the pages of the shards' file that a checkpoint item read or wrote, so that
+        saving or loading the shards on disk keeps no more than a chunk of them resident."""
+        if self.tiered is not None:
+            self.tiered.drop_pages()
+
     def after_checkpoint_load(
         self, state: Mapping[str, torch.Tensor | ShardedTensor] | None = None
     ) -> None:
         """Make the loaded values the live ones: the column shards that do not own the
         row-wise state get it (a collective over each column-wise table's ranks), the
-        shards on disk get theirs written from ``state`` (what ``checkpoint_state``
-        returned, filled by the load; needed only with shards on disk) into their file and
-        drop their cached rows, and every bag takes the loaded Adam step count."""
-        on_disk = {route.table.name: route for route in self._tiered_routes}
-        if on_disk and state is None:
-            raise ValueError("after_checkpoint_load: shards on disk need the loaded state")
-        loaded: dict[str, dict[str, torch.Tensor]] = {}
-        for name in on_disk:
-            assert state is not None and self.tiered is not None
-            loaded[name] = {
-                key: _local_shard(state[f"{name}.{key}"], view.shape)
-                for key, view in self.tiered.file_views(name).items()
-            }
+        shards on disk (loaded in place, into their file) drop their cached rows, and every
+        bag takes the loaded Adam step count (from ``state``, what ``checkpoint_state``
+        returned, when no bag is in memory)."""
+        on_disk = {route.table.name for route in self._tiered_routes}
         for table in self.plan.tables:
             process_group = self._column_groups.get(table.name)
             if process_group is None or self.rank not in table.ranks:
@@ -832,15 +850,13 @@ class ShardedEmbeddingCollection(nn.Module):
             for key, kind in _optimizer_state_kinds(self.optimizer).items():
                 if kind == "row":
                     value = (
-                        loaded[table.name][key]
+                        self.tiered.file_views(table.name, flush=False)[key]
                         if table.name in on_disk
                         else self.local.state(table.name)[key]
                     )
                     dist.broadcast(value, owner, process_group)
-        for name, values in loaded.items():
-            for key, view in self.tiered.file_views(name).items():
-                view.copy_(values[key])
         if self.tiered is not None:
+            self.tiered.drop_pages()
             self.tiered.reload()
         if isinstance(self.optimizer, Adam):
             bags = [b for b in (self.local, self.replicated) if b is not None]
@@ -890,11 +906,27 @@ class _OutputDist(torch.autograd.Function):
         return None, torch.cat(received), None, None
 
 
-def _local_shard(value: torch.Tensor | ShardedTensor, shape: torch.Size) -> torch.Tensor:
-    """This rank's shard of a loaded ``ShardedTensor``; a new tensor of ``shape`` when it
-    has none (a column shard's row-wise state, which the owning shard broadcasts)."""
-    shards = value.local_shards() if isinstance(value, ShardedTensor) else []
-    return shards[0].tensor if shards else torch.empty(shape, device="cpu")  # tiers: host
+# Rows per checkpoint item of a shard: 64 MiB of weights at dim 64. A shard's items pass
+# through a rank's memory one at a time when it lives on disk.
+CHECKPOINT_CHUNK_ROWS = 1 << 18
+
+
+def _chunks(rows: int) -> list[tuple[int, int]]:
+    """The row ranges ``[lo, hi)`` a shard of ``rows`` rows is checkpointed in."""
+    if rows == 0:
+        return [(0, 0)]
+    return [
+        (lo, min(lo + CHECKPOINT_CHUNK_ROWS, rows)) for lo in range(0, rows, CHECKPOINT_CHUNK_ROWS)
+    ]
+
+
+def exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (contiguous, on the CPU) as a tensor whose storage is exactly its memory,
+    sharing it: DCP copies a tensor whose storage is larger (a slice of a bag's weights)
+    before writing it, which would hold a second copy of every in-memory shard."""
+    if view.device.type != "cpu" or not view.is_contiguous():
+        return view
+    return torch.from_numpy(view.detach().numpy())
 
 
 def _optimizer_state_kinds(optimizer: Optimizer) -> dict[str, str]:
@@ -907,30 +939,37 @@ def _optimizer_state_kinds(optimizer: Optimizer) -> dict[str, str]:
 
 
 def _sharded(
-    local: torch.Tensor | None,
+    local: list[torch.Tensor] | None,
     shards: Sequence[Shard],
     mine: Shard | None,
     size: tuple[int, ...],
     device: torch.device,
 ) -> ShardedTensor:
-    """A ``ShardedTensor`` over ``shards`` (1-D: row ranges; 2-D: row and column ranges) whose
-    local shard is ``local`` (a view, not a copy) on the rank holding ``mine``.
+    """A ``ShardedTensor`` over ``shards`` (1-D: row ranges; 2-D: row and column ranges),
+    each in the row chunks of ``_chunks``, whose local shards are ``local`` (views of the
+    chunks of ``mine``, not copies) on the rank holding ``mine``.
 
     The placements only say where each shard lives now (this rank's exact device, the
     others' device type); the checkpoint stores no device, so it loads on any.
     """
 
-    def metadata(s: Shard) -> ShardMetadata:
+    def metadata(s: Shard, lo: int, hi: int) -> ShardMetadata:
         where = device if s == mine else torch.device(device.type)
         placement = f"rank:{s.rank}/{where}"
         if len(size) == 1:
-            return ShardMetadata([s.row_start], [s.rows], placement)
-        return ShardMetadata([s.row_start, s.col_start], [s.rows, s.cols], placement)
+            return ShardMetadata([s.row_start + lo], [hi - lo], placement)
+        return ShardMetadata([s.row_start + lo, s.col_start], [hi - lo, s.cols], placement)
 
-    local_shards = [] if mine is None else [ShardedTensorShard(local, metadata(mine))]
+    local_shards = []
+    if mine is not None:
+        assert local is not None
+        local_shards = [
+            ShardedTensorShard(tensor, metadata(mine, lo, hi))
+            for tensor, (lo, hi) in zip(local, _chunks(mine.rows), strict=True)
+        ]
+    every = [metadata(s, lo, hi) for s in shards for lo, hi in _chunks(s.rows)]
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards,
-        ShardedTensorMetadata([metadata(s) for s in shards], torch.Size(size), TensorProperties()),
+        local_shards, ShardedTensorMetadata(every, torch.Size(size), TensorProperties())
     )
 
 

@@ -34,7 +34,7 @@ from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.kernels.backends import resolve as resolve_kernels
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import FILE_SUFFIX as TIERED_SUFFIX
-from dlrmflow.kernels.tiered import TieredEmbeddingBag, record_width
+from dlrmflow.kernels.tiered import TieredEmbeddingBag, cache_rows_for, record_width
 from dlrmflow.memory import tune_allocator
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
@@ -56,6 +56,7 @@ from dlrmflow.train.distributed import (
     DistEnv,
     ShardedDLRM,
     compute_threads,
+    gather_peak_rss,
     init_distributed,
     seed_everything,
 )
@@ -98,6 +99,8 @@ class TrainResult:
     device: str = "cpu"  # where rank 0 trained (cuda:0, cpu)
     precision: str = "fp32"  # the dense arch's (train.precision)
     kernels: dict[str, str] = field(default_factory=dict)  # what ran: {"tbe", "interaction"}
+    # Each rank's peak resident set (VmHWM) over its whole process, in bytes, by rank.
+    peak_rss_bytes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -226,7 +229,7 @@ def _tiered_embeddings(
         spec.sparse,
         optimizer,
         directory,
-        cache_rows=max(1, budget // (4 * max(widths))),
+        cache_rows=max(1, cache_rows_for(budget, spec.sparse, optimizer)),
         seed=config.train.seed,
     )
 
@@ -800,6 +803,7 @@ def _train_loop(
     if tiered:
         cache = model.embeddings.stats
     seconds = time.perf_counter() - start_time
+    peaks = gather_peak_rss(env)
     rows_here = state["rows"] - (resume_from.manifest["progress"]["rows"] if resume_from else 0)
     result = TrainResult(
         steps=state["step"],
@@ -826,6 +830,7 @@ def _train_loop(
         device=str(device),
         precision=config.train.precision,
         kernels=kernels_used(model, config),
+        peak_rss_bytes=peaks,
     )
     if rank0:
         write_atomic(run_dir / RESULT_FILE, json.dumps(result.to_dict(), indent=1))

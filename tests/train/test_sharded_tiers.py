@@ -30,6 +30,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.train.checkpoint import model_state
 from dlrmflow.train.model import DLRM
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
@@ -93,9 +94,12 @@ def in_memory_bytes(plan: ShardingPlan, rank: int) -> int:
 
 def budget_for(plan: ShardingPlan, rank: int, cache_rows: int) -> int:
     """The memory budget that leaves ``rank`` a cache of ``cache_rows`` rows, each slot as
-    wide as its widest record on disk (a row and its row-wise Adagrad state)."""
+    wide as its widest record on disk (a row and its row-wise Adagrad state) plus its
+    bookkeeping."""
     widths = [s.cols + 1 for _, s in plan.shards_on(rank) if s.tier != "device"]
-    return in_memory_bytes(plan, rank) + cache_rows * 4 * max(widths, default=1)
+    return in_memory_bytes(plan, rank) + cache_rows * (
+        4 * max(widths, default=1) + SLOT_BOOKKEEPING_BYTES
+    )
 
 
 def global_batch(step: int, world: int, multi_hot: bool) -> Batch:
@@ -188,8 +192,20 @@ def _run_case(rank: int, world: int, out: Path, sharding: str, multi_hot: bool, 
     }
 
 
+# Rows per checkpoint item in these jobs: every shard of the 200- and 300-row tables is
+# saved and loaded in several chunks (the default is 2**18 rows).
+CHUNK_ROWS = 64
+
+
+def _small_chunks() -> None:
+    from dlrmflow.train import sharded
+
+    sharded.CHECKPOINT_CHUNK_ROWS = CHUNK_ROWS
+
+
 def _job(rank: int, world: int, out: str, cases: list) -> dict:
     torch.use_deterministic_algorithms(True)
+    _small_chunks()
     return {case: _run_case(rank, world, Path(out), *case) for case in cases}
 
 
@@ -247,6 +263,17 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 def test_world_size_two_trains_to_the_in_memory_weights(world2: list[dict]) -> None:
     check_world(world2, 2, CASES)
+
+
+def test_checkpoints_hold_each_shard_in_chunks(world2: list[dict]) -> None:
+    """A 300-row table split row-wise over 2 ranks is saved as 64-row items, however its
+    shards live: a shard on disk passes through a rank's memory one item at a time."""
+    for tag in ("tiered", "memory"):
+        path = world2[0][("row_wise", False, tag)]["checkpoint"]
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        rows = [c.sizes[0] for c in metadata["emb.C4.weight"].chunks]
+        assert sorted(rows) == [22, 22, 64, 64, 64, 64], (tag, rows)
+        assert sum(c.sizes[0] for c in metadata["emb.C4.sum_squares"].chunks) == 300
 
 
 def test_without_prefetch_and_after_a_resume_the_weights_are_the_same(
@@ -363,8 +390,9 @@ def test_a_job_with_an_embedding_budget_trains_as_in_memory(tiny_dataset: str, t
         return cfg
 
     # Bytes per rank, of the ~1 MB of rows and state each holds: one table's shard (18 KB)
-    # stays in memory, the cache holds about 200 rows, a step needs about 100.
-    budget = 26_000
+    # stays in memory, the cache holds 193 rows (65 bytes each with their bookkeeping), a
+    # step needs about 100.
+    budget = 31_000
     launch_training(config("memory", None, 12))
     launch_training(config("disk", budget, 6))
     result = launch_training(config("disk", budget, 12))
