@@ -751,11 +751,14 @@ def bench_docs(
     readme: Annotated[Path, typer.Option(help="The README whose results table is rewritten.")] = (
         Path("README.md")
     ),
+    scale: Annotated[
+        Path | None, typer.Option(help="A `dlrmflow bench scale` JSON to add to the report.")
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
-    _echo_json(write_docs(report, docs_dir, readme))
+    _echo_json(write_docs(report, docs_dir, readme, scale))
 
 
 @bench_app.command("train")

@@ -55,7 +55,10 @@ BASELINES = {
     "tiered": "all rows in memory",
     "precision": "fp32, same config",
     "torchrec": "TorchRec's DLRM, same cores",
+    "scale": "the same job all in memory",
 }
+# Benchmarks a report may lack: ``dlrmflow bench scale`` runs apart (``bench docs --scale``).
+OPTIONAL = {"scale"}
 
 # Each benchmark in the report: its title, the module whose docstring says how it runs,
 # the report section that renders its results, and which ratios the README lists.
@@ -92,6 +95,7 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
         lambda r: sections.torchrec_section(None if "skipped" in r else r, r.get("skipped")),
         _every,
     ),
+    ("scale", "Criteo scale", "dlrmflow.bench.scale", sections.scale_section, _every),
 ]
 
 
@@ -159,14 +163,19 @@ def replace_results(readme: str, table: str) -> str:
     return readme[:start] + "\n" + table + "\n" + readme[end:]
 
 
-def write_docs(report: Path, docs_dir: Path, readme: Path) -> dict[str, str]:
-    """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents."""
+def write_docs(
+    report: Path, docs_dir: Path, readme: Path, scale: Path | None = None
+) -> dict[str, str]:
+    """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents;
+    ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale"."""
     record = json.loads(Path(report).read_text())
+    if scale is not None:
+        record["scale"] = json.loads(Path(scale).read_text())
     for key, *_ in BENCHMARKS:
-        if key not in record:
+        if key not in record and key not in OPTIONAL:
             raise ValueError(f"{report}: no {key!r} benchmark in this report")
     target = Path(docs_dir) / "benchmarks.json"
-    if Path(report).resolve() != target.resolve():
+    if Path(report).resolve() != target.resolve() or scale is not None:
         write_atomic(target, json.dumps(record, indent=2) + "\n")
         for plot in record.get("plots", []):  # the report's figures, beside its text
             source = Path(report).parent / plot

@@ -433,6 +433,76 @@ def tiered_section(record: dict) -> str:
     )
 
 
+def _gib(values: list[int] | int | None) -> str:
+    if values is None:
+        return "none"
+    if isinstance(values, int):
+        return f"{values / 2**30:.2f}"
+    return " / ".join(f"{v / 2**30:.2f}" for v in values)
+
+
+def scale_section(record: dict) -> str:
+    """``dlrmflow bench scale``: Criteo's cardinalities under a per-rank budget."""
+    data = record["data"]
+    runs = [
+        ("disk tier (budget)", record["tiered"]),
+        ("all in memory (baseline)", record["memory"]),
+    ]
+    rows = []
+    for name, r in runs:
+        cache = r["embedding_cache"]
+        rows.append(
+            [
+                name,
+                _gib(r["budget_bytes"]),
+                _gib(r["table_bytes_per_rank"]),
+                r["samples_per_s"],
+                _gib(r["train_peak_rss_bytes"]),
+                _gib(r["eval_peak_rss_bytes"]),
+                _gib(r["overhead_bytes"]),
+                cache.get("hit_rate", "") if cache else "",
+                cache.get("cached_rate", "") if cache else "",
+                f"{r['auc']:.6f}",
+            ]
+        )
+    tiered = record["tiered"]
+    return "\n\n".join(
+        [
+            "## Criteo scale (tables beyond a rank's memory)",
+            f"Baseline: {record['baseline']}. {data['days'] - 1} training days and a test day "
+            f"of {data['rows_per_day']:,} rows; {data['distinct_ids']:,} distinct IDs, one "
+            f"table row each (largest table {data['largest_feature']:,} rows), dim "
+            f"{record['model']['embedding_dim']}: {tiered['table_bytes'] / 1e9:.1f} GB of "
+            f"weights and row-wise Adagrad state on {record['ranks']} ranks. Memory in GiB "
+            "per rank (rank 0 / rank 1); overhead = the higher peak less the budget (disk "
+            "tier) or less the rank's tables (in memory).",
+            markdown_table(
+                [
+                    "run",
+                    "budget",
+                    "tables",
+                    "samples/s",
+                    "peak RSS train",
+                    "peak RSS eval",
+                    "overhead",
+                    "hit rate",
+                    "cached before",
+                    "test AUC",
+                ],
+                rows,
+            ),
+            f"Ratio (disk tier ÷ in memory, samples/s): "
+            f"{record['ratios']['tiered_vs_memory']:.2f}; the same AUC and log loss to every "
+            f"digit: {'yes' if record['same_auc'] else 'no'}. Rows on disk cost "
+            f"{_gib(tiered['row_map_bytes_per_rank'])} GiB of row map per rank, outside the "
+            "budget. `generate`: "
+            f"{data['generate_seconds']:.0f} s, peak RSS {_gib(data['generate_peak_rss_bytes'])}"
+            f" GiB; `stats`: {data['stats_seconds']:.0f} s, peak RSS "
+            f"{_gib(data['stats_peak_rss_bytes'])} GiB.",
+        ]
+    )
+
+
 def precision_section(record: dict) -> str:
     rows = []
     for name, result in record["results"].items():

@@ -373,7 +373,8 @@ def test_a_job_with_an_embedding_budget_trains_as_in_memory(tiny_dataset: str, t
 
     from dlrmflow.train.checkpoint import load_checkpoint
     from dlrmflow.train.export import export_model
-    from dlrmflow.train.launch import launch_training
+    from dlrmflow.train.evaluate import evaluate
+    from dlrmflow.train.launch import launch_evaluation, launch_training
     from tests.conftest import tiny_run_config
 
     def config(name: str, budget: int | None, steps: int) -> RunConfig:
@@ -415,3 +416,11 @@ def test_a_job_with_an_embedding_budget_trains_as_in_memory(tiny_dataset: str, t
         exported[name] = load_file(tmp_path / f"{name}.safetensors")
     assert exported["disk"].keys() == exported["memory"].keys()
     assert all(torch.equal(exported["disk"][k], v) for k, v in exported["memory"].items())
+    # Evaluated by 2 ranks under the same budget: the in-memory job's metrics, shards on
+    # disk in a scratch directory that is gone afterwards, each rank's peak reported.
+    scored = launch_evaluation(tmp_path / "disk", 2)
+    want_metrics = evaluate(tmp_path / "memory")
+    assert scored["auc"] == pytest.approx(want_metrics["auc"], abs=1e-6)
+    assert scored["logloss"] == pytest.approx(want_metrics["logloss"], abs=1e-6)
+    assert len(scored["peak_rss_bytes"]) == 2 and min(scored["peak_rss_bytes"]) > 0
+    assert not list((tmp_path / "disk" / "embeddings").glob("eval-rank*"))

@@ -1,0 +1,39 @@
+"""``dlrmflow bench scale``'s own failure path: a stage that fails names itself and its
+error in one line.
+
+The benchmark's full run (``make bench-scale``, ~20 minutes) is what the docs record; its
+pieces are tested where they live: tiers under a budget, their checkpoints and evaluation
+(tests/train/test_sharded_tiers.py), memory bounds (tests/train/test_tiered_memory.py),
+and the rendering of its record (tests/test_docs.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlrmflow.bench.scale import StageFailed, _stage
+
+
+def test_a_failing_stage_names_itself_and_its_error_in_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-run"
+    command = [sys.executable, "-m", "dlrmflow", "evaluate", "--run-dir", str(missing)]
+    with pytest.raises(StageFailed) as failed:
+        _stage(command, tmp_path / "evaluate.log")
+    message = str(failed.value)
+    assert message.startswith("bench scale: evaluate exited 1: error: ")
+    assert str(missing) in message and "\n" not in message
+
+
+def test_a_stage_reports_its_time_and_its_own_peak_memory(tmp_path: Path) -> None:
+    # A child that holds 200 MB: its peak, not the parent's, is what the stage reports.
+    command = [
+        sys.executable,
+        "-c",
+        "x = bytearray(200_000_000); x[::4096] = b'1' * len(x[::4096])",
+    ]
+    stage = _stage(command, tmp_path / "child.log")
+    assert stage["seconds"] > 0
+    assert 200_000_000 < stage["peak_rss_bytes"] < 400_000_000
