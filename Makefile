@@ -47,8 +47,8 @@ lint: $(VENV)/.installed
 bench-ingest: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench ingest --json bench-results/ingest.json
 
-# Criteo's full cardinalities (33.8M rows at dim 64) on 2 ranks under a 1 GiB budget per
-# rank, against the same job all in memory: ~20 minutes and ~30 GB of disk here. Then
+# Criteo's full cardinalities (33.8M rows at dim 64) on 2 ranks under a 256 MiB budget per
+# rank, against the same job all in memory: ~7 minutes and ~25 GB of disk here. Then
 # `dlrmflow bench docs --scale bench-results/scale.json` puts it in the docs.
 bench-scale: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench scale --json bench-results/scale.json

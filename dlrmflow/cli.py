@@ -684,7 +684,7 @@ def bench_scale(
     rows_per_day: Annotated[int, typer.Option(min=1, help="Rows in each day.")] = 1_000_000,
     budget: Annotated[
         int, typer.Option(min=1, help="train.embedding_memory_bytes of each rank.")
-    ] = 1 << 30,
+    ] = 1 << 28,
     work_dir: Annotated[
         Path | None,
         typer.Option(help="Keep the data, runs and logs here (default: a temporary directory)."),

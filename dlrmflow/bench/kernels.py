@@ -294,14 +294,15 @@ def run_kernel_benchmark(
     """Time TBE steps and the interaction against plain torch; return the JSON record.
 
     ``rows_per_table`` caps each Criteo cardinality. ``quick`` overrides the sizes (batch
-    256, dim 8, at most 1000 rows per table, a small copy buffer) for a run of seconds
-    that checks the benchmark itself, not the kernels' speed. ``device`` is where every
-    side runs ("cuda": ours on the Triton kernels).
+    256, dim 8, at most 1000 rows per table, a small copy buffer, at most 2 repeats) for a
+    run of seconds that checks the benchmark itself, not the kernels' speed. ``device`` is
+    where every side runs ("cuda": ours on the Triton kernels).
     """
     tune_allocator()
     copy_mb = 256
     if quick:
         batch_size, dims, rows_per_table, copy_mb = 256, (8,), 1000, 16
+        repeats = min(repeats, 2)
     sizes = table_sizes(rows_per_table)
     host_batches = make_batches(sizes, batch_size)
     touched = {form: _touched(kjt, sizes) for form, kjt in host_batches.items()}

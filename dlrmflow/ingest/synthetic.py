@@ -27,7 +27,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torchmetrics.functional.classification import binary_auroc
 
 from dlrmflow.config import DataConfig
 from dlrmflow.ingest.manifest import DayFile, Manifest, join_url, write_manifest
@@ -387,6 +386,8 @@ def _bayes_metrics(probs: np.ndarray, labels: np.ndarray) -> tuple[float | None,
     logloss = float(-np.mean(np.where(labels == 1, np.log(p), np.log1p(-p))))
     if labels.min() == labels.max():
         return None, logloss
+    from torchmetrics.functional.classification import binary_auroc  # heavy: only here
+
     auc = binary_auroc(torch.from_numpy(probs), torch.from_numpy(labels.astype(np.int64)))
     return float(auc), logloss
 

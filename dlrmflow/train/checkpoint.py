@@ -46,6 +46,7 @@ from dlrmflow.kernels.tbe import Adam
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import nearly_full
 from dlrmflow.train.model import DLRM, embedding_optimizer
+from dlrmflow.train.tiers import tiered_embeddings
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
@@ -555,7 +556,11 @@ def find_checkpoint(path: str | Path, *, verified: bool = True) -> CheckpointInf
 
 
 def load_checkpoint(
-    path: str | Path, device: torch.device | str = "cpu", kernels: str = "auto"
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    kernels: str = "auto",
+    *,
+    scratch: Path | None = None,
 ) -> Checkpoint:
     """The model of a checkpoint in this one process (whatever world size wrote it), on
     ``device`` (whatever device trained it: a checkpoint holds no device, and its values
@@ -563,14 +568,25 @@ def load_checkpoint(
     trained it).
 
     ``path`` is a checkpoint directory or a run directory (its newest intact checkpoint).
+    With ``scratch``, a run trained under ``train.embedding_memory_bytes`` keeps to it: its
+    tables, when they exceed it, are loaded into a file there behind a cache (the caller
+    removes it when done); without, every table is loaded into memory.
     """
     info = find_checkpoint(path)
     try:
         config = build_config(info.manifest["config"])
         config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
+        optimizer = embedding_optimizer(config.train)
+        embeddings = None
+        if scratch is not None and torch.device(device).type == "cpu":
+            embeddings = tiered_embeddings(config, spec, optimizer, scratch, fill=False)
         model = DLRM(
-            spec, config.model, embedding_optimizer(config.train), precision=config.train.precision
+            spec,
+            config.model,
+            optimizer,
+            embeddings=embeddings,
+            precision=config.train.precision,
         ).to(device)
         restore(info, model, None)
     except (KeyError, RuntimeError) as e:

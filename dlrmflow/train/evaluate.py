@@ -26,6 +26,7 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
     find_checkpoint,
@@ -45,7 +46,7 @@ from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import embedding_optimizer
 from dlrmflow.train.planner import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
-from dlrmflow.train.sharded import TierStorage
+from dlrmflow.train.tiers import scratch_directory, scratch_tier_storage
 
 EVAL_FILE = "eval.json"
 
@@ -143,22 +144,6 @@ def score(
     return out_probs, out_labels
 
 
-def _scratch_tiers(config, env: DistEnv, run_dir: Path) -> TierStorage | None:
-    """With ``train.embedding_memory_bytes``, where this rank keeps the shards its plan puts
-    on disk while it scores (``RUN_DIR/embeddings/eval-rank{r}``, removed afterwards, never
-    the training's files): evaluation keeps to the rank's budget as training did."""
-    budget = config.train.embedding_memory_bytes
-    if budget is None:
-        return None
-    directory = _scratch_directory(Path(run_dir), env)
-    shutil.rmtree(directory, ignore_errors=True)
-    return TierStorage(directory, budget, fill=False)
-
-
-def _scratch_directory(run_dir: Path, env: DistEnv) -> Path:
-    return run_dir / "embeddings" / f"eval-rank{env.rank}"
-
-
 def evaluate(
     run_dir: str | Path,
     *,
@@ -192,7 +177,7 @@ def evaluate(
         try:
             return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels)
         finally:
-            shutil.rmtree(_scratch_directory(run_dir, env), ignore_errors=True)
+            shutil.rmtree(scratch_directory(run_dir, env.rank), ignore_errors=True)
 
 
 def _evaluate(
@@ -211,7 +196,7 @@ def _evaluate(
         config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
         plan = plan_for_job(config, spec, env.world_size, env.local_world_size)
-        tiers = _scratch_tiers(config, env, run_dir)
+        tiers = scratch_tier_storage(config, env.rank, run_dir)
         model: nn.Module = ShardedDLRM(
             spec, config, plan, embedding_optimizer(config.train), device=device, tiers=tiers
         )
@@ -221,8 +206,15 @@ def _evaluate(
             # The cache was sized for a training batch's rows: score in batches no larger.
             config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
     else:
-        ckpt = load_checkpoint(checkpoint if checkpoint is not None else run_dir, device, kernels)
+        ckpt = load_checkpoint(
+            checkpoint if checkpoint is not None else run_dir,
+            device,
+            kernels,
+            scratch=scratch_directory(run_dir, env.rank),
+        )
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
+        if isinstance(model.embeddings, TieredEmbeddingBag):
+            config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
     torch.set_num_threads(compute_threads(config, env))
     ids = load_ids(config.features.ids, spec, run_dir)
     loader, test_day = test_loader(

@@ -33,8 +33,7 @@ from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.kernels.backends import resolve as resolve_kernels
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
-from dlrmflow.kernels.tiered import FILE_SUFFIX as TIERED_SUFFIX
-from dlrmflow.kernels.tiered import TieredEmbeddingBag, cache_rows_for, record_width
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.memory import tune_allocator
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
@@ -65,8 +64,8 @@ from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import DLRM, embedding_optimizer
 from dlrmflow.train.planner import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
-from dlrmflow.train.sharded import TierStorage
 from dlrmflow.train.sharding import ShardingPlan
+from dlrmflow.train.tiers import TIERED_DIR, tier_storage, tiered_embeddings
 from dlrmflow.train.tracking import Tracker, config_params, open_tracker, require_tracker
 
 METRICS_FILE = "metrics.jsonl"
@@ -152,7 +151,7 @@ def _build_model(
             f"set train.device=cpu (the model is on {device})"
         )
     if not env.distributed:
-        embeddings = _tiered_embeddings(config, spec, optimizer, run_dir)
+        embeddings = tiered_embeddings(config, spec, optimizer, run_dir / TIERED_DIR)
         model = DLRM(
             spec,
             config.model,
@@ -175,63 +174,9 @@ def _build_model(
         optimizer,
         stats=stats,
         device=device,
-        tiers=_tier_storage(config, env, run_dir),
+        tiers=tier_storage(config, env.rank, env.world_size, run_dir),
     )
     return model, model.dense_parameters(), stats, plan
-
-
-TIERED_DIR = "embeddings"
-
-
-def _tier_storage(config: RunConfig, env: DistEnv, run_dir: Path) -> TierStorage | None:
-    """Where this rank of a job keeps its shards on disk (``RUN_DIR/embeddings/rank{r}/``)
-    and its memory budget, ``train.embedding_memory_bytes``; None without a budget.
-
-    Each rank's file starts afresh from the seed's rows, as in one process; rank 0 also
-    removes the files of ranks this job does not have (an earlier run at another world
-    size) and the one-process file.
-    """
-    budget = config.train.embedding_memory_bytes
-    if budget is None:
-        return None
-    root = run_dir / TIERED_DIR
-    directory = root / f"rank{env.rank}"
-    (directory / f"embeddings{TIERED_SUFFIX}").unlink(missing_ok=True)
-    if env.rank == 0:
-        (root / f"embeddings{TIERED_SUFFIX}").unlink(missing_ok=True)
-        for other in root.glob("rank*"):
-            number = other.name.removeprefix("rank")
-            if number.isdigit() and int(number) >= env.world_size:
-                shutil.rmtree(other, ignore_errors=True)
-    return TierStorage(directory, budget)
-
-
-def _tiered_embeddings(
-    config: RunConfig, spec: FeatureSpec, optimizer, run_dir: Path
-) -> TieredEmbeddingBag | None:
-    """The embeddings on disk behind a cache of hot rows, when their rows and optimizer state
-    exceed ``train.embedding_memory_bytes`` (the cache gets that memory); else None.
-
-    The file starts afresh from the seed's rows; a resumed run then writes the checkpoint's
-    rows into it, so only the checkpoint, never a half-written file, decides the weights.
-    """
-    budget = config.train.embedding_memory_bytes
-    if budget is None:
-        return None
-    widths = [record_width(optimizer, f.embedding_dim) for f in spec.sparse]
-    needed = 4 * sum(f.num_embeddings * w for f, w in zip(spec.sparse, widths, strict=True))
-    if needed <= budget:
-        return None
-    directory = run_dir / TIERED_DIR
-    path = directory / f"embeddings{TIERED_SUFFIX}"
-    path.unlink(missing_ok=True)
-    return TieredEmbeddingBag(
-        spec.sparse,
-        optimizer,
-        directory,
-        cache_rows=max(1, cache_rows_for(budget, spec.sparse, optimizer)),
-        seed=config.train.seed,
-    )
 
 
 def kernels_used(model: nn.Module, config: RunConfig) -> dict[str, str]:

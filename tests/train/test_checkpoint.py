@@ -29,7 +29,7 @@ from dlrmflow.train.checkpoint import (
 )
 from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
 from dlrmflow.train.launch import free_port, launch_command, launch_training, ranks_of
-from dlrmflow.train.trainer import train
+from dlrmflow.train.trainer import TrainResult, train
 from tests.conftest import tiny_run_config
 
 # A rank stuck in a collective fails its test after this instead of hanging the suite.
@@ -86,8 +86,12 @@ def _kill_tree(job: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank run of ``STEPS``; it keeps its last 4 checkpoints (steps 28 to 40), one
+    more than the other runs here, for the corrupt-file test below."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    launch_training(_config(tiny_dataset, run_dir))
+    cfg = _config(tiny_dataset, run_dir)
+    cfg.train.keep_checkpoints = 4
+    launch_training(cfg)
     return run_dir
 
 
@@ -212,8 +216,8 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(
     train(cfg)
     real_save = checkpoint_module.dcp.save
 
-    def full_disk(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)  # files appear, then the disk fills
+    def full_disk(state, checkpoint_id, **options):
+        real_save(state, checkpoint_id=checkpoint_id, **options)  # files, then a full disk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint_module.dcp, "save", full_disk)
@@ -290,23 +294,46 @@ def test_resuming_from_another_runs_checkpoint_writes_one_of_its_own(
     assert [c.step for c in list_checkpoints(tmp_path / "b")] == [4]
 
 
-@pytest.mark.parametrize("victim", ["__0_0.distcp", "__1_0.distcp", ".metadata"])
+# Each victim in a checkpoint of its own, newest first: one 2-rank resume must skip all
+# three to reach the intact checkpoint below them (an undetected one is resumed instead).
+VICTIMS = {"__0_0.distcp": STEPS, "__1_0.distcp": STEPS - EVERY, ".metadata": STEPS - 2 * EVERY}
+INTACT = STEPS - 3 * EVERY
+
+
+@pytest.fixture(scope="module")
+def corrupt_resume(
+    uninterrupted: Path, tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[int, dict], TrainResult]:
+    """A copy of the uninterrupted run with one file damaged in each of its three newest
+    checkpoints (``VICTIMS``), resumed by a 2-rank job: the manifests as written, and the
+    job's result."""
+    run_dir = tmp_path_factory.mktemp("corrupt") / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    manifests = {c.step: c.manifest for c in list_checkpoints(run_dir)}
+    assert sorted(manifests) == [INTACT, *sorted(VICTIMS.values())]
+    for victim, step in VICTIMS.items():
+        shard = run_dir / "checkpoints" / f"step_{step:09d}" / victim
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    cfg = _config(tiny_dataset, run_dir)
+    cfg.train.keep_checkpoints = 4
+    cfg.train.max_steps = STEPS + EVERY  # more steps: the newest intact one is resumed
+    return manifests, launch_training(cfg)
+
+
+@pytest.mark.parametrize("victim", list(VICTIMS))
 def test_each_rank_hashes_its_own_files_and_any_corrupt_one_is_skipped(
-    uninterrupted: Path, tiny_dataset: str, tmp_path: Path, victim: str
+    corrupt_resume: tuple[dict[int, dict], TrainResult], victim: str
 ) -> None:
     """Written at world size 2: the manifest holds every rank's digests (each rank hashed
     the files it wrote), and a damaged file of either rank, or DCP's metadata, makes the
-    2-rank resume fall back to the previous checkpoint."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(uninterrupted, run_dir)
-    newest = list_checkpoints(run_dir)[-1]
-    assert set(newest.manifest["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
-    shard = newest.path / victim
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    cfg = _config(tiny_dataset, run_dir)
-    cfg.train.max_steps = STEPS + EVERY  # more steps: the newest intact one is resumed
-    result = launch_training(cfg)
-    assert result.resumed_from_step == STEPS - EVERY, victim
+    2-rank resume fall back to an older checkpoint. One resume covers the three: each
+    victim is damaged in a checkpoint of its own, newest first, so the resume reaches the
+    intact one below them only if it skipped every one (one it missed would be resumed)."""
+    manifests, result = corrupt_resume
+    step = VICTIMS[victim]
+    assert set(manifests[step]["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    assert result.resumed_from_step == INTACT < step, victim
     assert result.checkpoint_verify_s > 0 and result.checkpoint_save_s > 0
+    assert result.steps == STEPS + EVERY

@@ -372,8 +372,8 @@ def test_a_job_with_an_embedding_budget_trains_as_in_memory(tiny_dataset: str, t
     from safetensors.torch import load_file
 
     from dlrmflow.train.checkpoint import load_checkpoint
-    from dlrmflow.train.export import export_model
     from dlrmflow.train.evaluate import evaluate
+    from dlrmflow.train.export import export_model
     from dlrmflow.train.launch import launch_evaluation, launch_training
     from tests.conftest import tiny_run_config
 

@@ -94,10 +94,10 @@ def test_periodic_evaluation_logs_auc_and_keeps_the_best_checkpoint(tiny_dataset
 
 
 def test_embeddings_beyond_the_memory_budget_train_from_disk_to_the_same_weights(
-    tiny_dataset, tmp_path
+    tiny_dataset, tmp_path, monkeypatch
 ):
     """Tables bigger than train.embedding_memory_bytes live on disk behind a cache smaller
-    than a step's rows... and train, resume and checkpoint exactly as in memory."""
+    than a step's rows... and train, resume, checkpoint and evaluate exactly as in memory."""
     in_memory = tiny_run_config(tiny_dataset, tmp_path / "memory", max_steps=8)
     train(in_memory)
     budget = 90_000  # bytes: 1384 cached rows (dim 8, state, bookkeeping) of the ~13k rows
@@ -118,6 +118,20 @@ def test_embeddings_beyond_the_memory_budget_train_from_disk_to_the_same_weights
     assert cache["evictions"] > 0 and 0 < cache["hit_rate"] < 1  # the cache really was small
     got, want = _weights(tmp_path / "disk"), _weights(tmp_path / "memory")
     assert all(torch.equal(got[k], want[k]) for k in want)
+    # Evaluated under the same budget: its tables in a scratch file, removed afterwards,
+    # and the metrics of the in-memory run.
+    from dlrmflow.train import tiers
+    from dlrmflow.train.evaluate import evaluate
+
+    bags = []
+    real = tiers.TieredEmbeddingBag
+    monkeypatch.setattr(
+        tiers, "TieredEmbeddingBag", lambda *a, **k: bags.append(real(*a, **k)) or bags[-1]
+    )
+    scored, want_metrics = evaluate(tmp_path / "disk"), evaluate(tmp_path / "memory")
+    assert [bag.path.parent.name for bag in bags] == ["eval-rank0"]
+    assert not (tmp_path / "disk" / "embeddings" / "eval-rank0").exists()
+    assert (scored["auc"], scored["logloss"]) == (want_metrics["auc"], want_metrics["logloss"])
 
 
 def test_a_manifest_test_day_without_a_file_fails_before_training(tiny_dataset, tmp_path):
