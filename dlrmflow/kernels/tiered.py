@@ -35,17 +35,23 @@ checkpoint saves and loads them as views of the mapping, never as a copy of a ta
 may not fit in memory; in the cache a row and its state sit side by side as one record.
 
 Resident memory stays bounded however much of the file a run touches: pages of a shared
-file mapping count in a process's resident set once touched, so every bulk access (a
-batch's reads and write-backs, a table's initialisation, a checkpoint item) is followed by
-``MADV_DONTNEED`` over the range it touched, in chunks of ``PAGE_CHUNK_ROWS`` rows. The
-data stays in the page cache (dirty pages are written back by the kernel); only this
-process's mapping of it is dropped.
+file mapping count in a process's resident set once touched, and the kernel leaves them
+mapped while memory is free. A batch's reads and write-backs go in chunks of
+``PAGE_CHUNK_ROWS`` rows; once the pages they may have mapped add up to
+``MAPPED_ALLOWANCE_BYTES``, the process's shared resident set is read and, past that
+allowance, every page of the file is unmapped (``MADV_DONTNEED``) at once. Sequential bulk
+accesses (a table's initialisation, a checkpoint item) unmap the range they touched as
+they go. The data stays in the page cache (dirty pages are written back by the kernel);
+only this process's mapping of it is dropped. Unmapping after every chunk instead cost
+3-4x the samples/s of the tiered benchmark's small caches: each chunk's pages faulted in
+again.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -69,10 +75,16 @@ FILE_SUFFIX = ".tiered"
 # Rows initialised per write: whole init blocks, so that no block is drawn twice.
 INIT_CHUNK_ROWS = 8 * INIT_BLOCK_ROWS
 NEVER_USED = -1
-# Rows gathered from or scattered to the file between two drops of its mapped pages: each
-# row touches a page per part, and a fault maps up to 16 cached neighbours with it, so the
-# mapped pages of one chunk stay within 2 x 16 x 4 KiB x PAGE_CHUNK_ROWS (32 MiB at 256).
+# Random rows gathered from or scattered to the file at once: each row touches a page per
+# part, and a fault maps up to 16 cached neighbours with it (FAULT_AROUND_BYTES), so one
+# chunk maps at most 2 x 64 KiB x PAGE_CHUNK_ROWS (32 MiB at 256) of the file.
 PAGE_CHUNK_ROWS = 256
+FAULT_AROUND_BYTES = 64 << 10
+# The file's pages a process keeps mapped before it unmaps them all: its resident set
+# holds at most this plus one chunk's worth of them. They are page cache (reclaimable),
+# and each unmapping makes the next accesses fault again: at 64 MiB the tiered
+# benchmark's smallest cache (a 218 MB file) ran at 0.4x the speed of leaving it mapped.
+MAPPED_ALLOWANCE_BYTES = 256 << 20
 # Memory a cache needs besides its records: per slot its row, last use, pending job (8
 # bytes each), pin count (4) and dirty flag (1). Outside the cache's memory: per row in the
 # file, its slot (4 bytes, the row map).
@@ -125,6 +137,28 @@ class _Pages:
         self._size = len(self._mmap)
         if hasattr(mmap, "MADV_RANDOM"):
             self._mmap.madvise(mmap.MADV_RANDOM)  # no readahead: rows are read at random
+        # Bytes the random accesses since the last look may have mapped (an upper bound),
+        # and the shared resident set when the file's pages were last unmapped.
+        self._unchecked = 0
+        self._shared_at_drop = _shared_resident()
+        self._lock = threading.Lock()  # the prefetch thread accesses rows too
+
+    def touched(self, rows: int, parts: int) -> None:
+        """After ``rows`` random rows of ``parts`` parts were read or written: unmap every
+        page of the file once this process's shared resident set has grown by more than
+        ``MAPPED_ALLOWANCE_BYTES`` since they were last unmapped (looked at only when the
+        accesses since the last look could have taken it there)."""
+        with self._lock:
+            self._unchecked += rows * parts * FAULT_AROUND_BYTES
+            if self._unchecked < MAPPED_ALLOWANCE_BYTES:
+                return
+            grown = _shared_resident() - self._shared_at_drop
+            if grown <= MAPPED_ALLOWANCE_BYTES:
+                self._unchecked = max(grown, 0)
+                return
+            self.drop_all()
+            self._shared_at_drop = _shared_resident()
+            self._unchecked = 0
 
     def drop(self, array: np.ndarray, first: int, last: int) -> None:
         """Unmap the pages of rows ``first..last`` (inclusive) of ``array``, a 2-D view of
@@ -144,6 +178,16 @@ class _Pages:
             self._mmap.madvise(mmap.MADV_DONTNEED)
 
 
+def _shared_resident() -> int:
+    """This process's resident pages backed by files or shared memory, in bytes (the third
+    field of ``/proc/self/statm``); 0 where there is no such file, which never unmaps."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[2]) * mmap.PAGESIZE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 @dataclass(frozen=True)
 class _Region:
     """The rows ``[start, end)`` of one run of same-dim tables in the file: one 2-D array
@@ -158,26 +202,24 @@ class _Region:
         out = np.empty((len(local), sum(p.shape[1] for p in self.parts)), np.float32)
         for lo in range(0, len(local), PAGE_CHUNK_ROWS):
             chunk = local[lo : lo + PAGE_CHUNK_ROWS]
-            first, last = int(chunk.min()), int(chunk.max())
             column = 0
             for part in self.parts:
                 width = part.shape[1]
                 out[lo : lo + len(chunk), column : column + width] = part[chunk]
-                pages.drop(part, first, last)
                 column += width
+            pages.touched(len(chunk), len(self.parts))
         return out
 
     def scatter(self, local: np.ndarray, records: np.ndarray, pages: _Pages) -> None:
         """Write ``records`` (their first columns) as rows ``local``."""
         for lo in range(0, len(local), PAGE_CHUNK_ROWS):
             chunk = local[lo : lo + PAGE_CHUNK_ROWS]
-            first, last = int(chunk.min()), int(chunk.max())
             column = 0
             for part in self.parts:
                 width = part.shape[1]
                 part[chunk] = records[lo : lo + len(chunk), column : column + width]
-                pages.drop(part, first, last)
                 column += width
+            pages.touched(len(chunk), len(self.parts))
 
     def read_rows(self, first: int, end: int, pages: _Pages) -> np.ndarray:
         """A copy of the records of local rows ``[first, end)``."""

@@ -291,3 +291,41 @@ def test_a_shard_initialises_its_rows_as_the_whole_table_does(tmp_path):
         [SparseFeature("a", 40, 3)], SGD(lr=0.1), tmp_path, cache_rows=8, init=init
     )
     assert torch.equal(shard.table("a"), whole.table("a")[20:, 1:])
+
+
+def _mapped_file_bytes() -> int:
+    """This process's resident pages backed by files (``RssFile``), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+@pytest.mark.parametrize("allowance", [16 << 20, 1 << 40])
+def test_training_keeps_the_files_mapped_pages_within_the_allowance(
+    tmp_path, monkeypatch, allowance
+):
+    """Rows read and written at random map the file's pages (and the kernel maps cached
+    neighbours with each fault); past ``MAPPED_ALLOWANCE_BYTES`` the bag unmaps them. With
+    no allowance to speak of (1 TiB) the same steps map most of the 264 MB file: the
+    measurement sees what the mechanism prevents."""
+    from dlrmflow.kernels import tiered
+
+    monkeypatch.setattr(tiered, "MAPPED_ALLOWANCE_BYTES", allowance)
+    rows = 2_000_000
+    bag = TieredEmbeddingBag(
+        [SparseFeature("t", rows, 32)], RowWiseAdagrad(0.01), tmp_path, cache_rows=20_000
+    )
+    before = _mapped_file_bytes()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(24):
+        ids = torch.randint(0, rows, (4096, 1), generator=generator)
+        bag(KeyedJaggedTensor.from_one_hot(["t"], ids)).sum().backward()
+    grown = _mapped_file_bytes() - before
+    if allowance < bag.path.stat().st_size:
+        # The allowance plus one chunk's pages: 256 rows x 2 parts x 64 KiB.
+        assert grown <= allowance + (32 << 20), grown
+    else:
+        assert grown > bag.path.stat().st_size // 2, grown
+    bag.close()
