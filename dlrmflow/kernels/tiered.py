@@ -42,9 +42,8 @@ mapped while memory is free. A batch's reads and write-backs go in chunks of
 allowance, every page of the file is unmapped (``MADV_DONTNEED``) at once. Sequential bulk
 accesses (a table's initialisation, a checkpoint item) unmap the range they touched as
 they go. The data stays in the page cache (dirty pages are written back by the kernel);
-only this process's mapping of it is dropped. Unmapping after every chunk instead cost
-3-4x the samples/s of the tiered benchmark's small caches: each chunk's pages faulted in
-again.
+only this process's mapping of it is dropped. Why an allowance rather than unmapping
+after every chunk: each unmapping makes the next accesses to those pages fault again.
 """
 
 from __future__ import annotations
@@ -81,9 +80,8 @@ NEVER_USED = -1
 PAGE_CHUNK_ROWS = 256
 FAULT_AROUND_BYTES = 64 << 10
 # The file's pages a process keeps mapped before it unmaps them all: its resident set
-# holds at most this plus one chunk's worth of them. They are page cache (reclaimable),
-# and each unmapping makes the next accesses fault again: at 64 MiB the tiered
-# benchmark's smallest cache (a 218 MB file) ran at 0.4x the speed of leaving it mapped.
+# holds at most this plus one chunk's worth of them. They are page cache (reclaimable);
+# a small allowance unmaps often, and every unmapped page faults again when next used.
 MAPPED_ALLOWANCE_BYTES = 256 << 20
 # Memory a cache needs besides its records: per slot its row, last use, pending job (8
 # bytes each), pin count (4) and dirty flag (1). Outside the cache's memory: per row in the
@@ -129,7 +127,6 @@ class _Pages:
     """The file's mapping, and dropping this process's mapped pages of a range of it."""
 
     def __init__(self, memmap: np.memmap) -> None:
-        self.memmap = memmap
         self._mmap: mmap.mmap = memmap._mmap  # the mapping numpy made (from HEADER_BYTES)
         if memmap.offset % mmap.ALLOCATIONGRANULARITY:
             raise ValueError(f"the header ({memmap.offset} bytes) must be whole pages")
