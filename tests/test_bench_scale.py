@@ -34,3 +34,24 @@ def test_a_stage_reports_its_time_and_its_own_peak_memory(tmp_path: Path) -> Non
     stage = _stage([sys.executable, "-c", code], tmp_path / "child.log")
     assert stage["seconds"] > 0
     assert 200_000_000 < stage["peak_rss_bytes"] < 400_000_000
+
+
+def test_plan_figures_count_each_ranks_bytes_tiers_and_row_map() -> None:
+    from dlrmflow.bench.scale import _plan_figures
+
+    def shard(rank, rows, cols, tier):
+        return {"rank": rank, "row_start": rows[0], "row_end": rows[1], "col_start": cols[0],
+                "col_end": cols[1], "tier": tier}  # fmt: skip
+
+    plan = {
+        "tables": [
+            {"shards": [shard(0, (0, 10), (0, 4), "device")]},
+            {"shards": [shard(0, (0, 6), (0, 2), "ssd"), shard(1, (0, 6), (2, 4), "ssd")]},
+        ]
+    }
+    figures = _plan_figures(plan, 2)
+    # Rows x (columns + the row-wise Adagrad state) x 4 bytes.
+    assert figures["table_bytes_per_rank"] == [4 * 10 * 5 + 4 * 6 * 3, 4 * 6 * 3]
+    assert figures["table_bytes"] == sum(figures["table_bytes_per_rank"])
+    assert figures["rows_by_tier"] == {"device": 10, "ssd": 12}
+    assert figures["row_map_bytes_per_rank"] == [24, 24]

@@ -114,16 +114,24 @@ def _dlrmflow() -> list[str]:
     return [sys.executable, "-m", "dlrmflow"]
 
 
-def _table_bytes(plan: dict) -> tuple[int, list[int]]:
-    """The tables' weights and row-wise Adagrad state in bytes, in all and per rank."""
-    total, per_rank = 0, {}
+def _plan_figures(plan: dict, nproc: int) -> dict[str, object]:
+    """From a run's ``plan.json``: the tables' weights and row-wise Adagrad state in bytes
+    (in all and per rank), the rows in each tier, and the row map of each rank's rows on
+    disk."""
+    per_rank, rows_by_tier, on_disk = [0] * nproc, {}, [0] * nproc
     for table in plan["tables"]:
         for shard in table["shards"]:
-            rows = shard["row_end"] - shard["row_start"]
-            size = 4 * rows * (shard["col_end"] - shard["col_start"] + 1)
-            total += size
-            per_rank[shard["rank"]] = per_rank.get(shard["rank"], 0) + size
-    return total, [per_rank.get(r, 0) for r in range(max(per_rank, default=-1) + 1)]
+            rank, rows = shard["rank"], shard["row_end"] - shard["row_start"]
+            per_rank[rank] += 4 * rows * (shard["col_end"] - shard["col_start"] + 1)
+            rows_by_tier[shard["tier"]] = rows_by_tier.get(shard["tier"], 0) + rows
+            if shard["tier"] != "device":
+                on_disk[rank] += rows
+    return {
+        "table_bytes": sum(per_rank),
+        "table_bytes_per_rank": per_rank,
+        "rows_by_tier": rows_by_tier,
+        "row_map_bytes_per_rank": [ROW_MAP_BYTES * rows for rows in on_disk],
+    }
 
 
 def _run(name: str, work: Path, config: dict, nproc: int, budget: int | None) -> dict[str, object]:
@@ -147,23 +155,12 @@ def _run(name: str, work: Path, config: dict, nproc: int, budget: int | None) ->
     )
     result = json.loads((run_dir / "train_result.json").read_text())
     metrics = json.loads((run_dir / "eval.json").read_text())
-    plan = json.loads((run_dir / "plan.json").read_text())
-    total, per_rank = _table_bytes(plan)
-    tiers: dict[str, int] = {}
-    for table in plan["tables"]:
-        for shard in table["shards"]:
-            rows = shard["row_end"] - shard["row_start"]
-            tiers[shard["tier"]] = tiers.get(shard["tier"], 0) + rows
+    figures = _plan_figures(json.loads((run_dir / "plan.json").read_text()), nproc)
     on_disk = sorted((run_dir / "embeddings").glob("rank*/*.tiered"))
     cache = result["embedding_cache"]
     if cache:
         lookups = max(cache["lookups"], 1)
         cache["cached_rate"] = (cache["hits"] - cache["prefetched"]) / lookups
-    rows_on_disk = [0] * nproc
-    for table in plan["tables"]:
-        for shard in table["shards"]:
-            if shard["tier"] != "device":
-                rows_on_disk[shard["rank"]] += shard["row_end"] - shard["row_start"]
     record = {
         "budget_bytes": budget,
         "train_seconds": train["seconds"],
@@ -178,12 +175,9 @@ def _run(name: str, work: Path, config: dict, nproc: int, budget: int | None) ->
         "eval_peak_rss_bytes": metrics["peak_rss_bytes"],
         "auc": metrics["auc"],
         "logloss": metrics["logloss"],
-        "embedding_cache": result["embedding_cache"],
-        "table_bytes": total,
-        "table_bytes_per_rank": per_rank,
-        "rows_by_tier": tiers,
+        "embedding_cache": cache,
+        **figures,
         "tiered_file_bytes": sum(p.stat().st_size for p in on_disk),
-        "row_map_bytes_per_rank": [ROW_MAP_BYTES * rows for rows in rows_on_disk],
     }
     peaks = [
         max(t, e)
@@ -192,6 +186,7 @@ def _run(name: str, work: Path, config: dict, nproc: int, budget: int | None) ->
     if budget is not None:
         record["overhead_bytes"] = [p - budget for p in peaks]
     else:
+        per_rank = figures["table_bytes_per_rank"]
         record["overhead_bytes"] = [p - b for p, b in zip(peaks, per_rank, strict=True)]
     return record
 
