@@ -4,10 +4,11 @@ One rank's shard on disk, a 256 MiB table (2M rows x 32 floats plus row-wise Ada
 state), is trained on batches that touch rows all over it, then checkpointed and restored
 into another model through ``dlrmflow.train.checkpoint``, in checkpoint items of 2**16
 rows (8 MiB), with 16 MiB of the file's pages allowed mapped at once. Pages of a shared
-file mapping count in the resident set once touched, so without unmapping them training
-would map most of the table and a save alone would add the whole of it (and a copy of a
-table whose rows and state were interleaved, twice that). The bound checked is a quarter
-of the table.
+file mapping count in the resident set once touched, so without unmapping them a save
+alone would add the whole table (and a copy of a table whose rows and state were
+interleaved, twice that). The bound checked is a quarter of the table. How far random
+training steps map the file without the allowance is measured in
+tests/kernels/test_tiered.py.
 """
 
 from __future__ import annotations
