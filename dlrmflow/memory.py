@@ -89,17 +89,20 @@ def _glibc_mallopt():
     return mallopt
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (``VmHWM``: anonymous memory and mapped file pages
-    alike) since it started or since ``reset_peak_rss``; elsewhere than Linux, getrusage's
-    maximum."""
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """This process's (or the live process ``pid``'s) peak resident set (``VmHWM``:
+    anonymous memory and mapped file pages alike) since it started or since
+    ``reset_peak_rss``. Elsewhere than Linux, getrusage's maximum for this process, and 0
+    for another one (or one that is gone)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{'self' if pid is None else pid}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    if pid is not None:
+        return 0
     import resource
     import sys
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.kernels.tiered import ROW_MAP_BYTES
+from dlrmflow.memory import peak_rss_bytes
 
 BASELINE = (
     "the same 2-rank job with every shard in memory (no train.embedding_memory_bytes): "
@@ -87,7 +88,7 @@ def _stage(command: list[str], log: Path) -> dict[str, float]:
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         while process.poll() is None:
-            peak = max(peak, _high_water(process.pid))
+            peak = max(peak, peak_rss_bytes(process.pid))
             time.sleep(0.02)
     seconds = time.perf_counter() - start
     if process.returncode != 0:
@@ -96,18 +97,6 @@ def _stage(command: list[str], log: Path) -> dict[str, float]:
             f"bench scale: {command[3]} exited {process.returncode}: " + " | ".join(tail)
         )
     return {"seconds": seconds, "peak_rss_bytes": peak}
-
-
-def _high_water(pid: int) -> int:
-    """A live process's peak resident set in bytes (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _dlrmflow() -> list[str]:

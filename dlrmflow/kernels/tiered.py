@@ -554,7 +554,7 @@ class TieredEmbeddingBag(nn.Module):
         torch.cumsum(self._sizes, 0, out=self._starts[1:])
         self._group_keys = [(g.first_key, g.end_key) for g in layout.groups]
         self.step = 0  # Adam's global step count, as the TBE keeps it
-        self._memmap = self._open() if resume else self._create(seed, init if fill else False)
+        self._memmap = self._open() if resume else self._create(seed, init, fill)
         self._pages = _Pages(self._memmap)
         total_rows = int(self._starts[-1])
         self._cache = self._new_cache(min(cache_rows, total_rows))
@@ -614,7 +614,7 @@ class TieredEmbeddingBag(nn.Module):
             f.write(raw.ljust(HEADER_BYTES, b" "))
 
     def _create(
-        self, seed: int, init: Callable[[int, torch.Tensor, int], None] | None | bool
+        self, seed: int, init: Callable[[int, torch.Tensor, int], None] | None, fill: bool
     ) -> np.memmap:
         if self.path.exists():
             raise FileExistsError(
@@ -627,7 +627,7 @@ class TieredEmbeddingBag(nn.Module):
             f.truncate(self._file_bytes())
         self._write_header()
         memmap = np.memmap(self.path, np.float32, "r+", offset=HEADER_BYTES)
-        if init is False:  # ``fill=False``: the rows stay zeros until a load writes them
+        if not fill:  # the rows stay zeros until a load writes them
             return memmap
         pages = _Pages(memmap)
         for region, (first, end) in zip(self._regions(memmap), self._group_keys, strict=True):

@@ -144,6 +144,14 @@ def score(
     return out_probs, out_labels
 
 
+def _rows_on_disk(model: nn.Module) -> bool:
+    """Whether the model keeps embedding rows on disk: the same answer on every rank of a
+    job (its ``TierStorage`` follows the configuration, not the rank's shards)."""
+    if isinstance(model, ShardedDLRM):
+        return model.embeddings.tiers is not None
+    return isinstance(model.embeddings, TieredEmbeddingBag)
+
+
 def evaluate(
     run_dir: str | Path,
     *,
@@ -202,9 +210,6 @@ def _evaluate(
         )
         restore(info, model, None)
         step, path = info.step, info.path
-        if tiers is not None:
-            # The cache was sized for a training batch's rows: score in batches no larger.
-            config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
     else:
         ckpt = load_checkpoint(
             checkpoint if checkpoint is not None else run_dir,
@@ -213,8 +218,9 @@ def _evaluate(
             scratch=scratch_directory(run_dir, env.rank),
         )
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
-        if isinstance(model.embeddings, TieredEmbeddingBag):
-            config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
+    if _rows_on_disk(model):
+        # The cache was sized for a training batch's rows: score in batches no larger.
+        config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
     torch.set_num_threads(compute_threads(config, env))
     ids = load_ids(config.features.ids, spec, run_dir)
     loader, test_day = test_loader(

@@ -856,8 +856,7 @@ class ShardedEmbeddingCollection(nn.Module):
                     )
                     dist.broadcast(value, owner, process_group)
         if self.tiered is not None:
-            self.tiered.drop_pages()
-            self.tiered.reload()
+            self.tiered.reload()  # unmaps the pages the load wrote, too
         if isinstance(self.optimizer, Adam):
             bags = [b for b in (self.local, self.replicated) if b is not None]
             step = bags[0].step if bags else None
