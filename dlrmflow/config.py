@@ -9,6 +9,7 @@ typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
@@ -268,6 +269,37 @@ class RunConfig(_Section):
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last
+    and drops the first without a word, so a file with two ``train:`` sections would lose
+    half of its settings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                first = seen[key].start_mark.line + 1
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} given twice (first on line {first})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (``json`` keeps the last silently)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ConfigError(f"key {key!r} given twice in one object")
+        data[key] = value
+    return data
+
+
 def _read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
@@ -275,14 +307,21 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     text = p.read_text()
     try:
         if p.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         elif p.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_json_object)
         elif p.suffix == ".toml":
             data = tomllib.loads(text)
         else:
             raise ConfigError(f"{p}: unknown config format (use .yaml, .yml, .json or .toml)")
+    except yaml.MarkedYAMLError as e:
+        where = f"line {e.problem_mark.line + 1}: " if e.problem_mark is not None else ""
+        raise ConfigError(f"{p}: cannot parse: {where}{e.problem or e.context}") from e
     except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{p}: cannot parse: {e}") from e
+    except ConfigError as e:
+        if str(e).startswith(f"{p}: "):
+            raise
         raise ConfigError(f"{p}: cannot parse: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections")
@@ -328,27 +367,30 @@ def _apply_override(data: dict[str, Any], override: str) -> str:
 # and --set only with both split into custom sources.
 ENV_PREFIX = "DLRMFLOW_"
 ENV_SEPARATOR = "__"
-# DLRMFLOW_ variables that mean something else; never read as configuration. (Only names
-# with the separator or naming a top-level key are configuration; these are listed anyway,
-# so that a future key of the same name cannot take them over.)
+# DLRMFLOW_ variables that mean something else; never read as configuration. Every other
+# DLRMFLOW_ variable is configuration, so a misspelt one (DLRMFLOW_TRAIN_LR with one
+# underscore, DLRMFLOW_RUNDIR) is an error rather than a setting silently ignored.
 RESERVED_ENV = frozenset(
     {
         "DLRMFLOW_DEBUG",  # tracebacks instead of one-line errors (dlrmflow.errors)
         "DLRMFLOW_HELD_RUN_DIRS",  # run directories a parent holds (dlrmflow.train.rundir)
         "DLRMFLOW_MMAP_THRESHOLD",  # glibc's mmap threshold (dlrmflow.memory)
+        "DLRMFLOW_TEST_SEED",  # the test suite's random kill point, to replay one
     }
 )
 
 
 def env_key(name: str) -> str | None:
     """The configuration key an environment variable sets (``DLRMFLOW_TRAIN__LR``:
-    ``train.lr``), or None when it is not configuration. The key may not exist."""
+    ``train.lr``; ``DLRMFLOW_RUN_DIR``: ``run_dir``), or None when it is not ours or is
+    reserved. The key may not exist."""
     if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
         return None
-    rest = name[len(ENV_PREFIX) :].lower()
-    if ENV_SEPARATOR in rest:
-        return ".".join(rest.split(ENV_SEPARATOR))
-    return rest if rest in RunConfig.model_fields else None
+    return ".".join(name[len(ENV_PREFIX) :].lower().split(ENV_SEPARATOR))
+
+
+def _env_name(key: str) -> str:
+    return ENV_PREFIX + ENV_SEPARATOR.join(key.split(".")).upper()
 
 
 def _known_key(key: str) -> bool:
@@ -361,6 +403,18 @@ def _known_key(key: str) -> bool:
     return isinstance(model, type) and issubclass(model, _Section) and rest in model.model_fields
 
 
+def _env_suggestion(name: str) -> str:
+    """ ", did you mean DLRMFLOW_TRAIN__LR?" for the nearest variable that is a key."""
+    names = []
+    for section, info in RunConfig.model_fields.items():
+        names.append(_env_name(section))
+        model = info.annotation
+        if isinstance(model, type) and issubclass(model, _Section):
+            names += [_env_name(f"{section}.{key}") for key in model.model_fields]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[str, str, Any]]:
     """``(variable, key, value)`` for each configuration variable in ``environ`` (default:
     ``os.environ``), whole sections before their keys; an unknown key is a ``ConfigError``
@@ -368,7 +422,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[str, s
     environ = os.environ if environ is None else environ
     found = [(name, key) for name in environ if (key := env_key(name)) is not None]
     unknown = [
-        f"environment variable {name}: {key}: unknown key"
+        f"environment variable {name}: {key}: unknown key{_env_suggestion(name)}"
         for name, key in sorted(found)
         if not _known_key(key)
     ]

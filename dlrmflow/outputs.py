@@ -79,6 +79,25 @@ def nearly_full(where: str | Path) -> bool:
         return False
 
 
+# The mode open() asks for when it creates a file; the umask then takes bits away.
+_CREATE_MODE = 0o666
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` can only be read by
+    setting it, which would race with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _failure(path: Path, error: BaseException) -> OutputError:
     if isinstance(error, OSError) and error.errno is not None:
         reason = os.strerror(error.errno)
@@ -103,6 +122,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as e:
         raise _failure(Path(path), e) from e
+    # mkstemp makes the file 0600 whatever the umask; an output is shared (workers, other
+    # users of a file system) as any file this process creates would be.
+    os.fchmod(fd, _CREATE_MODE & ~current_umask())
     os.close(fd)
     temporary = Path(name)
     try:

@@ -1,5 +1,8 @@
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,15 +205,68 @@ def test_unknown_environment_variables_are_errors(name, key):
 
 
 def test_reserved_and_other_variables_are_not_configuration():
-    env = {
-        "DLRMFLOW_DEBUG": "1",
-        "DLRMFLOW_HELD_RUN_DIRS": "/tmp/a:/tmp/b",
-        "DLRMFLOW_MMAP_THRESHOLD": "0",
-        "DLRMFLOW_SOMETHING_ELSE": "x",  # neither SECTION__KEY nor a top-level key
-        "TRAIN__LR": "-1",  # not ours
-    }
+    env = {name: "1" for name in RESERVED_ENV}
+    env["TRAIN__LR"] = "-1"  # not ours
     assert load_config(env=env) == RunConfig()
-    assert set(env) >= RESERVED_ENV
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        # One underscore where the separator is two: the key it meant is suggested.
+        (
+            "DLRMFLOW_TRAIN_LR",
+            "DLRMFLOW_TRAIN_LR: train_lr: unknown key; did you mean DLRMFLOW_TRAIN__LR?",
+        ),
+        ("DLRMFLOW_RUNDIR", "DLRMFLOW_RUNDIR: rundir: unknown key; did you mean DLRMFLOW_RUN_DIR?"),
+        ("DLRMFLOW_FOO", "DLRMFLOW_FOO: foo: unknown key"),
+        ("DLRMFLOW_", "DLRMFLOW_: : unknown key"),
+    ],
+)
+def test_every_other_dlrmflow_variable_is_an_error(name, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(env={name: "0.3"})
+
+
+def test_a_misspelt_variable_is_one_line_from_the_cli(tmp_path):
+    env = {**os.environ, "DLRMFLOW_TRAIN_LR": "0.3"}
+    done = subprocess.run(
+        [sys.executable, "-m", "dlrmflow", "config"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert done.stderr == (
+        "error: invalid configuration: environment variable DLRMFLOW_TRAIN_LR: train_lr: "
+        "unknown key; did you mean DLRMFLOW_TRAIN__LR?\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        (
+            "dup.yaml",
+            "train:\n  lr: 0.1\nmodel:\n  embedding_dim: 8\ntrain:\n  epochs: 2\n",
+            "dup.yaml: cannot parse: line 5: key 'train' given twice (first on line 1)",
+        ),
+        (
+            "dup_key.yaml",
+            "train:\n  lr: 0.1\n  lr: 0.2\n",
+            "dup_key.yaml: cannot parse: line 3: key 'lr' given twice (first on line 2)",
+        ),
+        (
+            "dup.json",
+            '{"train": {"lr": 0.1}, "train": {"epochs": 2}}',
+            "dup.json: cannot parse: key 'train' given twice in one object",
+        ),
+        ("dup.toml", "[train]\nlr = 0.1\n[train]\nepochs = 2\n", "dup.toml: cannot parse"),
+    ],
+)
+def test_a_key_given_twice_in_a_file_is_an_error(tmp_path, name, text, needle):
+    # YAML and JSON parsers keep the last value silently: half of the file would be lost.
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(path, env=False)
 
 
 def test_every_dlrmflow_variable_the_code_reads_is_reserved():

@@ -27,13 +27,10 @@ from prefect.settings import get_current_settings
 
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.flows.api import PrefectServerError
 from dlrmflow.flows.serve import DEPLOYMENT_NAME, build_deployments
 
 POOL_TYPE = "process"
-
-
-class PrefectServerError(DlrmflowError):
-    """No Prefect server to deploy to: none configured, or it does not answer."""
 
 
 class WorkPoolError(DlrmflowError):

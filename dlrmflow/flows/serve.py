@@ -20,6 +20,7 @@ from prefect import Flow, serve
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 
 from dlrmflow.config import RunConfig
+from dlrmflow.flows.api import require_api
 from dlrmflow.flows.end_to_end import end_to_end
 from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import ingest_flow
@@ -87,6 +88,7 @@ def serve_flows(
     runs on one machine share its cores and often its run directory. On shutdown the
     schedule is paused, so no runs pile up while nothing serves them.
     """
+    require_api()
     deployments = build_deployments(
         config if config is not None else RunConfig(),
         cron=cron,

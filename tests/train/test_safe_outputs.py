@@ -140,3 +140,30 @@ def test_write_atomic_keeps_the_old_file_when_the_writer_fails(tmp_path: Path) -
     assert out.read_text() == "old" and _no_temporaries(tmp_path)
     write_atomic(out, "new")
     assert out.read_text() == "new"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_outputs_honour_the_umask(tmp_path: Path, umask: int) -> None:
+    # mkstemp's temporary is 0600 whatever the umask; renamed into place, an output would
+    # be unreadable by the other users and workers of a shared file system.
+    previous = os.umask(umask)
+    try:
+        written = write_atomic(tmp_path / "out.json", "{}\n")
+    finally:
+        os.umask(previous)
+    assert os.stat(written).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_generated_dataset_is_readable_by_others_under_umask_022(tmp_path: Path) -> None:
+    out = tmp_path / "data"
+    done = subprocess.run(
+        [sys.executable, "-m", "dlrmflow", "generate", "--out", str(out), "--days", "2"]
+        + ["--rows-per-day", "64"],
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: os.umask(0o022),
+    )
+    assert done.returncode == 0, done.stderr
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) >= 3  # two day files and the manifest
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o644)}
