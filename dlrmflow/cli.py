@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from dlrmflow.config import ConfigError, RunConfig, apply_overrides, load_config
+from dlrmflow.config import ConfigError, RunConfig, apply_overrides, env_overrides, load_config
 from dlrmflow.memory import tune_allocator
 
 app = typer.Typer(
@@ -416,7 +416,15 @@ def evaluate_cmd(
 
     On many hosts, run it on each with --nnodes, its --node-rank and --rdzv-endpoint.
     """
+    # Checked before anything starts (torchrun would fail on them in many lines).
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, not {nproc}")
+    from dlrmflow.train.checkpoint import find_checkpoint
+    from dlrmflow.train.evaluate import check_run_dir
     from dlrmflow.train.launch import launch_evaluation
+
+    check_run_dir(run_dir)  # never created: eval.json goes beside the run it scores
+    find_checkpoint(checkpoint or run_dir, verified=False)  # a checkpoint, or one line
 
     # The job's hosts: flags, else DLRMFLOW_DISTRIBUTED__* variables (one per host).
     hosts = _config(
@@ -488,7 +496,9 @@ def demo(
     """Run the end-to-end Prefect flow: generate -> train -> evaluate -> report.
 
     Trains sharded over two ranks unless --set distributed.nproc=N says otherwise; the
-    dataset is reused when unchanged (Prefect's cache), the training starts afresh.
+    dataset is reused when unchanged (Prefect's cache), the training starts afresh. A
+    directory holding a `dlrmflow train` run is refused (--set train.resume=never
+    replaces it).
     """
     import shutil
 
@@ -507,9 +517,12 @@ def demo(
         global_batch = overrides.get("train.batch_size", base.train.batch_size)
         overrides["train.batch_size"] = max(1, global_batch // nproc)
     cfg = apply_overrides(base, overrides)
+    from dlrmflow.flows.api import require_api
     from dlrmflow.flows.end_to_end import end_to_end
     from dlrmflow.train.rundir import run_dir_lock
+    from dlrmflow.train.trainer import END_TO_END_KIND, claim_run_dir
 
+    require_api()
     typer.echo(
         f"end_to_end flow: generate {cfg.data.days} x {cfg.data.rows_per_day} rows -> train on "
         f"{cfg.distributed.nproc} rank(s) -> evaluate -> report, in {run_dir} "
@@ -517,6 +530,9 @@ def demo(
         err=True,
     )
     with run_dir_lock(run_dir, "dlrmflow demo"):
+        # Another kind of run (a `dlrmflow train` run) is never replaced unasked.
+        replace = cfg.train.resume == "never"
+        claim_run_dir(Path(run_dir), END_TO_END_KIND, replace=replace, command="dlrmflow demo")
         # A new demo, not the continuation of the last one (the train task still resumes
         # from this run's own checkpoints when Prefect retries it).
         shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
@@ -792,6 +808,7 @@ def main() -> None:
     # A warning is one line too (the run record keeps it where it matters).
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
     try:
+        env_overrides()  # a DLRMFLOW_ variable naming no key fails every command, not some
         tune_allocator()
         app()
     except (DlrmflowError, ValueError, OSError) as e:
@@ -801,3 +818,21 @@ def main() -> None:
             raise
         typer.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(1)
+    except Exception as e:
+        # Prefect's client fails with a chain of tracebacks when its API does not answer;
+        # any command whose flows talk to one says so in a line.
+        unreachable = _prefect_unreachable(e)
+        if unreachable is None or os.environ.get("DLRMFLOW_DEBUG"):
+            raise
+        typer.echo(f"error: {_one_line(unreachable)}", err=True)
+        sys.exit(1)
+
+
+def _prefect_unreachable(error: BaseException) -> Exception | None:
+    """The one-line error when ``error`` is Prefect's API not answering (only a command
+    that imported Prefect can have met it)."""
+    if "prefect" not in sys.modules:
+        return None
+    from dlrmflow.flows.api import unreachable_api
+
+    return unreachable_api(error)

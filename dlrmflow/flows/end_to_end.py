@@ -21,6 +21,7 @@ from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.train import train_flow
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.rundir import run_dir_lock
+from dlrmflow.train.trainer import END_TO_END_KIND, claim_run_dir
 
 SUMMARY_FILE = "summary.json"
 SUMMARY_KEY = "dlrmflow-summary"
@@ -87,8 +88,16 @@ def report_task(
 @flow(name="end_to_end", validate_parameters=True)
 def end_to_end(config: RunConfig, raw_inputs: list[str] | None = None) -> dict[str, Any]:
     """Ingest (generate synthetic data, or convert ``raw_inputs``), train a DLRM, evaluate
-    it on the test day and report; returns the summary written to ``RUN_DIR/summary.json``."""
+    it on the test day and report; returns the summary written to ``RUN_DIR/summary.json``.
+
+    A run directory holding another kind of run (a ``dlrmflow train`` run) is refused
+    unless ``train.resume`` is "never" (see ``claim_run_dir``).
+    """
     with run_dir_lock(config.run_dir, "end_to_end flow"):
+        replace = config.train.resume == "never"
+        claim_run_dir(
+            Path(config.run_dir), END_TO_END_KIND, replace=replace, command="the end_to_end flow"
+        )
         # Ingest's per-day tasks run where config.orchestration says (threads or Dask).
         ingested = run_ingest(config, raw_inputs)
         trained = train_flow(config)

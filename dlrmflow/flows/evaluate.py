@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger, task
 from dlrmflow.config import RunConfig
 from dlrmflow.flows.artifacts import EVAL_METRICS_KEY, publish_metrics
 from dlrmflow.flows.policies import retry_unless_bad_input
-from dlrmflow.train.evaluate import evaluate
+from dlrmflow.train.evaluate import check_run_dir, evaluate
 from dlrmflow.train.rundir import run_dir_lock
 
 # A hang guard: scoring a test day takes minutes; hours means a stalled read.
@@ -39,6 +39,7 @@ def evaluate_task(run_dir: str, data_url: str, max_rows: int | None) -> dict[str
 def evaluate_flow(config: RunConfig) -> dict[str, Any]:
     """Evaluate ``config.run_dir``'s checkpoint on ``config.data.url``'s test day, write
     ``RUN_DIR/eval.json`` and publish the metrics as a table artifact."""
+    check_run_dir(config.run_dir)  # the lock would create a missing directory
     with run_dir_lock(config.run_dir, "evaluate flow"):
         metrics = evaluate_task(config.run_dir, config.data.url, config.eval.max_rows)
     publish_metrics(

@@ -12,7 +12,9 @@ What is saved: the embedding tables and their fused optimizer state (model-paral
 tables as ``ShardedTensor`` with their global row and column offsets, so DCP reshards them
 on load to any world size or plan), the dense layers and their optimizer (replicated),
 and per rank its reader position and RNG state. Weights resumed from a checkpoint at the
-same world size continue bitwise as if never interrupted.
+same world size continue bitwise as if never interrupted. The manifest records whether
+the readers stood inside an epoch (``mid_epoch``): such a position exists only for the
+world size that took it (see ``restore``).
 """
 
 from __future__ import annotations
@@ -266,6 +268,8 @@ def save_checkpoint(
                 "spec": spec.to_dict(),
                 "plan": plan,
                 "metrics": metrics or {},
+                # None: the readers stand at the start of progress["epoch"].
+                "mid_epoch": loader_state is not None,
                 **(extra or {}),
                 "files": dict(sorted(files.items())),
                 "created": time.time(),
@@ -467,8 +471,9 @@ def restore(
     """Load a checkpoint into a live model (and dense optimizer) at any world size or plan.
 
     Returns this rank's reader state when the checkpoint was written at this world size
-    (exact resume), else None: at another world size the splits are dealt differently,
-    so the reader starts the checkpoint's epoch afresh.
+    (exact resume), else None: at another world size the splits are dealt differently and
+    no reader can take up another's position, so only a checkpoint at an epoch's start
+    (``mid_epoch`` false) continues exactly there; the trainer refuses the others.
     """
     from dlrmflow.train.distributed import ShardedDLRM
 
@@ -528,11 +533,29 @@ def read_checkpoint(path: str | Path, *, verified: bool = True) -> CheckpointInf
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MANIFEST_FILE})")
-    info = CheckpointInfo(path, json.loads(manifest.read_text()))
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        recorded = None
+    if not _checkpoint_manifest(recorded):
+        # A dataset's directory has a manifest.json too (of days and files, not shards).
+        raise CheckpointError(
+            f"{path}: not a checkpoint (its {MANIFEST_FILE} is not a checkpoint's); give a "
+            f"checkpoint directory ({CHECKPOINTS_DIR}/step_N) or a run directory"
+        )
+    info = CheckpointInfo(path, recorded)
     problem = verify(info) if verified else None
     if problem is not None:
         raise ValueError(f"{path}: corrupt checkpoint ({problem})")
     return info
+
+
+def _checkpoint_manifest(recorded: Any) -> bool:
+    """Whether ``recorded`` has the fields every checkpoint manifest has."""
+    if not isinstance(recorded, dict):
+        return False
+    needed = {"step": int, "progress": dict, "world_size": int, "config": dict, "files": dict}
+    return all(isinstance(recorded.get(key), kind) for key, kind in needed.items())
 
 
 def find_checkpoint(path: str | Path, *, verified: bool = True) -> CheckpointInfo:

@@ -24,11 +24,12 @@ from dlrmflow.config import build_config
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.ingest.manifest import check_dataset, read_manifest
+from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
+    dataset_digest,
     find_checkpoint,
     load_checkpoint,
     restore,
@@ -55,6 +56,21 @@ class NonFinitePredictions(DlrmflowError):
     """The model scores some rows NaN or infinite: its metrics would mean nothing."""
 
 
+class NoRunDirectory(DlrmflowError):
+    """``evaluate`` was given a run directory that does not exist."""
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """``NoRunDirectory`` unless ``run_dir`` is a directory: evaluation reads the run's ID
+    mapping there and writes ``eval.json`` beside its checkpoints, so a missing one is a
+    mistyped path, never a directory to create."""
+    if not Path(run_dir).is_dir():
+        raise NoRunDirectory(
+            f"{run_dir}: no such run directory; evaluate scores a trained run in its own "
+            "directory (give the --run-dir of a `dlrmflow train` run)"
+        )
+
+
 def test_loader(
     config,
     spec: FeatureSpec,
@@ -62,10 +78,12 @@ def test_loader(
     env: DistEnv,
     data_url: str | None = None,
     pin_memory: bool = False,
+    manifest: Manifest | None = None,
 ):
-    """This rank's share of the test day, in file order (page-locked for a CUDA model)."""
+    """This rank's share of the test day, in file order (page-locked for a CUDA model).
+    ``manifest``: the dataset's, when the caller has read it already."""
     url = data_url or config.data.url
-    manifest = read_manifest(url)
+    manifest = read_manifest(url) if manifest is None else manifest
     check_dataset(url, manifest, training=False)  # a missing or empty test day, named
     _, loader = batch_loader(
         manifest.day_paths(url, [manifest.test_day]),
@@ -173,6 +191,7 @@ def evaluate(
     ``model.kernels``) what runs it, whatever device and kernels trained it.
     """
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     env = DistEnv.from_env()
     where = resolve_device(device, env.local_rank, key="evaluate --device")
     check_kernels(kernels, where)
@@ -223,8 +242,10 @@ def _evaluate(
         config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
     torch.set_num_threads(compute_threads(config, env))
     ids = load_ids(config.features.ids, spec, run_dir)
+    url = data_url or config.data.url
+    manifest = read_manifest(url)
     loader, test_day = test_loader(
-        config, spec, ids, env, data_url, pin_memory=device.type == "cuda"
+        config, spec, ids, env, url, pin_memory=device.type == "cuda", manifest=manifest
     )
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows
@@ -237,9 +258,7 @@ def _evaluate(
     if scored is None:
         return {}
     if len(scored[0]) == 0:
-        raise DlrmflowError(
-            f"{data_url or config.data.url}: test day {test_day} holds no rows to evaluate on"
-        )
+        raise DlrmflowError(f"{url}: test day {test_day} holds no rows to evaluate on")
     finite = torch.isfinite(scored[0])
     if not bool(finite.all()):
         raise NonFinitePredictions(
@@ -250,6 +269,9 @@ def _evaluate(
     metrics.update(
         {
             "test_day": test_day,
+            # What was scored: another dataset's test day (--data) is as valid a score.
+            "data_url": url,
+            "dataset_digest": dataset_digest(manifest),
             "checkpoint": str(path),
             "step": step,
             "eval_seconds": seconds,

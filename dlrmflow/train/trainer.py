@@ -71,6 +71,11 @@ from dlrmflow.train.tracking import Tracker, config_params, open_tracker, requir
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"
 RESULT_FILE = "train_result.json"
+RUN_FILE = "run.json"  # the kind of run the directory holds: {"kind": ...}
+# The kinds of run a directory holds: a training (``train``, the train flows), or the
+# end-to-end flow's data, training, evaluation and summary (``demo``, ``end_to_end``).
+TRAIN_KIND = "train"
+END_TO_END_KIND = "end_to_end"
 
 
 @dataclass
@@ -117,6 +122,10 @@ class NonFiniteLoss(DlrmflowError):
 
 class IncompatibleCheckpoint(DlrmflowError):
     """A checkpoint that does not belong to (or cannot be continued by) this configuration."""
+
+
+class RunDirTaken(DlrmflowError):
+    """The run directory holds another kind of run, which the command would replace."""
 
 
 def _features(
@@ -256,6 +265,9 @@ RUN_KEYS = (
 # Configuration keys under the sections above that choose how a step is computed, not what
 # it computes: a run may continue under another (on a GPU after a CPU, with other kernels).
 IMPLEMENTATION_KEYS = ("model.kernels",)
+# The reader's position means nothing for other data or another batch size: a fine-tuning
+# run that changes one of these reads the checkpoint's epoch from its start.
+REREAD_KEYS = frozenset({DATASET_KEY, "train.batch_size"})
 # What an explicit ``train.resume`` path (fine-tuning) may not change: the weights and the
 # optimizer state would not fit.
 SHAPE_KEYS = ("model", "features", "train.optimizer")
@@ -355,6 +367,51 @@ def _refuse_differences(
     )
 
 
+def _refuse_rank_change(
+    resume: _Resume, world_size: int, epoch_rows: int, config: RunConfig
+) -> None:
+    """``IncompatibleCheckpoint`` naming ``distributed.nproc`` when the checkpoint stands
+    inside an epoch and was taken at another world size, unless this run reads that epoch
+    from its start anyway (fine-tuning on other data or batches, see ``_train_loop``).
+
+    Why refuse rather than reposition: a reader's position is its place in its own share
+    of the epoch. The splits (file x row group) are dealt round-robin to the
+    ``world_size x train.num_workers`` readers, and each reader has handed out the first
+    rows of a window that it permutes across several row groups. At another world size the
+    shares are dealt otherwise, and what is left of the epoch is a set of partial row
+    groups that no split can express: continuing exactly would need every reader's
+    trained rows recorded and readers of row subsets. Restarting the epoch instead would
+    train its first part twice. A checkpoint at an epoch's start (the one an epoch's last
+    step writes) holds no position, and continues at any world size.
+    """
+    info = resume.info
+    if info is None or info.world_size == world_size:
+        return
+    if REREAD_KEYS & resume.changed.keys():
+        return
+    mid_epoch = info.manifest.get("mid_epoch")
+    progress = info.manifest["progress"]
+    if mid_epoch is None:  # a checkpoint from before manifests said: its rows tell
+        mid_epoch = int(progress["rows"]) != int(progress["epoch"]) * epoch_rows
+    if not mid_epoch:
+        return
+    recorded = info.manifest["config"].get("distributed", {})
+    nproc = f"distributed.nproc={recorded.get('nproc', info.world_size)}"
+    if recorded.get("nnodes", 1) != config.distributed.nnodes:
+        nproc += f" and distributed.nnodes={recorded.get('nnodes', 1)}"
+    remedy = (
+        f"resume with {nproc}, or start afresh with --resume never"
+        if resume.own
+        else f"fine-tune from it with {nproc}, or from a checkpoint of an epoch's end"
+    )
+    raise IncompatibleCheckpoint(
+        f"checkpoint {info.path} stands inside epoch {progress['epoch']} of a job of "
+        f"{info.world_size} rank(s) and this one has {world_size}: a reader's position "
+        f"holds only at the world size that took it, and restarting the epoch would train "
+        f"its rows twice; {remedy}"
+    )
+
+
 def _finished(info: CheckpointInfo, config: RunConfig) -> bool:
     """Whether the checkpoint already stands where this configuration would stop."""
     progress = info.manifest["progress"]
@@ -374,6 +431,9 @@ def _finished_result(info: CheckpointInfo, run_dir: Path, env: DistEnv) -> Train
     if with_steps is None:
         progress = info.manifest["progress"]
         loss = progress.get("loss")
+        window = progress.get("window") or {}
+        if window.get("steps"):  # logged after the checkpoint, as the run's last record
+            loss = window["loss"] / window["steps"]
         with_steps = TrainResult(
             steps=info.step,
             rows=int(progress["rows"]),
@@ -410,17 +470,75 @@ def _start_afresh(run_dir: Path) -> None:
             path.unlink()
 
 
-def _rewind_metrics(path: Path, step: int) -> None:
+def _rewind_metrics(path: Path, step: int, window_open: bool) -> None:
     """Drop the metrics records past ``step``: a run killed after its last checkpoint
-    logged steps that the resumed run trains again, and must not be listed twice."""
+    logged steps that the resumed run trains again, and must not be listed twice.
+
+    ``window_open``: the checkpoint holds a metrics window in progress, which the resumed
+    run completes; a training record at ``step`` itself is then the one a run that ended
+    there logged for the part of the window it had, and goes too (the uninterrupted run
+    never wrote it)."""
     if not path.is_file():
         return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= step
-    ]
-    write_atomic(path, "".join(line + "\n" for line in kept))
+
+    def kept(record: dict) -> bool:
+        if record["step"] == step and window_open:
+            return "loss" not in record  # an evaluation at that step stays
+        return record["step"] <= step
+
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    write_atomic(path, "".join(line + "\n" for line in lines if kept(json.loads(line))))
+
+
+def run_kind(run_dir: Path) -> str | None:
+    """The kind of run ``run_dir`` holds (``RUN_FILE``), None when it holds none.
+
+    A directory written before runs recorded their kind tells by its files: a summary or
+    a dataset of its own (the demo's ``data/``) is the end-to-end flow's, checkpoints,
+    metrics or a training result a training's.
+    """
+    marker = run_dir / RUN_FILE
+    if marker.is_file():
+        try:
+            kind = json.loads(marker.read_text()).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if isinstance(kind, str):
+            return kind
+    if (run_dir / "summary.json").exists() or (run_dir / "data" / "manifest.json").exists():
+        return END_TO_END_KIND
+    if any((run_dir / name).exists() for name in (CHECKPOINTS_DIR, METRICS_FILE, RESULT_FILE)):
+        return TRAIN_KIND
+    return None
+
+
+def claim_run_dir(run_dir: Path, kind: str, *, replace: bool, command: str) -> None:
+    """Record in ``RUN_FILE`` that ``run_dir`` holds a ``kind`` run; ``RunDirTaken`` when it
+    holds another kind, which ``command`` would replace.
+
+    A training in an end-to-end run's directory continues that run's training
+    (``train.resume`` decides whether it may), so it leaves the kind as it is. The other
+    way round, the end-to-end flow would start the training of a ``train`` run afresh (the
+    demo does) and add its data, evaluation and summary: it needs ``replace``
+    (``train.resume=never``), and then says on stderr what it replaces.
+    """
+    found = run_kind(run_dir)
+    if found == END_TO_END_KIND and kind == TRAIN_KIND:
+        return
+    if found == kind and (run_dir / RUN_FILE).is_file():
+        return
+    if found not in (None, kind):
+        if not replace:
+            raise RunDirTaken(
+                f"{run_dir} holds a {found} run, which {command} would replace; use another "
+                "run directory (--run-dir), or --set train.resume=never to replace it"
+            )
+        warnings.warn(
+            f"train.resume=never: {command} replaces the {found} run in {run_dir}",
+            stacklevel=2,
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / RUN_FILE, json.dumps({"kind": kind, "command": command}) + "\n")
 
 
 def train(
@@ -466,6 +584,8 @@ def _train(
     digest = dataset_digest(manifest)
     if rank0 and config.train.resume == "never":
         _start_afresh(run_dir)
+    if rank0 and run_kind(run_dir) is None:  # in an end-to-end run's, it stays one
+        claim_run_dir(run_dir, TRAIN_KIND, replace=False, command="train")
     spec, ids = _features(config, manifest, run_dir, env)
     verify_start = time.perf_counter()
     resume = _resume_point(config, run_dir, spec, digest)
@@ -476,6 +596,8 @@ def _train(
         if env.distributed:
             dist.barrier()
         return result
+    epoch_rows = sum(f.rows for f in manifest.files if f.day != manifest.test_day)
+    _refuse_rank_change(resume, env.world_size, epoch_rows, config)
     # Local reader threads, or the reader servers of ``distributed.readers``: same batches.
     loader = make_train_loader(
         config,
@@ -542,18 +664,26 @@ def _train_loop(
     # continues it. ``epoch`` is the epoch the next step reads: a checkpoint taken on an
     # epoch's last step records the next epoch, with its reader at that epoch's start.
     state = {"step": 0, "epoch": 0, "rows": 0, "seconds": 0.0, "loss": None}
+    # The metrics window in progress: the global batch's loss summed over its steps, the
+    # same on every rank. A checkpoint stores it, so that the first record after a resume
+    # covers the steps the uninterrupted run's does, with the same sum.
+    window = {"loss": 0.0, "steps": 0, "rows": 0}
+    window_seconds = 0.0  # the window's time before this invocation
     metrics_path = run_dir / METRICS_FILE
     if resume_from is not None:
         loader_state = restore(resume_from, model, optimizer)
-        state.update(resume_from.manifest["progress"])
-        # The reader's position means nothing for other data or another batch size: a
-        # fine-tuning run reads the checkpoint's epoch from its start.
-        repositioned = {DATASET_KEY, "train.batch_size"} & resume.changed.keys()
+        progress_then = dict(resume_from.manifest["progress"])
+        open_window = progress_then.pop("window", None)
+        state.update(progress_then)
+        if own and open_window:
+            window.update({k: open_window[k] for k in window})
+            window_seconds = float(open_window.get("seconds", 0.0))
+        repositioned = REREAD_KEYS & resume.changed.keys()
         if loader_state is not None and not repositioned:
             loader.load_state_dict(loader_state)
     if rank0:
         if own:
-            _rewind_metrics(metrics_path, resume_from.step)
+            _rewind_metrics(metrics_path, resume_from.step, window["steps"] > 0)
         else:
             metrics_path.unlink(missing_ok=True)
     lineage = resume.lineage(digest)
@@ -573,20 +703,16 @@ def _train_loop(
         received = pending.wait()
         return model.forward_received(batch.dense, received), sum(received.batch_sizes)
 
-    window = {"loss": 0.0, "steps": 0, "rows": 0}
-    start_time = window_start = time.perf_counter()
+    start_time = time.perf_counter()
+    window_start = start_time - window_seconds
     elapsed_before = state["seconds"]
 
     def log_window() -> None:
-        """Append one metrics record for the steps since the last one (a collective when
-        distributed: the loss is averaged over the ranks)."""
+        """Append one metrics record for the steps since the last one: their mean loss
+        over the global batch."""
         nonlocal window_start
         now = time.perf_counter()
-        loss = torch.tensor([window["loss"] / window["steps"]], dtype=torch.float64, device="cpu")
-        if sharded:
-            dist.all_reduce(loss)
-            loss /= env.world_size
-        state["loss"] = float(loss)
+        state["loss"] = window["loss"] / window["steps"]
         record = {
             "step": state["step"],
             "epoch": state["epoch"],
@@ -645,7 +771,7 @@ def _train_loop(
             optimizer=optimizer,
             config=config,
             spec=spec,
-            progress=dict(state),
+            progress={**state, "window": {**window, "seconds": began - window_start}},
             loader_state=loader_state,
             plan=plan.to_dict() if plan is not None else None,
             metrics=dict(last_eval),
@@ -656,14 +782,18 @@ def _train_loop(
             prune_checkpoints(run_dir, config.train.keep_checkpoints)
         saved["seconds"] += time.perf_counter() - began
 
-    def check_finite(step: int, value: float) -> None:
-        """Stop every rank at the first step whose loss is NaN or infinite, before that
-        step updates anything: such a model is never checkpointed or reported."""
-        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device="cpu")
+    def global_loss(step: int, value: float) -> float:
+        """The step's loss over the global batch (every rank's ``value`` is its rows' share),
+        the same on every rank. Stops every rank at the first step whose loss is NaN or
+        infinite, before that step updates anything: such a model is never checkpointed
+        or reported."""
+        both = torch.tensor(
+            [0.0 if math.isfinite(value) else 1.0, value], dtype=torch.float64, device="cpu"
+        )
         if env.distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if not bool(bad):
-            return
+            dist.all_reduce(both)
+        if not bool(both[0]):
+            return float(both[1]) / env.world_size
         last = (
             f"the last good checkpoint is {saved['path']}"
             if saved["path"]
@@ -709,8 +839,7 @@ def _train_loop(
                 # The next batch's IDs are in: its rows on disk load during this backward.
                 model.embeddings.prefetch(following_pending.wait())
             loss = loss_fn(logits, batch.labels) * (env.world_size / n)
-            value = loss.item()
-            check_finite(step, value)
+            value = global_loss(step, loss.item())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # also updates the touched embedding rows (fused optimizer)
             optimizer.step()
@@ -734,8 +863,6 @@ def _train_loop(
             if following is not None and not pipelined:
                 following_pending = start(following)
             batch, pending = following, following_pending
-    if window["steps"]:
-        log_window()
     if eval_loader is not None:
         eval_loader.close()  # on an error path, the reader's exit hook closes it
     if tiered or sharded_tiers:
@@ -744,6 +871,10 @@ def _train_loop(
         raise ValueError(f"{config.data.url}: the training days hold no rows to train on")
     if saved["path"] is None or saved["step"] != state["step"]:
         checkpoint(loader_state)
+    if window["steps"]:
+        # After the checkpoint, which keeps the window open: a run that continues this
+        # one (more steps or epochs) completes it, as the uninterrupted run does.
+        log_window()
     cache = model.embeddings.cache_stats() if sharded_tiers else None  # a collective
     if tiered:
         cache = model.embeddings.stats
