@@ -9,6 +9,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from dlrmflow.cli import app, main
+from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.train.checkpoint import load_checkpoint
 
 runner = CliRunner()
@@ -60,7 +61,8 @@ def test_generate_train_evaluate(tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
     assert info["rows"] == 6000 and info["test_day"] == 1
-    assert pq.ParquetFile(f"{data}/day=0/part-00000.parquet").metadata.num_row_groups == 3
+    day0 = read_manifest(data).day_paths(data, [0])[0]
+    assert pq.ParquetFile(day0).metadata.num_row_groups == 3
 
     run_dir = str(tmp_path / "run")
     sets = ["--set", "train.batch_size=500", "--set", "train.num_workers=0"]

@@ -20,9 +20,12 @@ depends on, fingerprinted cheaply (no file is read):
 - statistics of a day: the size and modification time of its Parquet file, and the layout.
 
 A cached result is only good while the output it describes exists, so the flow refreshes
-the cache (runs the task again) when a day's Parquet file (conversion) or the
-``manifest.json`` (generation) is missing, for example after the dataset folder was deleted.
-The manifest and merged statistics are always rewritten (they are small).
+the cache (runs the task again) when a day's Parquet file is missing (its name follows from
+the same inputs, see ``day_file_name``), or, for generation, when the dataset's manifest
+does not list exactly the files this configuration generates (the folder was deleted, or
+another configuration was generated there since). The manifest and merged statistics are
+always rewritten (they are small); the manifest is switched only once every day is written,
+so a failed run leaves the dataset that was there before.
 
 The cached results, and the cache records that name them, are kept where every worker can
 read them: ``orchestration.result_storage`` (by default ``_prefect_results`` beside the
@@ -61,9 +64,10 @@ from dlrmflow.ingest.criteo import (
     convert_day,
     day_file,
     finish_conversion,
+    input_fingerprint,
     start_conversion,
 )
-from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_manifest
+from dlrmflow.ingest.manifest import Manifest, join_url, read_manifest
 from dlrmflow.ingest.stats import (
     STATS_NAME,
     DatasetStats,
@@ -72,7 +76,7 @@ from dlrmflow.ingest.stats import (
     merge_stats,
     write_stats,
 )
-from dlrmflow.ingest.synthetic import generate_dataset
+from dlrmflow.ingest.synthetic import day_file_name, generate_dataset
 
 # Hang guard, not a budget: far beyond what generating a month of data should take, so a
 # task still running after it has stalled (a dead mount, a stuck object store). The per-day
@@ -80,13 +84,9 @@ from dlrmflow.ingest.synthetic import generate_dataset
 # cannot interrupt blocking work and only warns on every run.
 INGEST_TIMEOUT_S = 12 * 3600
 
-# Metadata keys that identify a file's version on the file systems fsspec supports
-# (local and memory: mtime/created; s3: ETag/LastModified; gcs: md5Hash/updated).
-_VERSION_KEYS = ("mtime", "created", "LastModified", "last_modified", "updated", "ETag", "md5Hash")
-
 # The shape of the cached tasks' result records, part of every cache key: change it when a
 # record changes shape, so a run never reads an older record as the new shape.
-RESULT_FORMAT = 2  # 2: plain JSON records (1: pickled objects)
+RESULT_FORMAT = 3  # 3: day files named by content, with digests (2: JSON; 1: pickles)
 
 
 def file_fingerprint(url: str) -> dict[str, Any]:
@@ -94,13 +94,7 @@ def file_fingerprint(url: str) -> dict[str, Any]:
 
     Raises FileNotFoundError naming the file if it does not exist.
     """
-    fs, path = fsspec.core.url_to_fs(url)
-    try:
-        info = fs.info(path)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{url}: input file not found") from e
-    version = {key: str(info[key]) for key in _VERSION_KEYS if info.get(key) is not None}
-    return {"url": url, "size": info.get("size"), **version}
+    return input_fingerprint(url)
 
 
 def _digest(kind: str, payload: dict[str, Any]) -> str:
@@ -333,8 +327,8 @@ def ingest_flow(
         )
         multi_hot = False
     else:
-        manifest_missing = not output_exists(join_url(url, MANIFEST_NAME))
-        generate = generate_task.with_options(refresh_cache=manifest_missing, **results)
+        stale = not _generated(config.data)
+        generate = generate_task.with_options(refresh_cache=stale, **results)
         summary = generate(config.data)
         manifest = read_manifest(url)
         multi_hot = manifest.multi_hot
@@ -342,6 +336,19 @@ def ingest_flow(
     stats = DatasetStats.from_dict(merge_stats_task(url, multi_hot, stats_days))
     publish_stats(stats)
     return {**summary, "stats": join_url(url, STATS_NAME)}
+
+
+def _generated(data: DataConfig) -> bool:
+    """Whether the dataset at ``data.url`` is what generating ``data`` writes: its manifest
+    lists this configuration's day files (``day_file_name``), and they exist."""
+    try:
+        manifest = read_manifest(data.url)
+    except (OSError, ValueError):
+        return False
+    expected = [f"day={day}/{day_file_name(data, day)}" for day in range(data.days)]
+    return [f.path for f in manifest.files] == expected and all(
+        output_exists(join_url(data.url, path)) for path in expected
+    )
 
 
 def _convert(
@@ -361,7 +368,7 @@ def _convert(
     )
     converted, stats_days = [], []
     for day, raw in enumerate(raw_inputs):
-        path = day_file(url, day)
+        path = day_file(url, day, raw, row_group_size)
         convert_day_task = convert.with_options(refresh_cache=not output_exists(path))
         converted.append(convert_day_task.submit(raw, day, url, row_group_size, max_bad_fraction))
         stats_days.append(scan.submit(path, False, wait_for=[converted[-1]]))

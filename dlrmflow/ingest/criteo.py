@@ -2,8 +2,9 @@ r"""Raw Criteo TSV days -> Parquet day partitions with the shared Criteo schema.
 
 A raw Criteo day is one tab-separated line per impression: label, 13 integer counts and 26
 hexadecimal category IDs, no header, an empty field meaning "missing". Each input file
-becomes one day (``OUT/day=K/part-00000.parquet``, the generator's layout), so everything
-downstream runs unchanged on real data.
+becomes one day (``OUT/day=K/part-<name>.parquet``, the generator's layout, the name a hash
+of the input's fingerprint and the options: ``day_file_name``), so everything downstream
+runs unchanged on real data.
 
 Days are tens of GB, so a file is streamed in blocks of whole lines: numpy finds the line
 breaks and the few lines pyarrow's CSV parser must not see, the parser splits the rest into
@@ -27,6 +28,7 @@ from __future__ import annotations
 import gzip
 import json
 import lzma
+import os
 import posixpath
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -38,15 +40,28 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
-from dlrmflow.ingest.manifest import MANIFEST_NAME, DayFile, Manifest, join_url, write_manifest
+from dlrmflow.ingest.dayfile import (
+    DayFileWriter,
+    DayWriteError,
+    day_file_writer,
+    discard_unlisted,
+    file_name,
+    remove_temporaries,
+)
+from dlrmflow.ingest.manifest import DayFile, Manifest, join_url, listed_paths, publish_manifest
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema, schema_to_json
+from dlrmflow.outputs import OutputError
 
 FIELDS = (LABEL, *DENSE, *SPARSE)
-DAY_FILE = "part-00000.parquet"
 QUARANTINE_DIR = "_quarantine"
+# Part of every day file's name: change it whenever the same input and options start to
+# give other rows, so that a new dataset never takes an old file's name.
+CONVERTER_FORMAT = 1
+# Metadata keys that identify a file's version on the file systems fsspec supports
+# (local and memory: mtime/created; s3: ETag/LastModified; gcs: md5Hash/updated).
+_VERSION_KEYS = ("mtime", "created", "LastModified", "last_modified", "updated", "ETag", "md5Hash")
 
 # A valid line is at most 40 fields of _MAX_FIELD_CHARS, so a line this long is garbage (a
 # binary file, a missing line break): it is quarantined, with its first _SHOWN_BYTES bytes,
@@ -95,7 +110,8 @@ class ConvertResult:
 @dataclass
 class ConvertedDay:
     """What ``convert_day`` wrote for one input: its line, row, positive and malformed-line
-    counts and its quarantine file's URL (None when every line was good)."""
+    counts, its quarantine file's URL (None when every line was good), and its day file:
+    the path relative to the dataset root, the digest in its footer and its size."""
 
     day: int
     lines: int
@@ -103,6 +119,9 @@ class ConvertedDay:
     positives: int
     bad_lines: int
     quarantine: str | None
+    path: str
+    digest: str
+    bytes: int
 
 
 @dataclass
@@ -140,9 +159,12 @@ def convert_criteo(
     it plus one row group). ``progress(n)`` is called with the lines of each block read.
 
     Raises MalformedDataError when malformed lines exceed ``max_bad_fraction`` of a file's
-    lines. Each day file is written under a temporary name and renamed when complete, and
-    ``manifest.json`` is written last (an old one is removed first), so a failed run never
-    leaves a dataset that looks complete.
+    lines. A dataset already at ``out`` stays whole until the new one is: each day file is
+    written under a temporary name beside the old files and renamed when complete,
+    ``manifest.json`` is switched last, and only then are the files it no longer lists
+    removed. A failed run removes the day files it wrote; a killed one leaves temporaries
+    that the next run removes. A day file that cannot be written (a full disk) is an
+    ``OutputError`` naming the day, the file and the input.
 
     This is ``start_conversion``, ``convert_day`` for each input, then ``finish_conversion``:
     the ingest flow runs the same three steps with the days as separate (parallel) tasks.
@@ -154,19 +176,25 @@ def convert_criteo(
         row_group_size=row_group_size,
         block_size=block_size,
     )
-    days = [
-        convert_day(
-            url,
-            day,
-            out,
-            max_bad_fraction=max_bad_fraction,
-            row_group_size=row_group_size,
-            block_size=block_size,
-            progress=progress,
-        )
-        for day, url in enumerate(inputs)
-    ]
-    return finish_conversion(inputs, out, days)
+    days: list[ConvertedDay] = []
+    try:
+        for day, url in enumerate(inputs):
+            days.append(
+                convert_day(
+                    url,
+                    day,
+                    out,
+                    max_bad_fraction=max_bad_fraction,
+                    row_group_size=row_group_size,
+                    block_size=block_size,
+                    progress=progress,
+                )
+            )
+        return finish_conversion(inputs, out, days)
+    except BaseException:
+        # Against the manifest in place now: once the new one is, its files stay.
+        discard_unlisted(out, [d.path for d in days], listed_paths(out))
+        raise
 
 
 def start_conversion(
@@ -177,8 +205,9 @@ def start_conversion(
     row_group_size: int = 65_536,
     block_size: int = 1 << 24,
 ) -> None:
-    """Check the arguments of a conversion, create ``out`` and remove its old manifest (the
-    dataset must not look complete until ``finish_conversion`` writes the new one)."""
+    """Check the arguments of a conversion, create ``out`` and remove what interrupted
+    writes left there. A dataset already at ``out`` stays usable: its manifest is replaced
+    only by ``finish_conversion``, once every new day file is complete."""
     if not inputs:
         raise ValueError("convert_criteo: no input files")
     if not 0.0 <= max_bad_fraction <= 1.0:
@@ -195,13 +224,33 @@ def start_conversion(
 
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
-    if fs.exists(join_url(root, MANIFEST_NAME)):
-        fs.rm(join_url(root, MANIFEST_NAME))
+    remove_temporaries(out)
 
 
-def day_file(out: str, day: int) -> str:
-    """URL of day ``day``'s Parquet file in the dataset at ``out``."""
-    return join_url(out, f"day={day}", DAY_FILE)
+def input_fingerprint(url: str) -> dict[str, Any]:
+    """``url``, its size and whatever version metadata its file system reports (no byte of
+    it is read). Raises FileNotFoundError naming the file if it does not exist."""
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{url}: input file not found") from e
+    version = {key: str(info[key]) for key in _VERSION_KEYS if info.get(key) is not None}
+    return {"url": url, "size": info.get("size"), **version}
+
+
+def day_file_name(url: str, row_group_size: int) -> str:
+    """The name of the day file converted from input ``url``: a hash of the input's
+    fingerprint, the options its bytes follow from and the versions of this converter and
+    of pyarrow. A changed input (or option) gets a new name, so it is written beside the
+    file it replaces; converting the same input again lands on the same name."""
+    fingerprint = sorted(input_fingerprint(url).items())
+    return file_name("criteo", CONVERTER_FORMAT, pa.__version__, fingerprint, row_group_size)
+
+
+def day_file(out: str, day: int, url: str, row_group_size: int) -> str:
+    """URL of day ``day``'s Parquet file, converted from input ``url``, at ``out``."""
+    return join_url(out, f"day={day}", day_file_name(url, row_group_size))
 
 
 def convert_day(
@@ -214,14 +263,12 @@ def convert_day(
     block_size: int = 1 << 24,
     progress: Callable[[int], None] | None = None,
 ) -> ConvertedDay:
-    """Convert one raw input to ``OUT/day=DAY/part-00000.parquet`` (see ``convert_criteo``;
-    this day's output depends on nothing but ``url`` and the options)."""
-    fs, root = fsspec.core.url_to_fs(out)
+    """Convert one raw input to ``day_file(out, day, url, row_group_size)`` (see
+    ``convert_criteo``; this day's output depends on nothing but ``url`` and the options)."""
     return _convert_day(
         url,
         day,
-        fs,
-        root,
+        out,
         quarantine_url=join_url(out, QUARANTINE_DIR, f"{_input_name(url)}.jsonl"),
         max_bad_fraction=max_bad_fraction,
         row_group_size=row_group_size,
@@ -250,9 +297,11 @@ def finish_conversion(
         files=[
             DayFile(
                 day=s.day,
-                path=f"day={s.day}/{DAY_FILE}",
+                path=s.path,
                 rows=s.rows,
                 positive_rate=s.positives / max(s.rows, 1),
+                digest=s.digest,
+                bytes=s.bytes,
             )
             for s in days
         ],
@@ -263,7 +312,7 @@ def finish_conversion(
             "bad_lines": [s.bad_lines for s in days],
         },
     )
-    write_manifest(out, manifest)
+    publish_manifest(out, manifest)
     quarantine_files = [s.quarantine for s in days if s.quarantine is not None]
     return ConvertResult(
         manifest=manifest,
@@ -281,8 +330,7 @@ def _input_name(url: str) -> str:
 def _convert_day(
     url: str,
     day: int,
-    fs: fsspec.AbstractFileSystem,
-    root: str,
+    out: str,
     *,
     quarantine_url: str,
     max_bad_fraction: float,
@@ -290,17 +338,14 @@ def _convert_day(
     block_size: int,
     progress: Callable[[int], None] | None,
 ) -> ConvertedDay:
-    """Stream one input file into ``day=DAY/part-00000.parquet``; see ``convert_criteo``."""
-    day_dir = join_url(root, f"day={day}")
-    final, partial = join_url(day_dir, DAY_FILE), join_url(day_dir, f"_{DAY_FILE}.partial")
-    fs.makedirs(day_dir, exist_ok=True)
-    quarantine = _Quarantine(url, quarantine_url)
+    """Stream one input file into its day file; see ``convert_criteo``."""
+    name = day_file_name(url, row_group_size)
+    quarantine = _Quarantine(url, quarantine_url, day)
     lines = rows = positives = 0
     try:
         with (
             fsspec.open(url, "rb", compression="infer") as src,
-            fs.open(partial, "wb") as dst,
-            pq.ParquetWriter(dst, criteo_schema()) as writer,
+            day_file_writer(out, day, name, criteo_schema()) as writer,
             quarantine,
         ):
             groups = _RowGroups(writer, row_group_size)
@@ -321,18 +366,26 @@ def _convert_day(
                 raise MalformedDataError(f"{url}: unreadable input: {e}") from e
             groups.flush()
 
-        bad = quarantine.count
-        if bad > max_bad_fraction * lines:
-            raise MalformedDataError(
-                f"{url}: {bad} malformed lines out of {lines} ({bad / lines:.4%}) exceed "
-                f"max_bad_fraction={max_bad_fraction:g}; they are listed in {quarantine_url}"
-            )
-        fs.mv(partial, final)
-    except BaseException:
-        if fs.exists(partial):
-            fs.rm(partial)
-        raise
-    return ConvertedDay(day, lines, rows, positives, bad, quarantine_url if bad else None)
+            bad = quarantine.count
+            if bad > max_bad_fraction * lines:
+                raise MalformedDataError(
+                    f"{url}: {bad} malformed lines out of {lines} ({bad / lines:.4%}) exceed "
+                    f"max_bad_fraction={max_bad_fraction:g}; they are listed in {quarantine_url}"
+                )
+            written = writer.finish()
+    except DayWriteError as e:
+        raise DayWriteError(f"{e} (converting {url})") from e
+    return ConvertedDay(
+        day,
+        lines,
+        rows,
+        positives,
+        bad,
+        quarantine_url if bad else None,
+        written.path,
+        written.digest,
+        written.bytes,
+    )
 
 
 def _read_lines(src: IO[bytes], block_size: int) -> Iterator[_Lines]:
@@ -489,11 +542,12 @@ class _Quarantine:
     """The JSONL file of one input's malformed lines, created at the first one.
 
     A quarantine file left by an earlier run of the same input is removed, so the file on
-    disk always describes the latest conversion.
+    disk always describes the latest conversion. A failed write (a full disk) is an
+    ``OutputError`` naming the file, the day and the input.
     """
 
-    def __init__(self, source: str, url: str) -> None:
-        self.source, self.url, self.count = source, url, 0
+    def __init__(self, source: str, url: str, day: int) -> None:
+        self.source, self.url, self.day, self.count = source, url, day, 0
         self._fs, self._path = fsspec.core.url_to_fs(url)
         self._file: IO[str] | None = None
 
@@ -504,24 +558,39 @@ class _Quarantine:
 
     def __exit__(self, *exc: object) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                if exc[0] is None:  # a flush that failed; an earlier error says more
+                    reason = os.strerror(e.errno) if e.errno is not None else str(e)
+                    raise OutputError(
+                        f"day {self.day}: {self.url}: could not be written: {reason} "
+                        f"(converting {self.source})"
+                    ) from e
 
     def write(self, bad: list[_BadLine]) -> None:
         if not bad:
             return
-        if self._file is None:
-            self._fs.makedirs(posixpath.dirname(self._path), exist_ok=True)
-            self._file = self._fs.open(self._path, "w", encoding="utf-8")
-        for b in bad:
-            record = {"file": self.source, "line": b.line, "reason": b.reason, "text": b.text}
-            self._file.write(json.dumps(record) + "\n")
+        try:
+            if self._file is None:
+                self._fs.makedirs(posixpath.dirname(self._path), exist_ok=True)
+                self._file = self._fs.open(self._path, "w", encoding="utf-8")
+            for b in bad:
+                record = {"file": self.source, "line": b.line, "reason": b.reason, "text": b.text}
+                self._file.write(json.dumps(record) + "\n")
+        except OSError as e:
+            reason = os.strerror(e.errno) if e.errno is not None else str(e)
+            raise OutputError(
+                f"day {self.day}: {self.url}: could not be written: {reason} "
+                f"(converting {self.source})"
+            ) from e
         self.count += len(bad)
 
 
 class _RowGroups:
     """Buffers converted blocks and writes them in row groups of exactly ``size`` rows."""
 
-    def __init__(self, writer: pq.ParquetWriter, size: int) -> None:
+    def __init__(self, writer: DayFileWriter, size: int) -> None:
         self.writer, self.size = writer, size
         self._buffer: list[pa.Table] = []
         self._rows = 0

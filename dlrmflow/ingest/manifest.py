@@ -1,9 +1,12 @@
 """``manifest.json``: what a Parquet dataset holds, written by generate and convert.
 
 The manifest is the contract between ingest and everything after it: which day files
-exist, how many rows each has, which day is held out for evaluation, and (for synthetic
-data) the Bayes-optimal metrics a trained model is compared against. ``check_dataset``
-holds a dataset to that contract, from the Parquet footers alone, before any work starts.
+exist, how many rows each has, each file's identity (the digest in its footer, see
+``dlrmflow.ingest.dayfile``) and size, which day is held out for evaluation, and (for
+synthetic data) the Bayes-optimal metrics a trained model is compared against.
+``check_dataset`` holds a dataset to that contract, from the Parquet footers alone, before
+any work starts. A new dataset replaces an old one at ``publish_manifest``: the manifest is
+switched only once every new day file is complete, and the old files go after it.
 """
 
 from __future__ import annotations
@@ -16,8 +19,14 @@ from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from dlrmflow.ingest.dayfile import (
+    NotRegularFile,
+    footer_identity,
+    open_regular,
+    remove_unlisted,
+)
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.outputs import write_url
 
@@ -30,13 +39,29 @@ _SHOWN_PROBLEMS = 5
 
 
 class DayFile(BaseModel):
-    """One day partition: its path relative to the dataset root and its row count."""
+    """One day partition: its path relative to the dataset root, its row count, and its
+    identity: the digest its footer records and its size in bytes.
+
+    Manifests written before identities were recorded have neither; they are left out of
+    the JSON when unknown, so such a manifest (and its digest, which checkpoints keep)
+    reads and writes back unchanged.
+    """
 
     model_config = ConfigDict(extra="forbid")
     day: int
     path: str
     rows: int
     positive_rate: float
+    digest: str | None = None
+    bytes: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unknown_identity(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("digest", "bytes"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class Manifest(BaseModel):
@@ -105,8 +130,10 @@ def check_dataset(url: str, manifest: Manifest, *, training: bool = True) -> lis
     - the manifest: a file listed twice; a day outside ``0 .. days-1``, or one of those
       days without a file; a test day that is not one of the days or has no file; no
       training day; ``rows`` other than the files' sum;
-    - the files: a file that is missing or not Parquet, or whose row count differs from
-      the manifest's;
+    - the files: a file that is missing, not a regular file (a FIFO is refused from its
+      type, never opened blocking) or not Parquet; or whose row count, size or footer
+      digest differs from the manifest's (a file replaced, even by one of the same rows,
+      or truncated). Manifests without sizes and digests have their row counts checked;
     - the rows: an empty test day (nothing to evaluate on), or every training day empty.
 
     Returns warnings, one string each: a training day with no rows (training goes on
@@ -171,27 +198,56 @@ def _manifest_problems(manifest: Manifest, training: bool) -> list[str]:
 def _file_problems(url: str, files: list[DayFile]) -> list[str]:
     """What differs between these listed files and the files present (footers only)."""
 
-    def footer_rows(path: str) -> int | str:
-        """The file's row count, or why it cannot be had."""
+    def problem(listed: DayFile) -> str | None:
+        """What is wrong with the listed file, or None."""
+        path = join_url(url, listed.path)
         try:
-            with fsspec.open(path, "rb") as f:
-                return pq.ParquetFile(f).metadata.num_rows
+            f, stamp = open_regular(path)
         except FileNotFoundError:
             return "missing"
+        except NotRegularFile as e:
+            return e.strerror
+        except OSError as e:
+            return f"cannot be opened: {e.strerror or e}"
+        resized = listed.bytes is not None and stamp.size != listed.bytes
+        size = (
+            f"has {stamp.size} bytes, the manifest says {listed.bytes} "
+            "(truncated, or replaced by another file)"
+        )
+        try:
+            with f:
+                metadata = pq.ParquetFile(f).metadata
         except Exception as e:  # whatever stops a footer being read is the file's fault
-            return f"not a readable Parquet file ({type(e).__name__}: {e})"
+            unreadable = f"not a readable Parquet file ({type(e).__name__}: {e})"
+            return f"{unreadable}; it {size}" if resized else unreadable
+        if metadata.num_rows != listed.rows:
+            return f"has {metadata.num_rows} rows, the manifest says {listed.rows}"
+        if listed.digest is not None:
+            _, digest = footer_identity(metadata)
+            if digest is None:
+                return (
+                    "replaced by another file: its footer records no digest, the manifest "
+                    f"says {_short(listed.digest)}"
+                )
+            if digest != listed.digest:
+                return (
+                    f"replaced by another file: its footer's digest {_short(digest)} differs "
+                    f"from the manifest's {_short(listed.digest)}"
+                )
+        return size if resized else None
 
-    paths = [join_url(url, f.path) for f in files]
-    threads = max(1, min(_FOOTER_THREADS, len(paths)))
+    threads = max(1, min(_FOOTER_THREADS, len(files)))
     with ThreadPoolExecutor(threads, thread_name_prefix="footer") as pool:
-        found = list(pool.map(footer_rows, paths))
-    problems = []
-    for f, path, rows in zip(files, paths, found, strict=True):
-        if isinstance(rows, str):
-            problems.append(f"day {f.day}: {path}: {rows}")
-        elif rows != f.rows:
-            problems.append(f"day {f.day}: {path}: has {rows} rows, the manifest says {f.rows}")
-    return problems
+        found = list(pool.map(problem, files))
+    return [
+        f"day {f.day}: {join_url(url, f.path)}: {p}"
+        for f, p in zip(files, found, strict=True)
+        if p is not None
+    ]
+
+
+def _short(digest: str) -> str:
+    return digest[:12]
 
 
 def _raise_any(where: str, problems: list[str]) -> None:
@@ -229,6 +285,26 @@ def write_json(root: str, name: str, data: object) -> str:
 def write_manifest(root: str, manifest: Manifest) -> str:
     """Write ``manifest.json`` under ``root``; returns its URL."""
     return write_json(root, MANIFEST_NAME, manifest.model_dump(by_alias=True))
+
+
+def publish_manifest(root: str, manifest: Manifest) -> str:
+    """Make ``manifest`` the dataset at ``root``: write ``manifest.json`` (one atomic
+    replace: readers see the old dataset or the new one), then remove the day files it no
+    longer lists. Every file it lists must be complete before this is called."""
+    written = write_manifest(root, manifest)
+    remove_unlisted(root, [f.path for f in manifest.files], [f.day for f in manifest.files])
+    return written
+
+
+def listed_paths(root: str) -> set[str] | None:
+    """The files the manifest at ``root`` lists now: none if it has no manifest (or not a
+    valid one), None if it could not be read (nothing can be said to be unlisted)."""
+    try:
+        return {posixpath.normpath(f.path) for f in read_manifest(root).files}
+    except (FileNotFoundError, ValueError):
+        return set()
+    except OSError:
+        return None
 
 
 def read_manifest(root: str) -> Manifest:

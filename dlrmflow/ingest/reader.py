@@ -32,6 +32,11 @@ tables and batches Arrow record batches.
 Resumption is a few integers per reader: ``(epoch, window, offset)``, the position of the
 next row not yet emitted. Because a window's content and permutation depend only on the
 configuration, restoring re-reads the current window, never the epoch so far.
+
+Files are held to the identity their footers recorded when the splits were listed (the
+digest ``dlrmflow.ingest.dayfile`` writes): a file that is gone, replaced or not a regular
+file when a reader opens it is a ``DataError`` naming its day, so a dataset rewritten under
+a running job stops the job at its next file rather than mixing two datasets' rows.
 """
 
 from __future__ import annotations
@@ -47,15 +52,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
-import fsspec
-import fsspec.core
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.ingest.dayfile import (
+    NotRegularFile,
+    Stamp,
+    day_path,
+    footer_identity,
+    open_regular,
+    open_regular_for_arrow,
+)
 from dlrmflow.ingest.shuffle import deal
 
 
@@ -86,11 +96,17 @@ class Block(Protocol):
 
 @dataclass(frozen=True)
 class Split:
-    """One row group of one Parquet file: the unit of work handed to a reader."""
+    """One row group of one Parquet file: the unit of work handed to a reader.
+
+    ``day`` and ``digest`` are the identity the file's footer recorded when the splits were
+    listed (None for files without one); the reader holds the file to it at every open.
+    """
 
     path: str
     row_group: int
     num_rows: int
+    day: int | None = None
+    digest: str | None = None
 
 
 def list_splits(paths: Sequence[str]) -> list[Split]:
@@ -101,14 +117,20 @@ def list_splits(paths: Sequence[str]) -> list[Split]:
     splits = []
     for path in paths:
         try:
-            with fsspec.open(path, "rb") as f:
+            f, _ = open_regular(path)
+            with f:
                 metadata = pq.ParquetFile(f).metadata
+        except FileNotFoundError as e:
+            raise DataError(f"{day_path(path)}: missing") from e
+        except NotRegularFile as e:
+            raise DataError(f"{day_path(path)}: {e.strerror}") from e
         except Exception as e:
-            raise DataError(f"{path}: cannot read Parquet footer: {e}") from e
+            raise DataError(f"{day_path(path)}: cannot read Parquet footer: {e}") from e
+        day, digest = footer_identity(metadata)
         for i in range(metadata.num_row_groups):
             rows = metadata.row_group(i).num_rows
             if rows > 0:
-                splits.append(Split(path, i, rows))
+                splits.append(Split(path, i, rows, day, digest))
     return splits
 
 
@@ -556,8 +578,10 @@ def _where_all(splits: Sequence[Split]) -> str:
     return "; ".join(_where(s) for s in splits)
 
 
-def _open_for_arrow(path: str) -> Any:
-    """``path`` opened for Arrow to read: a native file where it is local, else fsspec's.
+def _open_for_arrow(split: Split) -> tuple[Any, Stamp]:
+    """The split's file opened for Arrow to read (a native file where it is local, else
+    fsspec's), with its ``Stamp``; a file that is gone or not a regular file (a FIFO is
+    never opened blocking) is a ``DataError`` naming the day.
 
     Arrow reads pre-buffered ranges in its own IO threads. A range read from a Python file
     object is held in a Python ``bytes``, which only the GIL can free, and the IO thread that
@@ -566,22 +590,37 @@ def _open_for_arrow(path: str) -> Any:
     the process ("terminate called without an active exception", exit 134). A native file's
     buffers need no GIL.
     """
-    fs, local_path = fsspec.core.url_to_fs(path)
-    if isinstance(fs, LocalFileSystem):
-        return pa.OSFile(local_path)
-    return fs.open(local_path, "rb")
+    try:
+        return open_regular_for_arrow(split.path)
+    except FileNotFoundError as e:
+        raise DataError(
+            f"{day_path(split.path, split.day)}: missing; the dataset was rewritten or removed "
+            "while this job read it"
+        ) from e
+    except NotRegularFile as e:
+        raise DataError(f"{day_path(split.path, split.day)}: {e.strerror}") from e
+
+
+@dataclass(frozen=True)
+class _Footer:
+    metadata: pq.FileMetaData
+    stamp: Stamp
 
 
 class _SplitDecoder:
     """Decodes splits into tables under one schema, validated.
 
-    One per pass, shared by the pass's preparation threads.
+    One per pass, shared by the pass's preparation threads. A file's footer is read at its
+    first open and again whenever its ``Stamp`` (size, inode, modification time) changed
+    since; each time, the digest it records must be the one the splits were listed with,
+    so a file replaced under a running job fails the job at that file, naming its day,
+    instead of feeding it rows of another dataset.
     """
 
     def __init__(self, dataset: ParquetBatchDataset) -> None:
         self.columns = dataset.columns
         self.validate = dataset.validate
-        self._footers: dict[str, pq.FileMetaData] = {}
+        self._footers: dict[str, _Footer] = {}
         self._schema: pa.Schema | None = None  # of the first row group read, all nullable
         self._schema_source = ""
         self._first = threading.Lock()  # the first row group read sets the schema
@@ -597,12 +636,17 @@ class _SplitDecoder:
 
     def _decode(self, split: Split) -> pa.Table:
         where = _where(split)
+        f, stamp = _open_for_arrow(split)
         try:
-            with _open_for_arrow(split.path) as f:
+            with f:
+                footer = self._footers.get(split.path)
+                known = footer.metadata if footer is not None and footer.stamp == stamp else None
                 # pre_buffer coalesces the column-chunk reads: one request per row group on
                 # object stores instead of one per column.
-                parquet = pq.ParquetFile(f, metadata=self._footers.get(split.path), pre_buffer=True)
-                self._footers[split.path] = parquet.metadata
+                parquet = pq.ParquetFile(f, metadata=known, pre_buffer=True)
+                if known is None:
+                    self._check_identity(split, parquet.metadata)
+                    self._footers[split.path] = _Footer(parquet.metadata, stamp)
                 names = parquet.schema_arrow.names
                 missing = [c for c in self.columns if c not in names]
                 if missing:
@@ -622,6 +666,18 @@ class _SplitDecoder:
                 "(file changed since list_splits)"
             )
         return table
+
+    @staticmethod
+    def _check_identity(split: Split, metadata: pq.FileMetaData) -> None:
+        day, digest = footer_identity(metadata)
+        if digest != split.digest:
+            found = digest[:12] if digest is not None else "none"
+            listed = split.digest[:12] if split.digest is not None else "none"
+            raise DataError(
+                f"{day_path(split.path, split.day if split.day is not None else day)}: replaced "
+                f"while this job read the dataset (its footer's digest is {found}, it was "
+                f"{listed}); the dataset changed under the job"
+            )
 
     def _conform(self, table: pa.Table, split: Split) -> pa.Table:
         """``table`` under the reader's one schema, or a DataError if a column's type drifted.

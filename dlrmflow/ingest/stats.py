@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dlrmflow.ingest.dayfile import NotRegularFile, open_regular
 from dlrmflow.ingest.manifest import Manifest, join_url, read_manifest, write_json
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema
@@ -193,7 +194,9 @@ def file_stats(path: str, multi_hot: bool = False) -> StatsAccumulator:
     expected = criteo_schema(multi_hot)
     acc = StatsAccumulator()
     try:
-        f = fsspec.open(path, "rb").open()
+        f, _ = open_regular(path)  # a FIFO in a file's place is refused, never waited on
+    except NotRegularFile as e:
+        raise DataError(f"{path}: {e.strerror}") from e
     except OSError as e:
         raise DataError(f"{path}: cannot open: {e}") from e
     with f:

@@ -20,16 +20,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
 
-import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from dlrmflow.config import DataConfig
-from dlrmflow.ingest.manifest import DayFile, Manifest, join_url, write_manifest
+from dlrmflow.ingest.dayfile import (
+    DayFileWriter,
+    day_file_writer,
+    discard_unlisted,
+    file_name,
+    remove_temporaries,
+)
+from dlrmflow.ingest.manifest import DayFile, Manifest, listed_paths, publish_manifest
 from dlrmflow.ingest.schema import (
     CRITEO_CARDINALITIES,
     DENSE,
@@ -37,7 +41,6 @@ from dlrmflow.ingest.schema import (
     criteo_schema,
     schema_to_json,
 )
-from dlrmflow.outputs import open_output
 
 # Signal strength of the hidden click model. Together they give a Bayes AUC of 0.77-0.81 on
 # the default config, depending on the seed (real Criteo models reach ~0.80). The signal sits
@@ -89,6 +92,10 @@ _SPARSE_MISSING = {
     "C21": 0.03, "C22": 0.76, "C24": 0.03, "C25": 0.44, "C26": 0.44,
 }  # fmt: skip
 
+# Part of every day file's name: change it whenever the same parameters start to give other
+# rows, so that a new dataset never takes an old file's name (see ``day_file_name``).
+GENERATOR_FORMAT = 1
+
 # First word of every SeedSequence key, so the streams can never collide.
 _STREAM_ROWS, _STREAM_TABLES, _STREAM_DENSE, _STREAM_CALIBRATION = range(4)
 
@@ -133,13 +140,17 @@ def generate_dataset(
 ) -> Manifest:
     """Write ``config.days`` day partitions of synthetic data and their manifest.
 
-    The layout is ``URL/day=K/part-00000.parquet`` for K = 0 .. days-1, each with row
-    groups of ``config.row_group_size`` rows, then ``URL/manifest.json`` (written last, so
-    a dataset with a manifest is complete). The last day is the test day; its Bayes AUC and
-    log loss are computed from the true click probabilities. ``url`` overrides
-    ``config.url``; ``progress(n)`` is called with the rows of each row group written.
-    Files left at ``url`` by an earlier, larger run are not deleted but are not in the
-    manifest either.
+    The layout is ``URL/day=K/part-<name>.parquet`` for K = 0 .. days-1 (``day_file_name``:
+    the name follows from the generation parameters), each with row groups of
+    ``config.row_group_size`` rows, then ``URL/manifest.json``. The last day is the test
+    day; its Bayes AUC and log loss are computed from the true click probabilities.
+    ``url`` overrides ``config.url``; ``progress(n)`` is called with the rows of each row
+    group written.
+
+    A dataset already at ``url`` stays whole until the new one is: the new files are
+    written beside its files, the manifest is switched last, and only then are the files
+    it no longer lists removed (``publish_manifest``). A failed run removes the files it
+    wrote; one that was killed leaves temporaries that the next run removes.
     """
     root = url if url is not None else config.url
     if not root:
@@ -148,53 +159,66 @@ def generate_dataset(
         raise ValueError(f"data.seed must be >= 0 (got {config.seed})")
 
     truth = _ground_truth(config)
-    fs, root_path = fsspec.core.url_to_fs(root)
+    remove_temporaries(root)
     test_day = config.days - 1
+    schema = criteo_schema(config.multi_hot)
     files: list[DayFile] = []
     positives_total = 0
-    for day in range(config.days):
-        rel = f"day={day}/part-00000.parquet"
-        try:
-            fs.makedirs(join_url(root_path, f"day={day}"), exist_ok=True)
-            with open_output(join_url(root, rel)) as f:
-                positives, probs, labels = _write_day(f, truth, config, day, progress)
-        except OSError as e:
-            raise OSError(f"{join_url(root, rel)}: cannot write day {day}: {e}") from e
-        files.append(
-            DayFile(
-                day=day,
-                path=rel,
-                rows=config.rows_per_day,
-                positive_rate=positives / config.rows_per_day,
+    try:
+        for day in range(config.days):
+            with day_file_writer(root, day, day_file_name(config, day), schema) as writer:
+                positives, probs, labels = _write_day(writer, truth, config, day, progress)
+                written = writer.finish()
+            files.append(
+                DayFile(
+                    day=day,
+                    path=written.path,
+                    rows=config.rows_per_day,
+                    positive_rate=positives / config.rows_per_day,
+                    digest=written.digest,
+                    bytes=written.bytes,
+                )
             )
-        )
-        positives_total += positives
-        if day == test_day:
-            # The one per-day buffer: the exact Bayes AUC needs the whole test day at once.
-            test_probs, test_labels = probs, labels
+            positives_total += positives
+            if day == test_day:
+                # The one per-day buffer: the exact Bayes AUC needs the whole test day at once.
+                test_probs, test_labels = probs, labels
 
-    bayes_auc, bayes_logloss = _bayes_metrics(test_probs, test_labels)
-    total_rows = config.rows_per_day * config.days
-    manifest = Manifest(
-        source="synthetic",
-        rows=total_rows,
-        days=config.days,
-        test_day=test_day,
-        positive_rate=positives_total / total_rows,
-        multi_hot=config.multi_hot,
-        files=files,
-        schema=schema_to_json(criteo_schema(config.multi_hot)),
-        cardinalities={s.name: s.cardinality for s in truth.sparse},
-        bayes_auc=bayes_auc,
-        bayes_logloss=bayes_logloss,
-        generator=_generator_record(config, truth),
-    )
-    write_manifest(root, manifest)
+        bayes_auc, bayes_logloss = _bayes_metrics(test_probs, test_labels)
+        total_rows = config.rows_per_day * config.days
+        manifest = Manifest(
+            source="synthetic",
+            rows=total_rows,
+            days=config.days,
+            test_day=test_day,
+            positive_rate=positives_total / total_rows,
+            multi_hot=config.multi_hot,
+            files=files,
+            schema=schema_to_json(schema),
+            cardinalities={s.name: s.cardinality for s in truth.sparse},
+            bayes_auc=bayes_auc,
+            bayes_logloss=bayes_logloss,
+            generator=_generator_record(config, truth),
+        )
+        publish_manifest(root, manifest)
+    except BaseException:
+        # Against the manifest in place now: once the new one is, its files stay.
+        discard_unlisted(root, [f.path for f in files], listed_paths(root))
+        raise
     return manifest
 
 
+def day_file_name(config: DataConfig, day: int) -> str:
+    """The file name of day ``day`` of ``config``'s data: a hash of everything its bytes
+    follow from (the parameters, the day, this generator's and the libraries' versions),
+    never of other days, so the same day generated again lands on the same name."""
+    parameters = config.model_dump(mode="json", exclude={"url", "days"})
+    versions = (GENERATOR_FORMAT, np.__version__, pa.__version__)
+    return file_name("synthetic", *versions, sorted(parameters.items()), day)
+
+
 def _write_day(
-    f: BinaryIO,
+    writer: DayFileWriter,
     truth: _GroundTruth,
     config: DataConfig,
     day: int,
@@ -210,21 +234,20 @@ def _write_day(
     labels_kept: list[np.ndarray] = []
     positives = 0
     schema = criteo_schema(config.multi_hot)
-    with pq.ParquetWriter(f, schema) as writer:
-        for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
-            n = min(config.row_group_size, config.rows_per_day - start)
-            rng = _rng(_STREAM_ROWS, config.seed, day, chunk)
-            rows = _sample_rows(truth, rng, n, config.multi_hot)
-            probs = _sigmoid(rows.logit + truth.bias)
-            labels = (rng.random(n) < probs).astype(np.int8)
-            columns = [pa.array(labels), *rows.dense, *rows.sparse]
-            writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
-            positives += int(labels.sum())
-            if keep:
-                probs_kept.append(probs)
-                labels_kept.append(labels)
-            if progress is not None:
-                progress(n)
+    for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
+        n = min(config.row_group_size, config.rows_per_day - start)
+        rng = _rng(_STREAM_ROWS, config.seed, day, chunk)
+        rows = _sample_rows(truth, rng, n, config.multi_hot)
+        probs = _sigmoid(rows.logit + truth.bias)
+        labels = (rng.random(n) < probs).astype(np.int8)
+        columns = [pa.array(labels), *rows.dense, *rows.sparse]
+        writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
+        positives += int(labels.sum())
+        if keep:
+            probs_kept.append(probs)
+            labels_kept.append(labels)
+        if progress is not None:
+            progress(n)
     if not keep:
         return positives, np.empty(0), np.empty(0, dtype=np.int8)
     return positives, np.concatenate(probs_kept), np.concatenate(labels_kept)

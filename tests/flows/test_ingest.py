@@ -18,6 +18,7 @@ from dlrmflow.flows.ingest import (
     stats_cache_key,
 )
 from dlrmflow.flows.policies import retry_unless_bad_input
+from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from tests.flows.records import run_records
 
@@ -62,13 +63,13 @@ def test_convert_cache_key_follows_the_day_raw_file_fingerprint_and_options(tmp_
 
 def test_stats_cache_key_follows_the_day_file(tmp_path):
     url = str(tmp_path / "data")
-    generate_dataset(DataConfig(url=url, **SMALL))
-    day = tmp_path / "data" / "day=1" / "part-00000.parquet"
+    manifest = generate_dataset(DataConfig(url=url, **SMALL))
+    day = tmp_path / "data" / manifest.files[1].path
     params = {"path": str(day), "multi_hot": False}
     key = stats_cache_key(None, params)
     assert stats_cache_key(None, dict(params)) == key
     assert stats_cache_key(None, {**params, "multi_hot": True}) != key
-    other = {**params, "path": str(tmp_path / "data" / "day=0" / "part-00000.parquet")}
+    other = {**params, "path": str(tmp_path / "data" / manifest.files[0].path)}
     assert stats_cache_key(None, other) != key
     stat = day.stat()
     os.utime(day, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
@@ -111,6 +112,13 @@ def test_generate_is_skipped_while_parameters_and_output_are_unchanged(prefect_a
     assert _states(records, "generate", "stats")[0] == ["Completed"]
     assert (url / "manifest.json").is_file()
 
+    # Another configuration generated there since: the cached result describes other data.
+    generate_dataset(config.data.model_copy(update={"seed": 5}))
+    fourth = ingest_flow(config, return_state=True)
+    records = run_records(fourth.state_details.flow_run_id)
+    assert _states(records, "generate")[0] == ["Completed"]
+    assert {p: p.stat().st_size for p in url.rglob("*.parquet")}.keys() == written.keys()
+
 
 def test_convert_is_skipped_until_a_raw_file_changes(prefect_api, criteo_sample, tmp_path):
     raw = [str(tmp_path / f"day{d}.tsv") for d in range(2)]
@@ -140,8 +148,9 @@ def test_convert_is_skipped_until_a_raw_file_changes(prefect_api, criteo_sample,
     records = run_records(third.state_details.flow_run_id)
     assert _states(records, "convert") == [["Cached", "Completed"]]
 
-    (tmp_path / "criteo" / "day=0" / "part-00000.parquet").unlink()  # output gone: refresh
+    day0 = tmp_path / "criteo" / read_manifest(str(tmp_path / "criteo")).files[0].path
+    day0.unlink()  # output gone: refresh
     fourth = ingest_flow(config, raw, return_state=True)
     records = run_records(fourth.state_details.flow_run_id)
     assert _states(records, "convert") == [["Cached", "Completed"]]
-    assert (tmp_path / "criteo" / "day=0" / "part-00000.parquet").is_file()
+    assert day0.is_file()

@@ -116,13 +116,13 @@ def test_a_retry_resumes_from_the_last_checkpoint_and_artifacts_are_published(
 
 def test_bad_data_fails_without_retrying(prefect_api, tmp_path):
     data = tmp_path / "data"
-    generate_dataset(DataConfig(url=str(data), **SMALL))
-    (data / "day=0" / "part-00000.parquet").write_bytes(b"not parquet")
+    manifest = generate_dataset(DataConfig(url=str(data), **SMALL))
+    (data / manifest.files[0].path).write_bytes(b"not parquet")
     # A plain mapping (as a deployment run's parameters arrive) is validated into RunConfig.
     config = tiny_run_config(str(data), tmp_path / "run").model_dump(mode="json")
     state = train_flow(config, return_state=True)
     assert state.is_failed()
-    with pytest.raises(ValueError, match=r"day=0/part-00000\.parquet"):
+    with pytest.raises(ValueError, match=r"day 0: .*/day=0/part-\w+\.parquet"):
         state.result()
     (task_run,) = run_records(state.state_details.flow_run_id).tasks("train")
     assert task_run.state_name == "Failed" and task_run.run_count == 1

@@ -14,7 +14,13 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from dlrmflow.ingest.criteo import MAX_LINE_BYTES, MalformedDataError, convert_criteo
+from dlrmflow.ingest.criteo import (
+    MAX_LINE_BYTES,
+    MalformedDataError,
+    convert_criteo,
+    day_file_name,
+)
+from dlrmflow.ingest.dayfile import content_digest
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.schema import DENSE, SPARSE, criteo_schema
 
@@ -38,8 +44,13 @@ def reference_row(line: str) -> dict[str, int | None]:
     return row
 
 
+def day_path(out: str | Path, day: int = 0) -> str:
+    """Day ``day``'s file, as the manifest lists it."""
+    return read_manifest(str(out)).day_paths(str(out), [day])[0]
+
+
 def day_rows(out: str | Path, day: int = 0) -> list[dict[str, int | None]]:
-    with fsspec.open(f"{out}/day={day}/part-00000.parquet", "rb") as f:
+    with fsspec.open(day_path(out, day), "rb") as f:
         return pq.read_table(f).to_pylist()
 
 
@@ -53,7 +64,7 @@ def test_sample_converts_to_exact_values(sample: Path, tmp_path: Path) -> None:
     result = convert_criteo([str(sample)], str(tmp_path))
 
     assert (result.rows, result.bad_lines, result.quarantine) == (200, 0, None)
-    table = pq.read_table(tmp_path / "day=0" / "part-00000.parquet")
+    table = pq.read_table(day_path(tmp_path))
     assert table.schema.equals(criteo_schema())
     got = table.to_pylist()
     assert got == [reference_row(line) for line in lines]
@@ -68,8 +79,11 @@ def test_sample_converts_to_exact_values(sample: Path, tmp_path: Path) -> None:
     assert (manifest.rows, manifest.days, manifest.test_day) == (200, 1, 0)
     assert manifest.positive_rate == pytest.approx(positives / 200)
     assert [(f.day, f.path, f.rows) for f in manifest.files] == [
-        (0, "day=0/part-00000.parquet", 200)
+        (0, f"day=0/{day_file_name(str(sample), 65_536)}", 200)
     ]
+    path = day_path(tmp_path)
+    assert manifest.files[0].bytes == Path(path).stat().st_size
+    assert manifest.files[0].digest == content_digest(path)
     assert manifest.schema_ == [{"name": f.name, "type": str(f.type)} for f in criteo_schema()]
     assert manifest.cardinalities is None and manifest.bayes_auc is None
     assert manifest.generator is not None and manifest.generator["inputs"] == [str(sample)]
@@ -166,7 +180,7 @@ def malformed_file(sample: Path, path: Path) -> tuple[list[str], dict[int, tuple
 def test_malformed_lines_are_quarantined_with_line_numbers(sample: Path, tmp_path: Path) -> None:
     src = tmp_path / "broken.tsv"
     lines, injected = malformed_file(sample, src)
-    day_file = tmp_path / "out" / "day=0" / "part-00000.parquet"
+    day_file = tmp_path / "out" / "day=0" / day_file_name(str(src), 65_536)
     seen: list[tuple[int, bool]] = []
 
     # Small blocks: line numbers must stay right across many blocks and skipped lines.
@@ -197,7 +211,7 @@ def test_too_many_malformed_lines_fail_and_leave_no_day_file(sample: Path, tmp_p
     malformed_file(sample, src)
     out = tmp_path / "out"
     (out).mkdir()
-    (out / "manifest.json").write_text("{}")  # from an earlier run: must not survive
+    (out / "manifest.json").write_text("{}")  # an earlier dataset's: stays as it was
 
     with pytest.raises(MalformedDataError) as info:
         convert_criteo([str(src)], str(out))
@@ -208,7 +222,7 @@ def test_too_many_malformed_lines_fail_and_leave_no_day_file(sample: Path, tmp_p
     assert str(src) in message and "8 malformed lines out of 208" in message
     assert "max_bad_fraction=0.001" in message and "broken.tsv.jsonl" in message
     assert sorted(p.name for p in (out / "day=0").iterdir()) == []
-    assert not (out / "manifest.json").exists()
+    assert (out / "manifest.json").read_text() == "{}"
     assert len(quarantine_records(str(out / "_quarantine" / "broken.tsv.jsonl"))) == 8
 
 
@@ -410,7 +424,7 @@ def test_convert_command_counts_binary_lines(sample: Path, tmp_path: Path) -> No
 def test_row_groups_have_the_requested_size(sample: Path, tmp_path: Path, block_size: int) -> None:
     convert_criteo([str(sample)], str(tmp_path), row_group_size=48, block_size=block_size)
 
-    meta = pq.ParquetFile(tmp_path / "day=0" / "part-00000.parquet").metadata
+    meta = pq.ParquetFile(day_path(tmp_path)).metadata
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [48, 48, 48, 48, 8]
 
 

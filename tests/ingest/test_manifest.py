@@ -25,7 +25,9 @@ def data(tiny_dataset: str, tmp_path: Path) -> Path:
 
 
 def day_file(root: Path, day: int) -> Path:
-    return root / f"day={day}" / "part-00000.parquet"
+    """Day ``day``'s file, as the manifest lists it."""
+    files = json.loads((root / "manifest.json").read_text())["files"]
+    return root / next(f["path"] for f in files if f["day"] == day)
 
 
 def edit_manifest(root: Path, edit: Callable[[dict], None]) -> Manifest:
@@ -37,11 +39,15 @@ def edit_manifest(root: Path, edit: Callable[[dict], None]) -> Manifest:
 
 
 def set_rows(root: Path, rows: dict[int, int]) -> Manifest:
-    """The manifest with these days' row counts, its total kept consistent."""
+    """The manifest with these days' row counts, its total kept consistent, and no
+    identity recorded for those days (as in a manifest written before identities were)."""
 
     def edit(manifest: dict) -> None:
         for f in manifest["files"]:
-            f["rows"] = rows.get(f["day"], f["rows"])
+            if f["day"] in rows:
+                f["rows"] = rows[f["day"]]
+                f.pop("digest", None)
+                f.pop("bytes", None)
         manifest["rows"] = sum(f["rows"] for f in manifest["files"])
 
     return edit_manifest(root, edit)
@@ -152,7 +158,7 @@ def test_test_day_file_listed_under_a_training_day(data: Path) -> None:
         m["files"][1]["path"] = m["files"][2]["path"]
 
     manifest = edit_manifest(data, relabel)
-    with pytest.raises(DataError, match=r"day=2/part-00000.parquet: listed 2 times"):
+    with pytest.raises(DataError, match=r"day=2/part-[0-9a-f]+\.parquet: listed 2 times"):
         check(data, manifest)
     with pytest.raises(DataError, match=r"listed under day 1 and under the test day 2"):
         manifest.day_paths(str(data), manifest.train_days())
@@ -171,10 +177,9 @@ def test_no_training_day(data: Path) -> None:
         f"{data / 'manifest.json'}: day 0, 1: no file; no training day: no file outside test day 2"
     )
 
-    manifest = edit_manifest(data, lambda m: m.update(days=1, test_day=0, files=m["files"][:1]))
-    manifest = edit_manifest(
-        data, lambda m: m["files"][0].update(day=0, path="day=2/part-00000.parquet")
-    )
+    # Day 2's file alone, as day 0 of a one-day dataset.
+    test_file = {**read_manifest(str(data)).files[0].model_dump(), "day": 0}
+    manifest = edit_manifest(data, lambda m: m.update(days=1, test_day=0, files=[test_file]))
     with pytest.raises(DataError, match="no training day: no file outside test day 0$"):
         check(data, manifest)
     assert manifest.train_days() == []
@@ -261,6 +266,6 @@ def memory_copy(tiny_dataset: str) -> Iterator[str]:
 def test_any_fsspec_url(memory_copy: str) -> None:
     manifest = read_manifest(memory_copy)
     assert check_dataset(memory_copy, manifest) == []
-    fsspec.filesystem("memory").rm(f"{memory_copy}/day=0/part-00000.parquet")
-    with pytest.raises(DataError, match=r"day 0: memory://.*/day=0/part-00000.parquet: missing"):
+    fsspec.filesystem("memory").rm(f"{memory_copy}/{manifest.files[0].path}")
+    with pytest.raises(DataError, match=r"day 0: memory://.*/day=0/part-\w+\.parquet: missing"):
         check_dataset(memory_copy, manifest)

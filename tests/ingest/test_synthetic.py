@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import fsspec
 import numpy as np
@@ -12,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.config import DataConfig
+from dlrmflow.ingest.dayfile import content_digest
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.schema import CRITEO_CARDINALITIES, DENSE, LABEL, SPARSE, criteo_schema
-from dlrmflow.ingest.synthetic import generate_dataset
+from dlrmflow.ingest.synthetic import day_file_name, generate_dataset
 
 
 def _config(root, **overrides) -> DataConfig:
@@ -32,9 +35,9 @@ def _config(root, **overrides) -> DataConfig:
 
 
 def _read_all(root: str, days: int) -> pa.Table:
-    return pa.concat_tables(
-        pq.read_table(f"{root}/day={d}/part-00000.parquet") for d in range(days)
-    )
+    paths = read_manifest(root).day_paths(root)
+    assert len(paths) == days
+    return pa.concat_tables(pq.read_table(path) for path in paths)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,11 @@ def test_layout_row_groups_and_manifest(one_hot):
         {"name": f.name, "type": str(f.type)} for f in criteo_schema(multi_hot=False)
     ]
     for day_file in manifest.files:
-        assert day_file.path == f"day={day_file.day}/part-00000.parquet"
+        assert day_file.path == f"day={day_file.day}/{day_file_name(config, day_file.day)}"
+        assert re.fullmatch(r"part-[0-9a-f]{16}\.parquet", day_file.path.split("/")[1])
         parquet = pq.ParquetFile(f"{config.url}/{day_file.path}")
+        path = f"{config.url}/{day_file.path}"
+        assert (day_file.bytes, day_file.digest) == (os.path.getsize(path), content_digest(path))
         assert parquet.schema_arrow == criteo_schema(multi_hot=False)
         groups = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
         assert groups == [1000, 1000, 500]
@@ -124,6 +130,9 @@ def test_same_seed_same_data_other_seed_other_data(one_hot, tmp_path):
     assert not other_table.equals(table)
     assert not np.array_equal(other_table["C3"].to_numpy(), table["C3"].to_numpy())
     assert other.bayes_auc != manifest.bayes_auc
+    # Same parameters, same files (names and digests); another seed, other ones.
+    assert {f.digest for f in other.files}.isdisjoint(f.digest for f in manifest.files)
+    assert {f.path for f in other.files}.isdisjoint(f.path for f in manifest.files)
 
 
 @pytest.mark.parametrize("target", [0.25, 0.1])
@@ -170,7 +179,7 @@ def test_memory_url_overrides_config_url_and_reports_progress(tmp_path):
     try:
         manifest = generate_dataset(config, url=url, progress=calls.append)
         assert read_manifest(url) == manifest
-        with fsspec.open(f"{url}/day=1/part-00000.parquet", "rb") as f:
+        with fsspec.open(f"{url}/{manifest.files[1].path}", "rb") as f:
             assert pq.ParquetFile(f).metadata.num_rows == 1200
     finally:
         fsspec.filesystem("memory").rm("/dlrmflow-test-synthetic", recursive=True)
@@ -186,5 +195,5 @@ def test_negative_seed_is_rejected(tmp_path):
 def test_unwritable_location_names_the_file(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    with pytest.raises(OSError, match=r"not-a-directory/day=0/part-00000.parquet"):
+    with pytest.raises(OSError, match=r"day 0: .*not-a-directory/day=0/part-\w+\.parquet"):
         generate_dataset(_config(blocker, rows_per_day=10))
