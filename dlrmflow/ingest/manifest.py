@@ -11,6 +11,7 @@ switched only once every new day file is complete, and the old files go after it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 from collections import Counter, defaultdict
@@ -31,6 +32,9 @@ from dlrmflow.ingest.reader import DataError
 from dlrmflow.outputs import write_url
 
 MANIFEST_NAME = "manifest.json"
+# The dataset's feature statistics (``dlrmflow.ingest.stats``), valid for the files the
+# manifest listed when they were computed.
+STATS_NAME = "stats.json"
 FORMAT_VERSION = 1
 # Footers read at once: on object stores each is a round trip or two of latency.
 _FOOTER_THREADS = 16
@@ -291,9 +295,20 @@ def publish_manifest(root: str, manifest: Manifest) -> str:
     """Make ``manifest`` the dataset at ``root``: write ``manifest.json`` (one atomic
     replace: readers see the old dataset or the new one), then remove the day files it no
     longer lists. Every file it lists must be complete before this is called."""
+    before = listed_paths(root)
+    if before != {posixpath.normpath(f.path) for f in manifest.files}:
+        # Statistics of other files would plan the new dataset's tables (and say nothing
+        # of it): gone before the switch, recomputed by `dlrmflow stats` or the flow.
+        _remove_quietly(join_url(root, STATS_NAME))
     written = write_manifest(root, manifest)
     remove_unlisted(root, [f.path for f in manifest.files], [f.day for f in manifest.files])
     return written
+
+
+def _remove_quietly(url: str) -> None:
+    fs, path = fsspec.core.url_to_fs(url)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
 
 
 def listed_paths(root: str) -> set[str] | None:

@@ -44,11 +44,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrmflow.ingest.dayfile import NotRegularFile, open_regular
-from dlrmflow.ingest.manifest import Manifest, join_url, read_manifest, write_json
+from dlrmflow.ingest.manifest import STATS_NAME, Manifest, join_url, read_manifest, write_json
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema
-
-STATS_NAME = "stats.json"
 
 # 2**14 registers: 0.8% error for 16 KiB a feature; more buys little for table sizing.
 HLL_PRECISION = 14

@@ -311,3 +311,17 @@ def test_convert_on_a_full_disk_names_the_file_and_the_day(
     assert error.startswith(f"error: day 0: {out}/day=0/part-")
     assert error.endswith(f".parquet: could not be written: File too large (converting {raw[0]})\n")
     assert snapshot(out) == before  # the previous dataset, and nothing else
+
+
+def test_statistics_of_other_files_go_when_the_manifest_switches(tmp_path: Path) -> None:
+    # stats.json plans the tables; kept beside a regenerated dataset it would describe
+    # files that are gone.
+    from dlrmflow.ingest.stats import STATS_NAME, dataset_stats, write_stats
+
+    data = tmp_path / "data"
+    generate(data, seed=1)
+    write_stats(str(data), dataset_stats(str(data)))
+    generate(data, seed=1)  # the same files: the statistics still hold
+    assert (data / STATS_NAME).is_file()
+    generate(data, seed=2)
+    assert not (data / STATS_NAME).exists()
