@@ -22,12 +22,20 @@ than going back to the system, so its resident size stays near its peak. That is
 training process behaves anyway (it allocates the same sizes every step). Set
 ``DLRMFLOW_MMAP_THRESHOLD`` to a byte count to choose another threshold, or to 0 to leave
 glibc's defaults alone. Elsewhere than glibc (macOS, musl) nothing changes.
+
+``available_memory`` says how much more memory this process may take: what the kernel
+could give (``MemAvailable``), or less where a cgroup limit (a container's, a systemd
+unit's) would kill it first. The trainer compares a model's embeddings with it before
+allocating them, so a model too large fails in one line rather than in the allocator or
+the OOM killer.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 ENV = "DLRMFLOW_MMAP_THRESHOLD"
 DEFAULT_THRESHOLD = 1 << 30
@@ -119,3 +127,110 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+@dataclass(frozen=True)
+class Available:
+    """Bytes of memory a process may still take, and what limits it (for the message)."""
+
+    bytes: int
+    source: str
+
+
+# A cgroup v1 limit at or above this is "no limit" (the kernel's unlimited is ~2**63).
+_V1_UNLIMITED = 1 << 62
+
+
+def available_memory(
+    meminfo: str | Path = "/proc/meminfo",
+    proc_cgroup: str | Path = "/proc/self/cgroup",
+    cgroup_root: str | Path = "/sys/fs/cgroup",
+) -> Available | None:
+    """The memory this process may still take: ``MemAvailable`` of ``/proc/meminfo``, or
+    less where this process's memory cgroup (or one above it) is limited, v2
+    (``memory.max``) or v1 (``memory.limit_in_bytes``). A cgroup's room is its limit less
+    its usage, its file cache counted free (the kernel reclaims it before killing).
+    None where neither can be read (not Linux). The paths are the kernel's; tests pass
+    others."""
+    candidates = []
+    total = _meminfo_available(Path(meminfo))
+    if total is not None:
+        candidates.append(Available(total, f"MemAvailable in {meminfo}"))
+    limited = _cgroup_available(Path(proc_cgroup), Path(cgroup_root))
+    if limited is not None:
+        candidates.append(limited)
+    return min(candidates, key=lambda a: a.bytes, default=None)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes for a person, with the exact count: ``2.4 TB (2368000000000 bytes)``."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit} ({int(n)} bytes)"
+    return f"{int(n)} bytes"
+
+
+def _meminfo_available(path: Path) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # v2's "max": no limit
+
+
+def _file_cache(stat: Path, keys: tuple[str, ...]) -> int:
+    try:
+        values = dict(line.split() for line in stat.read_text().splitlines() if " " in line)
+    except (OSError, ValueError):
+        return 0
+    return sum(int(values.get(k, 0)) for k in keys)
+
+
+def _cgroup_available(proc_cgroup: Path, root: Path) -> Available | None:
+    """The least room of this process's memory cgroup and those above it, if any is
+    limited. A cgroup namespace shows the process at its root (``/``), where the
+    container's limit is."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    best: Available | None = None
+    for line in lines:
+        _id, controllers, name = (line.split(":", 2) + ["", ""])[:3]
+        relative = name.strip().lstrip("/")
+        if controllers == "" and (root / "cgroup.controllers").exists():  # v2
+            base, limit_file, usage_file = root, "memory.max", "memory.current"
+            cache_keys: tuple[str, ...] = ("active_file", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1
+            base, limit_file, usage_file = (
+                root / "memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
+            cache_keys = ("total_active_file", "total_inactive_file")
+        else:
+            continue
+        directory = base / relative
+        if not directory.is_dir():
+            directory = base  # the namespace's own root
+        for level in [directory, *directory.parents]:
+            if level != base and base not in level.parents:
+                break
+            limit = _read_int(level / limit_file)
+            usage = _read_int(level / usage_file)
+            if limit is not None and usage is not None and limit < _V1_UNLIMITED:
+                room = max(0, limit - usage + _file_cache(level / "memory.stat", cache_keys))
+                room = min(room, limit)
+                if best is None or room < best.bytes:
+                    best = Available(room, f"the cgroup limit {level / limit_file}")
+    return best

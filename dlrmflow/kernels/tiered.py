@@ -34,6 +34,11 @@ state in the same row order (row-wise Adagrad: ``[rows, 1]``; Adam: the two mome
 checkpoint saves and loads them as views of the mapping, never as a copy of a table that
 may not fit in memory; in the cache a row and its state sit side by side as one record.
 
+The file's blocks are reserved when it is created (``posix_fallocate``), so a disk too
+small for it fails there, as a ``DiskSpaceError`` naming the file and the bytes, with the
+file removed. Without the reservation the file would be sparse, and the first write into
+a hole of a full disk's mapping kills the process with SIGBUS, mid-run and without a word.
+
 Resident memory stays bounded however much of the file a run touches: pages of a shared
 file mapping count in a process's resident set once touched, and the kernel leaves them
 mapped while memory is free. A batch's reads and write-backs go in chunks of
@@ -48,8 +53,11 @@ after every chunk: each unmapping makes the next accesses to those pages fault a
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import mmap
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,12 +68,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe import INIT_BLOCK_ROWS, TableBatchedEmbeddingBag, init_table_rows
 from dlrmflow.kernels.tbe_layout import Adam, Optimizer, RowWiseAdagrad
+from dlrmflow.memory import format_bytes
 
-__all__ = ["CacheStats", "CacheTooSmall", "TieredEmbeddingBag"]
+__all__ = ["CacheStats", "CacheTooSmall", "DiskSpaceError", "TieredEmbeddingBag"]
 
 HEADER_BYTES = 4096
 MAGIC = "dlrmflow-tiered-embeddings"
@@ -94,8 +104,26 @@ WorkingSetHook = Callable[[TableBatchedEmbeddingBag, int, torch.Tensor, torch.Te
 UNUSABLE = torch.iinfo(torch.int64).max
 
 
-class CacheTooSmall(RuntimeError):
-    """A batch needs more distinct rows in memory at once than the cache can hold."""
+class CacheTooSmall(DlrmflowError, RuntimeError):
+    """A batch needs more distinct rows in memory at once than the cache can hold.
+
+    ``rows`` is what the batch needs, ``free`` what the cache could give it (its slots not
+    pinned by another batch) and ``slot_bytes`` the memory of one slot, bookkeeping
+    included: whoever sized the cache can say how much more memory it takes.
+    """
+
+    def __init__(self, message: str, *, rows: int, free: int, slot_bytes: int) -> None:
+        super().__init__(message)
+        self.rows, self.free, self.slot_bytes = rows, free, slot_bytes
+
+    @property
+    def missing_bytes(self) -> int:
+        """The memory the cache lacks for this batch."""
+        return (self.rows - self.free) * self.slot_bytes
+
+
+class DiskSpaceError(DlrmflowError, OSError):
+    """The file system cannot hold a new tiered embedding file (none is left behind)."""
 
 
 @dataclass
@@ -488,6 +516,62 @@ def record_width(optimizer: Optimizer, dim: int) -> int:
     return sum(part_widths(optimizer, dim))
 
 
+def _make_directories(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents; return those created, deepest first,
+    for a failed creation to remove."""
+    missing = []
+    for path in [directory, *directory.parents]:
+        if path.exists():
+            break
+        missing.append(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s file system."""
+    try:
+        stat = os.statvfs(path.parent)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def _no_space(path: Path, size: int, free: int | None) -> DiskSpaceError:
+    have = "" if free is None else f", but its file system has {format_bytes(free)} free"
+    return DiskSpaceError(
+        f"{path}: the embedding rows and optimizer state kept on disk need "
+        f"{format_bytes(size)}{have}; free space there or keep the file elsewhere"
+    )
+
+
+def _check_free(path: Path, size: int) -> None:
+    """Refuse at once a file larger than the free space (reserving would fail anyway,
+    after briefly filling the disk for every other writer)."""
+    free = _free_bytes(path)
+    if free is not None and size > free:
+        raise _no_space(path, size, free)
+
+
+def _reserve(fd: int, path: Path, size: int, *, new: bool) -> None:
+    """Allocate every block of the open file ``fd`` (``size`` bytes), keeping its contents:
+    writes through the mapping then never meet a full disk. Where the file system cannot
+    reserve (no ``posix_fallocate``, or it says not supported), the file stays sparse: a
+    ``new`` one was checked against the free space first. A ``new`` file that does not fit
+    is emptied before the free space is reported."""
+    if not hasattr(os, "posix_fallocate"):  # macOS, Windows
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if new:
+                os.ftruncate(fd, 0)  # give back what it got, then say what is free
+            raise _no_space(path, size, _free_bytes(path)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+
+
 def cache_rows_for(memory_bytes: int, tables: Sequence[SparseFeature], optimizer: Optimizer) -> int:
     """The cache slots that ``memory_bytes`` holds for a bag of ``tables``: the records
     (each slot as wide as the widest) and the slots' bookkeeping. The row map
@@ -621,14 +705,31 @@ class TieredEmbeddingBag(nn.Module):
                 f"{self.path}: already exists; pass resume=True to train on from it, or "
                 "delete it to start over"
             )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("wb") as f:
-            # Sparse where the file system allows: the zeros are the initial optimizer state.
-            f.truncate(self._file_bytes())
-        self._write_header()
-        memmap = np.memmap(self.path, np.float32, "r+", offset=HEADER_BYTES)
-        if not fill:  # the rows stay zeros until a load writes them
-            return memmap
+        size = self._file_bytes()
+        created = _make_directories(self.path.parent)
+        try:
+            _check_free(self.path, size)
+            with self.path.open("wb") as f:
+                # Zeros (the initial optimizer state) without writing them, then every
+                # block reserved: a full disk is an error now, not a SIGBUS mid-run.
+                f.truncate(size)
+                _reserve(f.fileno(), self.path, size, new=True)
+            self._write_header()
+            memmap = np.memmap(self.path, np.float32, "r+", offset=HEADER_BYTES)
+            if fill:
+                self._fill(memmap, seed, init)
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            for directory in created:
+                with contextlib.suppress(OSError):  # not empty: another file is there
+                    directory.rmdir()
+            raise
+        return memmap
+
+    def _fill(
+        self, memmap: np.memmap, seed: int, init: Callable[[int, torch.Tensor, int], None] | None
+    ) -> None:
+        """Write every table's initial rows into a new file (its state stays zeros)."""
         pages = _Pages(memmap)
         for region, (first, end) in zip(self._regions(memmap), self._group_keys, strict=True):
             weights = region.parts[0]
@@ -647,7 +748,6 @@ class TieredEmbeddingBag(nn.Module):
                     weights[row + start : row + start + rows] = chunk.numpy()
                     pages.drop(weights, row + start, row + start + rows - 1)
         memmap.flush()
-        return memmap
 
     def _open(self) -> np.memmap:
         if not self.path.is_file():
@@ -674,6 +774,10 @@ class TieredEmbeddingBag(nn.Module):
                 "(truncated or damaged)"
             )
         self.step = int(header["step"])
+        # A file written sparse (before files were reserved, or copied) gets its holes'
+        # blocks now: writing into a hole of a full disk would be a SIGBUS.
+        with self.path.open("r+b") as f:
+            _reserve(f.fileno(), self.path, size, new=False)
         return np.memmap(self.path, np.float32, "r+", offset=HEADER_BYTES)
 
     def flush(self) -> None:
@@ -688,6 +792,13 @@ class TieredEmbeddingBag(nn.Module):
         self.flush()
         self._jobs.shutdown()
         del self._memmap, self._cache
+
+    def discard(self) -> None:
+        """Stop the prefetch thread and delete the file, unflushed: for a bag whose job
+        cannot start (another rank's file found no room). The bag is unusable after."""
+        self._jobs.shutdown()
+        del self._memmap, self._cache, self._pages
+        self.path.unlink(missing_ok=True)
 
     # -- what the in-memory bag offers ----------------------------------------------------
 
@@ -864,11 +975,16 @@ class TieredEmbeddingBag(nn.Module):
         ):
             # A forward takes precedence over batches prefetched after it: drop their pins.
             self._release_prefetched(len(self._prefetched))
-            if need > self._cache.available(self._tick):
+            free = self._cache.available(self._tick)
+            if need > free:
+                pinned = int((self._cache.pins > 0).sum())
                 raise CacheTooSmall(
-                    f"{self.path}: a batch needs {rows.numel()} distinct rows but the cache "
-                    f"holds {self._cache.capacity} ({int((self._cache.pins > 0).sum())} of "
-                    "them pinned by another batch); raise cache_rows"
+                    f"{self.path}: a batch needs {rows.numel()} distinct rows in memory at "
+                    f"once but the cache holds {self._cache.capacity}"
+                    + (f" ({pinned} of them pinned by another batch)" if pinned else ""),
+                    rows=rows.numel(),
+                    free=free + hits,
+                    slot_bytes=4 * self._cache.records.shape[1] + SLOT_BOOKKEEPING_BYTES,
                 )
         transfer, evicted = self._cache.place(rows, slots, self._tick)
         self._stats.evictions += evicted

@@ -16,6 +16,8 @@ from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.tiered import CacheTooSmall
+from dlrmflow.train.sharded import cache_budget_error
 
 EmbeddingOptimizer = SGD | RowWiseAdagrad | Adam
 
@@ -151,4 +153,8 @@ class DLRM(nn.Module):
         self.dense_arch = DenseArch(spec, config, precision)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        return self.dense_arch(dense, self.embeddings(sparse))
+        try:
+            pooled = self.embeddings(sparse)
+        except CacheTooSmall as e:  # tables on disk (train.embedding_memory_bytes)
+            raise cache_budget_error(e) from e
+        return self.dense_arch(dense, pooled)

@@ -1153,11 +1153,25 @@ def plan_for_job(
 
     A failure to plan on rank 0 is broadcast too: rank 0 raises it, the others raise a
     ``PlanningError`` quoting it, instead of waiting in the broadcast until the job times out.
+
+    The job is about to allocate the plan's tables, so the plan is checked against the
+    memory of each host first (``dlrmflow.train.tiers.check_memory``, also a collective):
+    a model its hosts cannot hold fails on every rank, in one line naming
+    ``train.embedding_memory_bytes``. The memory is measured before any rank plans or
+    allocates; the tables' even share is checked before planning too (a model far too
+    large for the host needs no plan to say so).
     """
     import torch.distributed as dist  # here: planning alone needs only numpy, and is quick
 
+    from dlrmflow.memory import available_memory
+    from dlrmflow.train.tiers import check_memory
+
+    available = available_memory()
     if not (dist.is_available() and dist.is_initialized()):
-        return plan_for_config(config, spec, world_size, ranks_per_host, stats_root=stats_root)
+        plan = plan_for_config(config, spec, world_size, ranks_per_host, stats_root=stats_root)
+        check_memory(config, spec, plan, available=available)
+        return plan
+    check_memory(config, spec, ranks_per_host=ranks_per_host, available=available)
     if dist.get_world_size() != world_size:
         raise PlanningError(
             f"plan_for_job: world_size {world_size}, but the process group has "
@@ -1180,6 +1194,7 @@ def plan_for_job(
         raise PlanningError(received["error"] if received else "rank 0 sent no plan")
     plan = ShardingPlan.from_dict(received["plan"])
     plan.validate()
+    check_memory(config, spec, plan, available=available)
     return plan
 
 

@@ -66,10 +66,12 @@ from dlrmflow.kernels.tiered import (
     SLOT_BOOKKEEPING_BYTES,
     CacheStats,
     CacheTooSmall,
+    DiskSpaceError,
     TieredEmbeddingBag,
     cache_rows_for,
     record_width,
 )
+from dlrmflow.memory import format_bytes
 from dlrmflow.train.comms import CommStats, PendingAllToAll, all_gather_ints, all_to_all
 from dlrmflow.train.sharding import Shard, ShardingPlan, TablePlan
 
@@ -91,6 +93,17 @@ class _Route:
 
 class TierBudgetError(DlrmflowError):
     """A rank's memory budget leaves no room for the cache of its shards on disk."""
+
+
+def cache_budget_error(error: CacheTooSmall, rank: int | None = None) -> TierBudgetError:
+    """A batch that did not fit a tiered bag's cache, told in configuration keys: the
+    cache is what ``train.embedding_memory_bytes`` leaves, and a smaller batch needs fewer
+    rows at once."""
+    where = "" if rank is None else f"on rank {rank}, "
+    return TierBudgetError(
+        f"train.embedding_memory_bytes: {where}{error}; raise it by at least "
+        f"{format_bytes(error.missing_bytes)} or lower train.batch_size"
+    )
 
 
 @dataclass(frozen=True)
@@ -250,18 +263,23 @@ class ShardedEmbeddingCollection(nn.Module):
             routes = self._tiered_routes
             tables = [self._local_table(route) for route in routes]
             cache_rows = self._cache_rows(tiers, tables)
-            if routes:
-                self.tiered = TieredEmbeddingBag(
-                    tables,
-                    optimizer,
-                    tiers.directory,
-                    cache_rows=cache_rows,
-                    init=lambda j, out, first: self._init_shard(routes[j], out, seed, first),
-                    kernels=kernels,
-                    fill=tiers.fill,
-                )
-                if any(r.table.name in self._column_groups for r in routes):
-                    self.tiered.square_sum_hook = self._tiered_square_means
+            problem = ""
+            try:
+                if routes:
+                    self.tiered = TieredEmbeddingBag(
+                        tables,
+                        optimizer,
+                        tiers.directory,
+                        cache_rows=cache_rows,
+                        init=lambda j, out, first: self._init_shard(routes[j], out, seed, first),
+                        kernels=kernels,
+                        fill=tiers.fill,
+                    )
+            except DiskSpaceError as e:
+                problem = str(e)
+            self._all_or_none(problem)
+            if self.tiered is not None and any(r.table.name in self._column_groups for r in routes):
+                self.tiered.square_sum_hook = self._tiered_square_means
         # Where each local shard's pooled columns are in [in-memory bag's | tiered bag's].
         block_start = {}
         column = 0
@@ -331,6 +349,19 @@ class ShardedEmbeddingCollection(nn.Module):
         if first:
             raise TierBudgetError(first)
         return rows
+
+    def _all_or_none(self, problem: str) -> None:
+        """Every rank's file on disk, or none: when a rank could not create its file (a
+        full disk), every rank removes its own and raises that rank's error (a
+        collective), rather than leaving files behind and waiting for the failed rank."""
+        problems: list[str] = [""] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        first = next((p for p in problems if p), "")
+        if first:
+            if self.tiered is not None:
+                self.tiered.discard()
+                self.tiered = None
+            raise DiskSpaceError(first)
 
     def _rows_left(self, tiers: TierStorage, tables: list[SparseFeature]) -> int:
         optimizer = self.optimizer
@@ -596,10 +627,7 @@ class ShardedEmbeddingCollection(nn.Module):
         try:
             from_disk = self.tiered(on_disk)
         except CacheTooSmall as e:
-            raise TierBudgetError(
-                f"train.embedding_memory_bytes: on rank {self.rank}, {e}; raise it (or lower "
-                "train.batch_size)"
-            ) from e
+            raise cache_budget_error(e, self.rank) from e
         if in_memory is None:
             return from_disk
         both = torch.cat([self.local(in_memory), from_disk], dim=1)

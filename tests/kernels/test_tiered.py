@@ -1,5 +1,11 @@
 """The tiered bag against the in-memory TBE: bitwise-equal training, LRU, files, errors."""
 
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +13,7 @@ from torch import nn
 from dlrmflow.config import ModelConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.kernels import tiered as tiered_module
 from dlrmflow.kernels.tbe import (
     SGD,
     Adam,
@@ -14,7 +21,13 @@ from dlrmflow.kernels.tbe import (
     TableBatchedEmbeddingBag,
     init_table_rows,
 )
-from dlrmflow.kernels.tiered import TieredEmbeddingBag
+from dlrmflow.kernels.tiered import (
+    HEADER_BYTES,
+    SLOT_BOOKKEEPING_BYTES,
+    CacheTooSmall,
+    DiskSpaceError,
+    TieredEmbeddingBag,
+)
 from dlrmflow.train.model import DLRM
 from tests.kernels.batches import random_jagged, random_one_hot
 
@@ -40,6 +53,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory: Path, size: str = "8m") -> Iterator[Path]:
+    """``directory`` on a tmpfs of ``size`` (a disk that fills), unmounted afterwards;
+    skips the test where mounting is not allowed (not root, no tmpfs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)]
+    done = subprocess.run(mount, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
 def _jagged(seed: int, tables=TABLES, batch=BATCH, max_len=3, weighted=False):
@@ -240,8 +270,11 @@ def test_bad_files_and_inputs_fail_with_the_file_or_feature_named(tmp_path):
     bad.one_hot_rows[3, 2] = 25
     with pytest.raises(IndexError, match="feature 'c': ID 25 of sample 3"):
         fresh(bad)
-    with pytest.raises(RuntimeError, match="distinct rows.*raise cache_rows"):
+    with pytest.raises(
+        CacheTooSmall, match="distinct rows in memory at once but the cache holds 8$"
+    ) as e:
         fresh(_one_hot(1))
+    assert e.value.missing_bytes == (e.value.rows - 8) * (4 * 4 + SLOT_BOOKKEEPING_BYTES)
 
 
 def test_backward_of_a_superseded_forward_is_refused(tmp_path):
@@ -329,3 +362,41 @@ def test_training_keeps_the_files_mapped_pages_within_the_allowance(
     else:
         assert grown > bag.path.stat().st_size // 2, grown
     bag.close()
+
+
+# 4 tables of 40,000 rows, dim 8, with row-wise Adagrad: 5.76 MB of rows and state.
+LARGE = [SparseFeature(name, 40_000, 8) for name in "wxyz"]
+LARGE_BYTES = HEADER_BYTES + 4 * 4 * 40_000 * (8 + 1)
+
+
+def test_a_new_file_reserves_its_blocks(tmp_path):
+    """Every block of the file is allocated at creation (not a sparse file): writing rows
+    into it later can never meet a full disk, which through the mapping is a SIGBUS."""
+    with small_tmpfs(tmp_path / "disk") as disk:
+        bag = TieredEmbeddingBag(LARGE, RowWiseAdagrad(lr=0.1), disk, cache_rows=10, fill=False)
+        stat = bag.path.stat()
+        assert stat.st_size == LARGE_BYTES
+        assert stat.st_blocks * 512 >= LARGE_BYTES
+        bag.close()
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["free-space-check", "reservation"])
+def test_a_file_larger_than_the_free_space_fails_naming_it_and_leaves_nothing(
+    tmp_path, monkeypatch, checked: bool
+):
+    """Refused before anything is written, naming the file, the bytes it needs and those
+    free; the file and the directories made for it are gone. ``reservation``: the free
+    space looked sufficient (another writer took it since), so ``posix_fallocate`` is what
+    finds the disk full."""
+    if not checked:
+        monkeypatch.setattr(tiered_module, "_check_free", lambda path, size: None)
+    with small_tmpfs(tmp_path / "disk", size="4m") as disk:
+        with pytest.raises(DiskSpaceError) as e:
+            TieredEmbeddingBag(LARGE, RowWiseAdagrad(lr=0.1), disk / "run" / "rank0", cache_rows=10)
+        message = str(e.value)
+        assert message.startswith(f"{disk}/run/rank0/embeddings.tiered: ")
+        assert f"need 5.8 MB ({LARGE_BYTES} bytes)" in message
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        assert f"its file system has 4.2 MB ({free} bytes) free" in message
+        assert list(disk.iterdir()) == []
+        assert isinstance(e.value, OSError)  # the CLI's one-line errors
