@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,35 @@ def tiny_run_config(data_url: str, run_dir: Path, **train: object) -> RunConfig:
             "eval": {"batch_size": 4096},
         }
     )
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory: Path, size: str = "8m") -> Iterator[Path]:
+    """``directory`` on a tmpfs of ``size`` (a disk that fills), unmounted afterwards;
+    skips the test where mounting is not allowed (not root, no tmpfs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)]
+    done = subprocess.run(mount, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str):
+    """``dlrmflow ARGS`` in this process, as a user runs it: (exit code, stdout, stderr's
+    non-empty lines)."""
+    from dlrmflow.cli import main
+
+    monkeypatch.setattr("sys.argv", ["dlrmflow", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, [line for line in err.splitlines() if line.strip()]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from dlrmflow.cli import main
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
@@ -25,19 +24,7 @@ from dlrmflow.train.trainer import (
     run_kind,
     train,
 )
-from tests.conftest import TINY_DATA, tiny_run_config
-
-
-def _cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str):
-    """``dlrmflow ARGS`` in this process: (exit code, stdout, stderr's non-empty lines)."""
-    monkeypatch.setattr("sys.argv", ["dlrmflow", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, [line for line in err.splitlines() if line.strip()]
+from tests.conftest import TINY_DATA, run_cli, tiny_run_config
 
 
 def _listing(run_dir: Path) -> dict[str, int]:
@@ -73,7 +60,7 @@ def test_demo_refuses_a_directory_holding_a_train_run_and_leaves_it_intact(
     if not marked:  # written before runs recorded their kind: its files tell
         (run_dir / RUN_FILE).unlink()
     before = _listing(run_dir)
-    code, out, err = _cli(monkeypatch, capsys, "demo", "--quick", "--run-dir", str(run_dir))
+    code, out, err = run_cli(monkeypatch, capsys, "demo", "--quick", "--run-dir", str(run_dir))
     assert code == 1 and "summary" not in out, err
     assert err[-1] == (
         f"error: {run_dir} holds a train run, which dlrmflow demo would replace; use another "
@@ -109,7 +96,7 @@ def test_evaluate_never_creates_a_missing_run_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     missing = tmp_path / "no_such_run"
-    code, out, err = _cli(monkeypatch, capsys, "evaluate", "--run-dir", str(missing))
+    code, out, err = run_cli(monkeypatch, capsys, "evaluate", "--run-dir", str(missing))
     assert code == 1 and out == ""
     assert len(err) == 1 and err[0].startswith(f"error: {missing}: no such run directory"), err
     assert not missing.exists()
@@ -122,7 +109,9 @@ def test_evaluate_nproc_0_is_one_line_naming_it(
     capsys: pytest.CaptureFixture,
 ) -> None:
     run_dir = _copy(trained, tmp_path)
-    code, _, err = _cli(monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), "--nproc", "0")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), "--nproc", "0"
+    )
     assert code == 1 and err == ["error: --nproc must be at least 1, not 0"], err
 
 
@@ -135,7 +124,7 @@ def test_evaluate_checkpoint_naming_a_dataset_is_one_line_naming_the_path(
     run_dir = _copy(trained, tmp_path)
     data = trained.data.url  # has a manifest.json, of days rather than shards
     for nproc in ("1", "2"):
-        code, _, err = _cli(
+        code, _, err = run_cli(
             monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), "--checkpoint", data,
             "--nproc", nproc,
         )  # fmt: skip
@@ -154,7 +143,7 @@ def test_evaluate_records_the_dataset_it_scored(
     other = str(tmp_path / "other")
     generate_dataset(DataConfig(url=other, **{**TINY_DATA, "seed": 8}))
     for data, args in ((trained.data.url, []), (other, ["--data", other])):
-        code, _, err = _cli(
+        code, _, err = run_cli(
             monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), "--max-rows", "500", *args
         )
         assert code == 0, err

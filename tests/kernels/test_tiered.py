@@ -1,10 +1,6 @@
 """The tiered bag against the in-memory TBE: bitwise-equal training, LRU, files, errors."""
 
-import contextlib
 import os
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +25,7 @@ from dlrmflow.kernels.tiered import (
     TieredEmbeddingBag,
 )
 from dlrmflow.train.model import DLRM
+from tests.conftest import small_tmpfs
 from tests.kernels.batches import random_jagged, random_one_hot
 
 # Three groups of dims (4, 2, 4) and a mean-pooled table, as in the TBE's tests.
@@ -53,23 +50,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def small_tmpfs(directory: Path, size: str = "8m") -> Iterator[Path]:
-    """``directory`` on a tmpfs of ``size`` (a disk that fills), unmounted afterwards;
-    skips the test where mounting is not allowed (not root, no tmpfs)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)]
-    done = subprocess.run(mount, capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
 def _jagged(seed: int, tables=TABLES, batch=BATCH, max_len=3, weighted=False):

@@ -22,7 +22,7 @@ from dlrmflow.train.model import embedding_optimizer
 from dlrmflow.train.planner import cpu_topology, plan_for_config
 from dlrmflow.train.sharded import TierBudgetError
 from dlrmflow.train.tiers import MemoryShortage, check_memory, tiered_embeddings
-from tests.kernels.test_tiered import small_tmpfs
+from tests.conftest import small_tmpfs
 
 SMALL_MODEL = [
     "model.embedding_dim=8",

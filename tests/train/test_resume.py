@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dlrmflow.cli import main
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.checkpoint import MANIFEST_FILE, list_checkpoints
 from dlrmflow.train.launch import launch_training
 from dlrmflow.train.trainer import IncompatibleCheckpoint, train
-from tests.conftest import TINY_DATA, tiny_run_config
+from tests.conftest import TINY_DATA, run_cli, tiny_run_config
 
 
 @pytest.fixture(scope="module")
@@ -151,18 +150,6 @@ def test_never_starts_afresh_and_removes_the_previous_run(
     assert max(r["step"] for r in records) == 2
 
 
-def _cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str):
-    """``dlrmflow ARGS`` as a user runs it: (exit code, stdout, stderr's non-empty lines)."""
-    monkeypatch.setattr("sys.argv", ["dlrmflow", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, [line for line in err.splitlines() if line.strip()]
-
-
 def _write_config(cfg: RunConfig, path: Path) -> str:
     path.write_text(yaml.safe_dump(cfg.model_dump()))
     return str(path)
@@ -205,7 +192,7 @@ def test_a_resume_inside_an_epoch_at_another_rank_count_is_refused_in_one_line(
         assert data.pop("mid_epoch") is True
         manifest.write_text(json.dumps(data))
     config = _write_config(two_rank_epoch, tmp_path / "run.yaml")
-    code, out, err = _cli(
+    code, out, err = run_cli(
         monkeypatch, capsys, "train", "--config", config, "--run-dir", str(run_dir),
         "--set", "distributed.nproc=1",
     )  # fmt: skip
@@ -228,7 +215,7 @@ def test_a_checkpoint_at_an_epochs_end_continues_at_another_rank_count(
     run_dir = tmp_path / "run"
     shutil.copytree(two_rank_epoch.run_dir, run_dir)
     config = _write_config(two_rank_epoch, tmp_path / "run.yaml")
-    code, out, err = _cli(
+    code, out, err = run_cli(
         monkeypatch, capsys, "train", "--config", config, "--run-dir", str(run_dir),
         "--set", "distributed.nproc=1", "--set", "train.epochs=2",
     )  # fmt: skip
@@ -262,7 +249,7 @@ def test_a_resumed_run_reports_the_loss_and_metrics_of_the_uninterrupted_run(
     whole = tmp_path / "whole"
 
     def train_to(run_dir: Path, steps: int) -> dict:
-        code, _, err = _cli(
+        code, _, err = run_cli(
             monkeypatch, capsys, "train", "--config", config, "--run-dir", str(run_dir),
             "--set", f"train.max_steps={steps}",
         )  # fmt: skip

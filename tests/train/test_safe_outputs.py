@@ -15,7 +15,7 @@ from dlrmflow.outputs import OutputError, write_atomic
 from dlrmflow.train.checkpoint import list_checkpoints, load_checkpoint
 from dlrmflow.train.export import export_model
 from dlrmflow.train.trainer import train
-from tests.conftest import tiny_run_config
+from tests.conftest import small_tmpfs, tiny_run_config
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +25,11 @@ def trained(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Path
     return run_dir
 
 
-def _small_disk(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` at ``path``: a disk that really fills up (needs root)."""
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 @pytest.fixture
 def disk_for_one_checkpoint(tmp_path: Path) -> Iterator[Path]:
     # The tiny model's checkpoint takes ~2.3 MB: one fits, a second beside it does not.
-    yield from _small_disk(tmp_path / "disk", "3500k")
+    with small_tmpfs(tmp_path / "disk", "3500k") as disk:
+        yield disk
 
 
 def _no_temporaries(folder: Path) -> bool:
@@ -77,7 +64,7 @@ def test_export_refuses_special_files_and_writes_through_symlinks(trained: Path,
 def test_export_on_a_full_disk_fails_in_one_line_and_keeps_the_old_file(
     trained: Path, tmp_path: Path
 ) -> None:
-    for disk in _small_disk(tmp_path / "disk", "1m"):  # the model takes ~1.9 MB
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:  # the model takes ~1.9 MB
         out = disk / "model.safetensors"
         out.write_bytes(b"the previous model")
         with pytest.raises(OutputError, match=r"model.safetensors: .*No space left on device"):
