@@ -30,7 +30,6 @@ from pydantic import (
 )
 
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.train.sharding import ShardingType
 
 
 class ConfigError(DlrmflowError, ValueError):
@@ -49,6 +48,11 @@ def _not_bool(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool), AllowInfNan(False)]
 Size = Annotated[Int, Field(ge=1)]
+
+# How a table is spread over ranks (``distributed.sharding``). Named here, where every
+# setting's values are, so that the configuration imports no stage above it; the plan's
+# nouns (``dlrmflow.train.sharding``) take it from here.
+ShardingType = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"]
 
 
 class _Section(BaseModel):

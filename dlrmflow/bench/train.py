@@ -130,7 +130,7 @@ def run_baseline(size: dict, warmup: int, steps: int) -> dict:
 def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
     """One mode on the current job (every rank calls this): global samples/s, bytes/step."""
     from dlrmflow.train.distributed import ShardedDLRM
-    from dlrmflow.train.planner import plan_for_config
+    from dlrmflow.train.planner.jobs import plan_for_config
 
     config = bench_config(size, mode["sharding"], mode["comms"], mode["pipeline"])
     spec = bench_spec(size)

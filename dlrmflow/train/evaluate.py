@@ -45,7 +45,7 @@ from dlrmflow.train.distributed import (
 )
 from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import embedding_optimizer
-from dlrmflow.train.planner import plan_for_job
+from dlrmflow.train.planner.jobs import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
 from dlrmflow.train.tiers import scratch_directory, scratch_tier_storage
 

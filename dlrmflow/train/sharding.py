@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
-ShardingType = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"]
+from dlrmflow.config import ShardingType
+
 SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
 
 Tier = Literal["device", "dram", "ssd"]

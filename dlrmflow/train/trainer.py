@@ -62,7 +62,7 @@ from dlrmflow.train.distributed import (
 from dlrmflow.train.evaluate import score, test_loader
 from dlrmflow.train.metrics import click_metrics
 from dlrmflow.train.model import DLRM, embedding_optimizer
-from dlrmflow.train.planner import plan_for_job
+from dlrmflow.train.planner.jobs import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
 from dlrmflow.train.sharding import ShardingPlan
 from dlrmflow.train.tiers import TIERED_DIR, tier_storage, tiered_embeddings
