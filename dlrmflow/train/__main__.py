@@ -5,7 +5,8 @@
 
 torchrun starts this on every rank (``dlrmflow train --nproc N``, with ``--nnodes`` and
 ``--node-rank`` on many hosts, starts it through ``dlrmflow.train.agent``). Rank 0 prints
-the metrics records.
+the metrics records. A rank dies with the agent that started it and keeps a heartbeat for
+the launcher's watchdog (``dlrmflow.train.supervise``).
 Started by hand (``torchrun ... -m dlrmflow.train``), a rank resolves its configuration as
 the CLI does: the file, then ``DLRMFLOW_SECTION__KEY`` variables, then ``--set``. Started
 by ``dlrmflow train`` it gets ``--resolved``: the launcher's ``config.json`` already holds
@@ -14,17 +15,23 @@ the environment, and a ``--set`` that overrode a variable there must not be undo
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import traceback
-from typing import NoReturn
+from dlrmflow.train import supervise
 
-from dlrmflow.config import ConfigError, load_config
-from dlrmflow.memory import tune_allocator
-from dlrmflow.train.evaluate import evaluate
-from dlrmflow.train.trainer import train
+if __name__ == "__main__":
+    # First, before the imports below take seconds: a rank dies with its agent.
+    supervise.join_job()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+from dlrmflow.config import ConfigError, load_config  # noqa: E402
+from dlrmflow.memory import tune_allocator  # noqa: E402
+from dlrmflow.train.evaluate import evaluate  # noqa: E402
+from dlrmflow.train.trainer import train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,10 @@ in place of torchrun's report and traceback; when a job of several hosts cannot 
 ``startup-failed`` line (``multihost.StartupFailed``). It imports torch's launcher alone,
 not the trainer its ranks run: an agent starts in a second where the trainer takes several,
 once per host and job.
+
+It dies with the launcher: the kernel sends it SIGTERM when the launcher dies, even by
+SIGKILL, and torchrun then stops its ranks and waits for them before it exits; each rank
+in turn dies with it (``dlrmflow.train.supervise``).
 """
 
 from __future__ import annotations
@@ -86,4 +90,10 @@ def torchrun_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    from dlrmflow.train.supervise import PARENT_ENV, die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+    os.environ[PARENT_ENV] = str(os.getpid())  # the parent the ranks must not outlive
     sys.exit(torchrun_main(sys.argv[1:]))

@@ -24,6 +24,7 @@ from dlrmflow.features.wire import decode_batch, features_digest
 from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.ingest.reader import ParquetBatchDataset, ReaderLoader, list_splits, make_loader
 from dlrmflow.ingest.schema import SPARSE
+from dlrmflow.train.supervise import beat
 
 if TYPE_CHECKING:
     from dlrmflow.ingest.service import RemoteBatchSource
@@ -158,6 +159,7 @@ class TrainLoader:
                 self.close()
                 raise
             self.wait_seconds += clock() - start
+            beat()  # this rank's main thread is making progress (see supervise.Watchdog)
             yield batch
             start = clock()
 

@@ -160,9 +160,11 @@ class ShardedDLRM(nn.Module):
         world = dist.get_world_size()
         # Separate groups (with the default group's backends): the pipelined input exchange
         # runs in the background and must not interleave with the output exchange or DDP's
-        # allreduce on the same group.
-        output_group = dist.new_group()
-        input_group = dist.new_group()
+        # allreduce on the same group. With the job's collective timeout: a group takes
+        # torch's default (30 minutes) otherwise, not the default group's.
+        timeout = timedelta(seconds=config.distributed.timeout_s)
+        output_group = dist.new_group(timeout=timeout)
+        input_group = dist.new_group(timeout=timeout)
         self.embeddings = ShardedEmbeddingCollection(
             spec.sparse,
             plan,
@@ -176,6 +178,7 @@ class ShardedDLRM(nn.Module):
             device=device,
             kernels=config.model.kernels,
             tiers=tiers,
+            timeout=timeout,
         )
         self.dense_arch = DenseArch(spec, config.model, config.train.precision).to(device)
         self.ddp = DistributedDataParallel(

@@ -2,16 +2,20 @@
 launcher (torchrun), as its own process group, streaming its output line by line; with
 ``distributed.nnodes`` > 1, this host's part of a job that spans hosts (``multihost``).
 
-The launcher runs in a child process in a new session, so that stopping the job (Ctrl-C,
-a Prefect cancellation, a failed rank) takes every rank down with it. Rank 0 prints its
-result as one ``result`` JSON line; a rank that fails prints one ``error: rank N: ...``
-line. A rank that dies makes the others fail (their connections to it break, or a
-collective times out after ``distributed.timeout_s``) and torchrun stops the rest. The
+The launcher runs in a child process in a new session, supervised
+(``dlrmflow.train.supervise``): a signal that stops this process (Ctrl-C, SIGTERM from a
+scheduler) stops the job first and ends in ``JobStopped``, every process of the job dies
+with its parent even when that is killed outright, the run directory stays locked until
+none is left, and a rank that makes no progress is named and the job stopped.
+
+Rank 0 prints its result as one ``result`` JSON line; a rank that fails prints one ``error:
+rank N: ...`` line. A rank that dies makes the others fail (their connections to it break,
+or a collective times out after ``distributed.timeout_s``) and torchrun stops the rest. The
 child runs torchrun through ``python -m dlrmflow.train.agent``, which reports each failed
 rank's exit code or signal as one ``failures`` JSON line in place of torchrun's report;
 ``TrainingFailed`` then names the rank that failed first and how: its own error, else the
-signal that killed it or its exit code, never another rank's lost connection to it. A job
-of several hosts that cannot start prints one ``startup-failed`` line instead
+signal that killed it or its exit code, never another rank's lost connection to it. A job of
+several hosts that cannot start prints one ``startup-failed`` line instead
 (``StartupFailed``), naming the host or address at fault.
 """
 
@@ -35,6 +39,8 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.train.agent import FAILURES, STARTUP_FAILED
 from dlrmflow.train.evaluate import evaluate
 from dlrmflow.train.multihost import Hosts, StartupFailed
+from dlrmflow.train.rundir import held_lock_fds
+from dlrmflow.train.supervise import Job, JobStopped, interrupt_on_signals, stop_on_signals
 from dlrmflow.train.trainer import TrainResult, train
 
 CONFIG_FILE = "config.json"
@@ -98,14 +104,18 @@ def ranks_of(pid: int) -> list[int]:
 
 
 def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop a torchrun job and every rank: SIGTERM, then SIGKILL after ``grace_s``.
+    """Stop a torchrun job and every rank: SIGTERM (and SIGCONT, for stopped ones), then
+    SIGKILL after ``grace_s``.
 
-    The ranks are signalled directly too: one blocked inside a collective does not run
-    torchrun's forwarded SIGTERM handler, and would outlive a killed torchrun.
+    The ranks are signalled directly too (each is in a session of its own): one blocked
+    inside a collective does not run torchrun's forwarded SIGTERM handler, and would
+    outlive a killed torchrun.
     """
     ranks = ranks_of(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        for pid in [proc.pid, *ranks]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
@@ -113,8 +123,8 @@ def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     for pid in ranks:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _run_job(
@@ -123,13 +133,17 @@ def _run_job(
     what: str,
     on_line: Callable[[str], None] | None,
     on_record: Callable[[dict], None] | None = None,
+    timeout_s: float = 300.0,
 ) -> dict | None:
     """Run a torchrun job in a session of its own and return rank 0's ``result`` line (None
     on a host other than node 0 of ``hosts``, where rank 0 does not run).
 
     The ranks' error lines and the launcher's ``failures`` and ``startup-failed`` lines make
     up ``TrainingFailed`` (``StartupFailed``) rather than going to ``on_line`` (they do too
-    with ``DLRMFLOW_DEBUG``).
+    with ``DLRMFLOW_DEBUG``). The job is supervised (``dlrmflow.train.supervise``): SIGTERM,
+    SIGINT or SIGHUP to this process stop it and raise ``JobStopped``; a rank that makes no
+    progress for ``timeout_s`` (``distributed.timeout_s``) stops it and is named; either
+    way this returns only once no process of the job is left.
     """
     env = dict(os.environ)
     if hosts is None:
@@ -144,45 +158,54 @@ def _run_job(
     failures: dict[int, dict] = {}
     startup: str | None = None
     result: dict | None = None
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            error = _RANK_ERROR.fullmatch(line)
-            if error is not None or line.startswith((FAILURES, STARTUP_FAILED)):
-                if error is not None:
-                    errors.append((int(error[1]), error[2]))
-                elif line.startswith(STARTUP_FAILED):
-                    startup = line.removeprefix(STARTUP_FAILED)
-                else:
-                    failures = {int(r): f for r, f in json.loads(line[len(FAILURES) :]).items()}
-                if debug and on_line is not None:
+    with (
+        tempfile.TemporaryDirectory(prefix="dlrmflow-job-") as heartbeats,
+        contextlib.ExitStack() as stack,
+    ):
+        job = Job(
+            command,
+            env,
+            heartbeats=Path(heartbeats),
+            timeout_s=timeout_s,
+            pass_fds=held_lock_fds(),
+        )
+        stack.callback(job.reap)  # whatever happens here, no process of the job is left
+        with stop_on_signals(job.stop):
+            for line in job.lines():
+                if job.stopping and not debug:
+                    continue  # what a job says while it is being stopped is noise
+                error = _RANK_ERROR.fullmatch(line)
+                if error is not None or line.startswith((FAILURES, STARTUP_FAILED)):
+                    if error is not None:
+                        errors.append((int(error[1]), error[2]))
+                        if _peer_lost(error[2]):
+                            job.blame(int(error[1]))
+                    elif line.startswith(STARTUP_FAILED):
+                        startup = line.removeprefix(STARTUP_FAILED)
+                    else:
+                        failures = {int(r): f for r, f in json.loads(line[len(FAILURES) :]).items()}
+                    if debug and on_line is not None:
+                        on_line(line)
+                    continue
+                tail.append(line)
+                if line.startswith("result "):
+                    result = json.loads(line.removeprefix("result "))
+                elif on_record is not None and line.startswith("metrics "):
+                    on_record(json.loads(line.removeprefix("metrics ")))
+                elif on_line is not None:
                     on_line(line)
-                continue
-            tail.append(line)
-            if line.startswith("result "):
-                result = json.loads(line.removeprefix("result "))
-            elif on_record is not None and line.startswith("metrics "):
-                on_record(json.loads(line.removeprefix("metrics ")))
-            elif on_line is not None:
-                on_line(line)
-        code = proc.wait()
-    finally:
-        if proc.poll() is None:
-            stop_job(proc)
+            code = job.wait()
+    if job.signum is not None:
+        raise JobStopped(what, job.signum)
     if startup is not None:
         raise StartupFailed(f"{what} could not start: {startup}")
     rank0_here = hosts is None or hosts.node_rank == 0
-    if code != 0 or (result is None and rank0_here):
+    if code != 0 or (result is None and rank0_here) or job.verdict is not None:
         cause = first_failure(errors, failures)
+        if job.verdict is not None and all(_peer_lost(message) for _, message in errors):
+            cause = job.verdict  # the others' errors are about the rank that was stuck
+        if cause is None and code < 0:
+            cause = f"the launcher agent was killed by {signal.Signals(-code).name}"
         if cause is None:
             lines = [line for line in tail if not line.startswith("metrics ")]
             cause = f"exit {code}" + "".join(f"\n{line}" for line in lines)
@@ -251,7 +274,8 @@ def launch_training(
     nproc = config.distributed.nproc
     hosts = Hosts.from_config(config.distributed)
     if nproc == 1 and hosts is None:
-        return train(config, progress=on_record)
+        with interrupt_on_signals("training"):
+            return train(config, progress=on_record)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     what = _job_name("training", nproc, hosts)
@@ -260,7 +284,7 @@ def launch_training(
         config_path = (run_dir if node0 else Path(scratch)) / CONFIG_FILE
         config_path.write_text(json.dumps(config.model_dump(), indent=1))
         command = launch_command(config_path, nproc, hosts or free_port())
-        result = _run_job(command, hosts, what, on_line, on_record)
+        result = _run_job(command, hosts, what, on_line, on_record, config.distributed.timeout_s)
     return None if result is None else TrainResult(**result)
 
 
@@ -283,14 +307,15 @@ def launch_evaluation(
     back on node 0, None elsewhere."""
     joined = Hosts.from_config(distributed) if distributed is not None else None
     if nproc == 1 and joined is None:
-        return evaluate(
-            run_dir,
-            data_url=data_url,
-            checkpoint=checkpoint,
-            max_rows=max_rows,
-            device=device,
-            kernels=kernels,
-        )
+        with interrupt_on_signals("evaluation"):
+            return evaluate(
+                run_dir,
+                data_url=data_url,
+                checkpoint=checkpoint,
+                max_rows=max_rows,
+                device=device,
+                kernels=kernels,
+            )
     args = ["--evaluate", str(run_dir)]
     for flag, value in (
         ("--data", data_url),
@@ -302,4 +327,6 @@ def launch_evaluation(
         if value is not None:
             args += [flag, str(value)]
     command = launch_command(None, nproc, joined or free_port(), *args)
-    return _run_job(command, joined, _job_name("evaluation", nproc, joined), on_line)
+    what = _job_name("evaluation", nproc, joined)
+    timeout_s = (distributed or DistributedConfig()).timeout_s
+    return _run_job(command, joined, what, on_line, timeout_s=timeout_s)

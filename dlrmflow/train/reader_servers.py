@@ -10,9 +10,15 @@ itself, and how streams are divided and fail over, is ``dlrmflow.ingest.service`
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from multiprocessing.connection import wait
 
 from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
@@ -34,6 +40,24 @@ logger = logging.getLogger(__name__)
 TransformFactory = Callable[[FeatureSpec, IdMapper], BatchTransform]
 
 
+def _end_with_parent(grace_s: float = 5.0) -> None:
+    """In a process started for a run (``reader_processes``): SIGTERM to itself once the
+    run's process is gone, even killed by SIGKILL (SIGKILL ``grace_s`` later). Not a
+    parent-death signal: the process it forks from (``forkserver``) outlives the run for as
+    long as its children live; the parent's sentinel is the run's own."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)  # open streams end (``serve``)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="dlrmflow-parent-watch", daemon=True).start()
+
+
 class ReaderServer(FlightBatchServer):
     """A Flight server of the batches of ``config.data.url``, fitted as the trainers are.
 
@@ -52,6 +76,7 @@ class ReaderServer(FlightBatchServer):
         *,
         transform: TransformFactory = BatchTransform,
     ) -> None:
+        _end_with_parent()
         # Bad settings fail before the features are fitted, which may take minutes.
         if workers < 1:
             raise ValueError(f"workers must be positive, got {workers}")

@@ -3,9 +3,14 @@
 Two trainings in one run directory would interleave their metrics, prune each other's
 checkpoints and resume each other's state, so ``train``, ``evaluate`` and the flows take
 ``RUN_DIR/.lock`` first and a second writer fails at once, naming the holder. The lock is
-the kernel's (``flock`` through ``filelock``): it goes with the process that held it, so a
+the kernel's (``flock``): it goes with the last process that holds its file open, so a
 run killed by SIGKILL or a lost machine never leaves a stale lock behind. The holder's
 host, pid and start time sit in ``RUN_DIR/.lock.json`` for the error message only.
+
+The launcher of a ``--nproc`` job hands the open lock file to its agent (``held_lock_fds``):
+a command killed by SIGKILL then leaves the directory locked until the agent, which
+stops its ranks before it exits, is gone, never while a rank of the job still writes.
+Releasing is closing the file, never unlocking it, which would unlock it for the agent too.
 
 A process that holds the lock passes it on to the processes it launches (the ranks of a
 ``--nproc`` job, a Prefect flow calling ``train`` in-process) through the environment:
@@ -15,14 +20,13 @@ they work under their parent's lock instead of fighting it for the same file.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-from filelock import FileLock, Timeout
 
 from dlrmflow.errors import DlrmflowError
 
@@ -31,6 +35,14 @@ HOLDER_FILE = ".lock.json"
 # The run directories held by this process or an ancestor (absolute paths separated by
 # os.pathsep), inherited by every process launched while the lock is held.
 HELD_ENV = "DLRMFLOW_HELD_RUN_DIRS"
+
+_held_fds: dict[str, int] = {}  # run directory -> the open lock file, in this process
+
+
+def held_lock_fds() -> list[int]:
+    """The open lock files of the run directories this process holds: a launcher passes
+    them on to its job, whose processes then keep the directories locked."""
+    return list(_held_fds.values())
 
 
 class RunDirBusy(DlrmflowError):
@@ -45,9 +57,12 @@ def _holder(run_dir: Path) -> str:
     try:
         info = json.loads((run_dir / HOLDER_FILE).read_text())
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"]))
-        return f"pid {info['pid']} on {info['host']} since {since} ({info['command']})"
+        holder = f"pid {info['pid']} on {info['host']} since {since} ({info['command']})"
     except (OSError, ValueError, KeyError):
         return "another process (its details are not readable)"
+    if info["host"] == socket.gethostname() and not Path(f"/proc/{info['pid']}").exists():
+        holder += ", which was killed: its job's processes are still stopping"
+    return holder
 
 
 @contextlib.contextmanager
@@ -64,14 +79,19 @@ def run_dir_lock(run_dir: str | Path, command: str) -> Iterator[None]:
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(run_dir / LOCK_FILE, blocking=False)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        lock.acquire()
-    except Timeout:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         raise RunDirBusy(
             f"{run_dir} is in use by {_holder(run_dir)}; wait for it, stop it, or use "
             "another --run-dir"
         ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    _held_fds[key] = fd
     previous = os.environ.get(HELD_ENV)
     try:
         holder = {
@@ -90,7 +110,8 @@ def run_dir_lock(run_dir: str | Path, command: str) -> Iterator[None]:
             os.environ[HELD_ENV] = previous
         with contextlib.suppress(OSError):
             (run_dir / HOLDER_FILE).unlink()
-        lock.release()
+        del _held_fds[key]
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -176,6 +177,7 @@ class ShardedEmbeddingCollection(nn.Module):
         device: torch.device | str = "cpu",
         kernels: str = "auto",
         tiers: TierStorage | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         """``group`` carries the output all-to-all and its backward; ``input_group`` the
         input distribution, which the pipeline runs in the background, so it needs its own
@@ -184,6 +186,8 @@ class ShardedEmbeddingCollection(nn.Module):
         routing tensors live on ``device``; ``kernels`` picks the bags' implementation.
         ``tiers``: where the shards the plan puts in DRAM or on SSD live (a new file, with
         the seed's rows), and this rank's memory budget; None keeps every shard in memory.
+        ``timeout``: the collective timeout of the column-wise tables' groups (torch's
+        default for a new group is 30 minutes, not the default group's).
         """
         super().__init__()
         self.device = torch.device(device)
@@ -237,7 +241,7 @@ class ShardedEmbeddingCollection(nn.Module):
             if t.sharding == "column_wise" and len(t.shards) > 1:
                 ranks = tuple(sorted(t.ranks))
                 if ranks not in by_ranks:
-                    by_ranks[ranks] = dist.new_group(ranks=list(ranks))
+                    by_ranks[ranks] = dist.new_group(ranks=list(ranks), timeout=timeout)
                 self._column_groups[t.name] = by_ranks[ranks]
         on_disk = [tiers is not None and self._tiered(route) for route in local]
         self._memory_routes = [r for r, d in zip(local, on_disk, strict=True) if not d]

@@ -139,6 +139,7 @@ def test_the_start_up_checks_name_a_shared_node_rank_or_another_configuration(
 def test_the_cli_refuses_a_bad_host_option_in_one_line_before_launching(
     args: list[str], named: str, tmp_path: Path, capsys, monkeypatch
 ) -> None:
+    (tmp_path / "run").mkdir()  # evaluate refuses a missing run directory first
     monkeypatch.setattr("sys.argv", ["dlrmflow", *args, "--run-dir", str(tmp_path / "run")])
     with pytest.raises(SystemExit) as exited:
         main()
