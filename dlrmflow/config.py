@@ -53,6 +53,11 @@ Size = Annotated[Int, Field(ge=1)]
 # setting's values are, so that the configuration imports no stage above it; the plan's
 # nouns (``dlrmflow.train.sharding``) take it from here.
 ShardingType = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"]
+# Where a model runs (``train.device``) and what runs its embeddings and interaction
+# (``model.kernels``): named so that commands taking them as flags (``dlrmflow evaluate``)
+# check and list the same values.
+DeviceType = Literal["auto", "cpu", "cuda"]
+KernelsType = Literal["auto", "torch", "compiled", "triton"]
 
 
 class _Section(BaseModel):
@@ -102,7 +107,7 @@ class ModelConfig(_Section):
     top_mlp: list[Size] = Field(default_factory=lambda: [128, 64], min_length=1)
     dcn_layers: Int = Field(3, ge=1)
     dcn_low_rank: Int = Field(32, ge=1)
-    kernels: Literal["auto", "torch", "compiled", "triton"] = Field(
+    kernels: KernelsType = Field(
         "auto",
         description="TBE and interaction kernels: auto (Triton on CUDA when installed, the "
         "compiled CPU kernels on CPU), plain torch ops, compiled (CPU) or triton (CPU tensors "
@@ -138,7 +143,7 @@ class TrainConfig(_Section):
     threads: Int | None = Field(
         None, ge=1, description="torch intra-op threads (default: cores left by the readers)"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field(
+    device: DeviceType = Field(
         "auto", description="where the model trains: auto is cuda:LOCAL_RANK when CUDA is present"
     )
     precision: Literal["fp32", "bf16"] = Field(
@@ -380,6 +385,8 @@ RESERVED_ENV = frozenset(
         "DLRMFLOW_HELD_RUN_DIRS",  # run directories a parent holds (dlrmflow.train.rundir)
         "DLRMFLOW_MMAP_THRESHOLD",  # glibc's mmap threshold (dlrmflow.memory)
         "DLRMFLOW_TEST_SEED",  # the test suite's random kill point, to replay one
+        "DLRMFLOW_SUPERVISOR_PID",  # the process a job's agent must not outlive (train.supervise)
+        "DLRMFLOW_HEARTBEAT_DIR",  # where a job's ranks record their progress (train.supervise)
     }
 )
 
@@ -544,6 +551,20 @@ def resolve_config(
         if key in set_keys and (source := _origin_of(origins, key)) is not None:
             sources[key] = source
     return ResolvedConfig(config, sources)
+
+
+def given_keys(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> dict[str, Source]:
+    """The keys the file at ``path`` and the ``section.key=value`` ``overrides`` set, each
+    with the last of them that set it, before anything is validated: a command that takes
+    only some keys (``evaluate``) refuses the others by name, not by what validating them
+    against the defaults would say."""
+    data = _read_file(path) if path is not None else {}
+    origins = {key: Source("file", str(path)) for key in _leaves(data)}
+    for override in overrides or []:
+        _set_origin(origins, _apply_override(data, override), Source("set", override))
+    return origins
 
 
 def load_config(

@@ -9,4 +9,7 @@ from __future__ import annotations
 
 
 class DlrmflowError(Exception):
-    """An expected failure whose message names its cause; shown as one line, exit 1."""
+    """An expected failure whose message names its cause; shown as one line, exit
+    ``exit_code`` (1; a command stopped by a signal exits as the shell would, 128 + it)."""
+
+    exit_code: int = 1

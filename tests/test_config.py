@@ -11,8 +11,10 @@ from dlrmflow.config import (
     RESERVED_ENV,
     ConfigError,
     RunConfig,
+    Source,
     apply_overrides,
     env_key,
+    given_keys,
     load_config,
     resolve_config,
 )
@@ -348,3 +350,18 @@ def test_a_rank_resolves_the_configuration_its_parent_did(tmp_path, monkeypatch)
     assert seen == [parent]
     assert rank.main(["--config", str(path)]) == 0
     assert seen[-1].train.lr == 0.1
+
+
+def test_given_keys_name_what_a_file_and_set_set_before_any_validation(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLRMFLOW_TRAIN__LR", "0.5")  # the environment is not given
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  embedding_dim: 8\neval:\n  max_rows: 10\n")
+    given = given_keys(path, ["eval.max_rows=20", "train.lrr=1"])
+    assert given == {
+        "model.embedding_dim": Source("file", str(path)),  # invalid with the default MLPs
+        "eval.max_rows": Source("set", "eval.max_rows=20"),
+        "train.lrr": Source("set", "train.lrr=1"),  # unknown: not checked here
+    }
+    assert given_keys() == {}
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        given_keys(None, ["eval.max_rows"])

@@ -1,7 +1,7 @@
 """Run directories as a user meets them: the demo and the end-to-end flow never replace
 another kind of run unasked, and ``evaluate`` never creates a run directory, records the
 dataset it scored, and refuses a bad ``--nproc`` or a path that is no checkpoint in one
-line."""
+line. ``evaluate --config/--set`` change how a run is scored, never the model it scores."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from dlrmflow.config import DataConfig, RunConfig
+from dlrmflow.config import ConfigError, DataConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.checkpoint import dataset_digest
+from dlrmflow.train.evaluate import EVAL_FILE, evaluate, evaluation_settings
 from dlrmflow.train.trainer import (
     END_TO_END_KIND,
     RUN_FILE,
@@ -150,3 +151,99 @@ def test_evaluate_records_the_dataset_it_scored(
         scored = json.loads((run_dir / "eval.json").read_text())
         assert scored["data_url"] == data
         assert scored["dataset_digest"] == dataset_digest(read_manifest(data))
+
+
+def test_evaluate_takes_evaluation_settings_from_a_file_and_set(
+    trained: RunConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    run_dir = _copy(trained, tmp_path)
+    settings = tmp_path / "eval.yaml"
+    settings.write_text("eval:\n  max_rows: 300\nmodel:\n  kernels: torch\n")
+    code, out, err = run_cli(
+        monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), "--config", str(settings)
+    )
+    assert code == 0, err
+    assert json.loads(out)["rows"] == 300
+    code, out, err = run_cli(
+        monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), "--config", str(settings),
+        "--set", "eval.max_rows=200", "--set", "train.device=cpu",
+    )  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["rows"] == 200  # --set over the file, as for train
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--set", "model.embedding_dim=8"], "model.embedding_dim (--set model.embedding_dim=8)"),
+        (["--set", "train.lr=0.1"], "train.lr (--set train.lr=0.1)"),
+        (["--config", "{file}"], "features.ids (file {file})"),
+        (
+            ["--device", "gpu"],
+            "invalid configuration: train.device: Input should be 'auto', 'cpu' or 'cuda'",
+        ),
+        (
+            ["--set", "model.kernels=fast"],
+            "invalid configuration: model.kernels: Input should be 'auto', 'torch'",
+        ),
+        (
+            ["--max-rows", "0"],
+            "invalid configuration: eval.max_rows: Input should be greater than or equal to 1",
+        ),
+        (["--nproc", "2", "--set", "eval.batch_size=64"], "eval.batch_size: applies to"),
+    ],
+)
+def test_evaluate_refuses_a_model_key_or_a_bad_setting_in_one_line(
+    args: list[str],
+    named: str,
+    trained: RunConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    run_dir = _copy(trained, tmp_path)
+    settings = tmp_path / "train.yaml"
+    settings.write_text("features:\n  ids: vocab\neval:\n  max_rows: 10\n")
+    args = [a.format(file=settings) for a in args]
+    code, out, err = run_cli(monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), *args)
+    assert code == 1 and out == "" and len(err) == 1, err
+    assert err[0].startswith(f"error: {named.format(file=settings)}"), err
+    assert not (run_dir / EVAL_FILE).exists()
+
+
+def test_evaluation_settings_take_only_the_hosts_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shell set up for training does not change what a run is scored on or how; the
+    hosts of a job (one set of variables per host) still come from it, as for train."""
+    monkeypatch.setenv("DLRMFLOW_DATA__URL", "/elsewhere")
+    monkeypatch.setenv("DLRMFLOW_TRAIN__DEVICE", "cuda")
+    monkeypatch.setenv("DLRMFLOW_EVAL__MAX_ROWS", "5")
+    monkeypatch.setenv("DLRMFLOW_DISTRIBUTED__NPROC", "4")
+    monkeypatch.setenv("DLRMFLOW_DISTRIBUTED__TIMEOUT_S", "12")
+    monkeypatch.setenv("DLRMFLOW_DISTRIBUTED__NODE_RANK", "0")
+    plain = evaluation_settings()
+    assert (plain.data_url, plain.max_rows, plain.batch_size) == (None, None, None)
+    assert (plain.device, plain.kernels, plain.nproc) == ("auto", "auto", 1)
+    assert plain.distributed.timeout_s == 12
+    given = evaluation_settings(
+        None,
+        ["eval.batch_size=64", "data.url=/test", "distributed.timeout_s=30"],
+        {"eval.max_rows": 9, "model.kernels": "torch", "distributed.nnodes": None},
+    )
+    assert (given.data_url, given.max_rows, given.batch_size) == ("/test", 9, 64)
+    assert (given.kernels, given.distributed.timeout_s) == ("torch", 30)
+    monkeypatch.setenv("DLRMFLOW_DISTRIBUTED__NNODES", "abc")
+    with pytest.raises(ConfigError, match="DLRMFLOW_DISTRIBUTED__NNODES"):
+        evaluation_settings()  # every variable is still checked
+
+
+def test_evaluate_scores_in_the_batch_size_asked_for(trained: RunConfig, tmp_path: Path) -> None:
+    run_dir = _copy(trained, tmp_path)
+    batches: list[int] = []
+    metrics = evaluate(run_dir, max_rows=500, batch_size=128, progress=batches.append)
+    assert metrics["rows"] == 500 == sum(batches)
+    assert max(batches) == 128

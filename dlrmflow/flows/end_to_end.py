@@ -4,18 +4,22 @@ Each stage is a flow of its own (usable alone, and its own deployment), so a run
 Prefect UI shows one subflow per stage with its tasks and artifacts. The report task writes
 ``RUN_DIR/summary.json`` and publishes it as a markdown artifact, so a run can be judged
 without reading logs.
+
+``dlrmflow demo`` runs it on a configuration of its own (``demo_config``: two ranks, its
+data beside its results) as a new run each time (``run_demo``).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from dlrmflow.config import RunConfig
+from dlrmflow.config import RunConfig, apply_overrides
 from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.train import train_flow
@@ -25,6 +29,16 @@ from dlrmflow.train.trainer import END_TO_END_KIND, claim_run_dir
 
 SUMMARY_FILE = "summary.json"
 SUMMARY_KEY = "dlrmflow-summary"
+# The demo trains sharded, on this many ranks unless its configuration says otherwise.
+DEMO_RANKS = 2
+# ``dlrmflow demo --quick``: tiny data, so that the demo ends in under a minute.
+QUICK = {
+    "data.days": 3,
+    "data.rows_per_day": 20_000,
+    "data.row_group_size": 8_192,
+    "train.batch_size": 1024,
+    "train.log_every": 10,
+}
 
 
 def build_summary(
@@ -103,3 +117,43 @@ def end_to_end(config: RunConfig, raw_inputs: list[str] | None = None) -> dict[s
         trained = train_flow(config)
         metrics = evaluate_flow(config)
         return report_task(config, ingested, trained, metrics)
+
+
+def demo_config(base: RunConfig, run_dir: str, quick: bool = False) -> RunConfig:
+    """The configuration ``dlrmflow demo`` runs: ``base`` (defaults, file, environment and
+    --set) in ``run_dir``, with ``QUICK``'s tiny data and batch when ``quick`` (they replace
+    the configuration's).
+
+    What the user did not choose is the demo's: its data in ``RUN_DIR/data`` (beside its
+    results) and ``DEMO_RANKS`` ranks. ``train.batch_size`` is per rank, so unless it was
+    chosen the demo's global batch is split over its ranks: the demo then takes as many
+    steps, and reaches the same AUC, as one process would.
+    """
+    overrides: dict[str, Any] = dict(QUICK) if quick else {}
+    overrides["run_dir"] = run_dir
+    if "url" not in base.data.model_fields_set:
+        overrides["data.url"] = str(Path(run_dir) / "data")
+    if "nproc" not in base.distributed.model_fields_set:
+        overrides["distributed.nproc"] = DEMO_RANKS
+    nproc = overrides.get("distributed.nproc", base.distributed.nproc)
+    if "batch_size" not in base.train.model_fields_set:
+        global_batch = overrides.get("train.batch_size", base.train.batch_size)
+        overrides["train.batch_size"] = max(1, global_batch // nproc)
+    return apply_overrides(base, overrides)
+
+
+def run_demo(config: RunConfig) -> dict[str, Any]:
+    """Run the end_to_end flow as a new demo in ``config.run_dir``; returns its summary.
+
+    The directory is claimed for end-to-end runs first: another kind of run (a ``dlrmflow
+    train`` run) is never replaced unasked (``train.resume=never`` replaces it). The last
+    demo's checkpoints are removed, so this one trains afresh rather than continuing it
+    (the train task still resumes from this run's own checkpoints when Prefect retries
+    it); its dataset is reused when unchanged (Prefect's cache).
+    """
+    run_dir = Path(config.run_dir)
+    with run_dir_lock(config.run_dir, "dlrmflow demo"):
+        replace = config.train.resume == "never"
+        claim_run_dir(run_dir, END_TO_END_KIND, replace=replace, command="dlrmflow demo")
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        return end_to_end(config)

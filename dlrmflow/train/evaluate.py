@@ -4,7 +4,8 @@ One process, or every rank of a job: each rank scores its own splits of the test
 through the (sharded) model, all ranks stepping together, and rank 0 gathers every
 prediction to compute the exact AUC (no histogram). The trainer calls ``score`` every
 ``train.eval_every`` steps on the live model; ``evaluate`` scores a checkpoint, loaded at
-whatever world size runs it.
+whatever world size runs it. ``evaluation_settings`` resolves what ``dlrmflow evaluate``
+may change of how a run is scored (its flags, ``--config`` and ``--set``): never the model.
 """
 
 from __future__ import annotations
@@ -13,14 +14,25 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlrmflow.config import build_config
+from dlrmflow.config import (
+    ConfigError,
+    DeviceType,
+    DistributedConfig,
+    KernelsType,
+    Source,
+    build_config,
+    given_keys,
+    resolve_config,
+)
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
@@ -58,6 +70,93 @@ class NonFinitePredictions(DlrmflowError):
 
 class NoRunDirectory(DlrmflowError):
     """``evaluate`` was given a run directory that does not exist."""
+
+
+# The job's hosts and its collective timeout: also taken from DLRMFLOW_DISTRIBUTED__*
+# variables (one set per host), as ``train`` takes them.
+HOST_KEYS = (
+    "distributed.nnodes",
+    "distributed.node_rank",
+    "distributed.rdzv_endpoint",
+    "distributed.local_addr",
+    "distributed.connect_timeout_s",
+    "distributed.timeout_s",
+)
+# What ``dlrmflow evaluate --config/--set`` may set: on what, where, how and by how many
+# ranks the run's model is scored. The model itself (architecture, features, optimizer,
+# training) is the run's config.json, carried by its checkpoint: a file or --set changing
+# it would describe another model than the one scored, so every other key is refused.
+EVALUATION_KEYS = (
+    "data.url",
+    "eval.batch_size",
+    "eval.max_rows",
+    "train.device",
+    "model.kernels",
+    "distributed.nproc",
+    *HOST_KEYS,
+)
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """How ``evaluate`` scores a run. ``data_url``, ``batch_size`` and ``max_rows`` are
+    None where not given: the run's own (its config.json's) then apply."""
+
+    nproc: int
+    data_url: str | None
+    batch_size: int | None
+    max_rows: int | None
+    device: DeviceType
+    kernels: KernelsType
+    distributed: DistributedConfig
+
+
+def _given(source: Source) -> str:
+    return f"--set {source.name}" if source.kind == "set" else str(source)
+
+
+def evaluation_settings(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> EvaluationSettings:
+    """The settings of one evaluation: a configuration file at ``path``, then
+    ``section.key=value`` ``overrides``, then ``flags`` (``{"section.key": value}``, None
+    when not given), each checked by the configuration's types, as ``train``'s are.
+
+    Only ``EVALUATION_KEYS`` may be set: any other key is a ``ConfigError`` naming it and
+    where it was set. The environment's ``DLRMFLOW_SECTION__KEY`` variables are checked as
+    for every command, but only ``distributed.*`` ones apply (the hosts of a job, one set
+    per host): a shell set up for training (``DLRMFLOW_DATA__URL``) does not change what a
+    run is scored on. ``eval.batch_size`` applies to one process for now: a job of several
+    ranks scores in the run's own batch size, so asking for another there is refused.
+    """
+    for key, source in given_keys(path, overrides).items():
+        if key not in EVALUATION_KEYS:
+            raise ConfigError(
+                f"{key} ({_given(source)}): not an evaluation setting; evaluate scores the "
+                "run's model as its config.json defines it, and --config and --set may set "
+                f"only {', '.join(EVALUATION_KEYS)}"
+            )
+    own = resolve_config(path, overrides, flags, env=False)
+    # The hosts: the environment's too (validated whole, as every command does).
+    hosts = resolve_config(path, overrides, flags).config.distributed
+    config, chosen = own.config, own.sources
+    settings = EvaluationSettings(
+        nproc=config.distributed.nproc,
+        data_url=config.data.url if "data.url" in chosen else None,
+        batch_size=config.eval.batch_size if "eval.batch_size" in chosen else None,
+        max_rows=config.eval.max_rows if "eval.max_rows" in chosen else None,
+        device=config.train.device,
+        kernels=config.model.kernels,
+        distributed=hosts,
+    )
+    if settings.batch_size is not None and (settings.nproc > 1 or hosts.nnodes > 1):
+        raise ConfigError(
+            "eval.batch_size: applies to an evaluation in one process (--nproc 1 on one "
+            "host); a job of several ranks scores in the run's own eval.batch_size"
+        )
+    return settings
 
 
 def check_run_dir(run_dir: str | Path) -> None:
@@ -179,6 +278,7 @@ def evaluate(
     progress: Callable[[int], None] | None = None,
     device: str = "auto",
     kernels: str = "auto",
+    batch_size: int | None = None,
 ) -> dict[str, float]:
     """Score a checkpoint of ``run_dir`` on the test day of its dataset (or ``data_url``).
 
@@ -188,7 +288,8 @@ def evaluate(
     training hit untrained or OOV rows, exactly as they would in serving.
     ``progress(n)`` receives the rows scored per batch. ``device`` ("auto", "cpu" or
     "cuda", as ``train.device``) is where the model runs and ``kernels`` (as
-    ``model.kernels``) what runs it, whatever device and kernels trained it.
+    ``model.kernels``) what runs it, whatever device and kernels trained it;
+    ``batch_size`` replaces the run's ``eval.batch_size`` (memory, not the metrics).
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
@@ -202,7 +303,9 @@ def evaluate(
         init_distributed(build_config(info.manifest["config"]), env, where)
     with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
         try:
-            return _evaluate(run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels)
+            return _evaluate(
+                run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels, batch_size
+            )
         finally:
             shutil.rmtree(scratch_directory(run_dir, env.rank), ignore_errors=True)
 
@@ -216,6 +319,7 @@ def _evaluate(
     progress: Callable[[int], None] | None,
     device: torch.device,
     kernels: str,
+    batch_size: int | None = None,
 ) -> dict[str, float]:
     if env.distributed:
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
@@ -237,6 +341,8 @@ def _evaluate(
             scratch=scratch_directory(run_dir, env.rank),
         )
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
+    if batch_size is not None:
+        config.eval.batch_size = batch_size
     if _rows_on_disk(model):
         # The cache was sized for a training batch's rows: score in batches no larger.
         config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)

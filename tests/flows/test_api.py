@@ -50,9 +50,11 @@ def test_an_unreachable_api_is_one_line(tmp_path: Path, nowhere: str, command: l
     assert not (tmp_path / "run").exists()  # the check comes before any work
 
 
-def test_the_failure_is_recognised_wherever_prefect_raises_it(monkeypatch, nowhere: str):
+def test_the_failure_is_recognised_wherever_prefect_raises_it(nowhere: str):
     # Prefect's client raises its own RuntimeError from httpx's error from httpcore's.
-    monkeypatch.setenv("PREFECT_API_URL", nowhere)
+    # (Prefect reads its settings once, at import: they are changed through its own API.)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     try:
         try:
             try:
@@ -62,7 +64,9 @@ def test_the_failure_is_recognised_wherever_prefect_raises_it(monkeypatch, nowhe
         except httpx.ConnectError as e:
             raise RuntimeError(f"Failed to reach API at {nowhere}/") from e
     except RuntimeError as e:
-        found = unreachable_api(e)
+        error = e
+    with temporary_settings(updates={PREFECT_API_URL: nowhere}):
+        found = unreachable_api(error)
+        assert unreachable_api(RuntimeError("something else")) is None
     assert isinstance(found, PrefectServerError)
     assert str(found).startswith(f"Prefect API at {nowhere} does not answer ([Errno 111]")
-    assert unreachable_api(RuntimeError("something else")) is None

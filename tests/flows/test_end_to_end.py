@@ -1,4 +1,5 @@
-"""`dlrmflow demo --quick`: the end-to-end flow on the local ephemeral API, as a user runs it.
+"""`dlrmflow demo --quick`: the end-to-end flow on the local ephemeral API, as a user runs it,
+and the configuration the demo gives it.
 
 Its tasks and artifacts are checked on a real server in test_server.py."""
 
@@ -6,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from dlrmflow.config import build_config
 from tests.flows.conftest import new_prefect_home, server_env
 
 SUMMARY_KEYS = {
@@ -32,3 +34,35 @@ def test_demo_quick_command(tmp_path, pytestconfig):
     assert summary["world_size"] == 2
     assert summary["rows_trained"] == 2 * 20_000
     assert "auc" in proc.stdout and str(run_dir / "summary.json") in proc.stdout
+
+
+def test_the_demo_splits_its_global_batch_over_its_ranks_and_keeps_its_data_beside_it():
+    # Imported here: Prefect, imported while collecting, would read its settings before
+    # other tests of the session set PREFECT_API_URL.
+    from dlrmflow.flows.end_to_end import DEMO_RANKS, QUICK, demo_config
+
+    chosen = build_config({})
+    cfg = demo_config(chosen, "runs/d")
+    assert (cfg.run_dir, cfg.data.url) == ("runs/d", "runs/d/data")
+    assert cfg.distributed.nproc == DEMO_RANKS == 2
+    assert cfg.train.batch_size == chosen.train.batch_size // DEMO_RANKS
+    assert cfg.data.days == chosen.data.days  # not --quick: the configuration's data
+
+    quick = demo_config(chosen, "runs/d", quick=True)
+    assert (quick.data.days, quick.data.rows_per_day) == (QUICK["data.days"], 20_000)
+    assert quick.train.batch_size == QUICK["train.batch_size"] // DEMO_RANKS
+
+
+def test_what_the_user_chose_is_kept_by_the_demo():
+    # Imported here: Prefect, imported while collecting, would read its settings before
+    # other tests of the session set PREFECT_API_URL.
+    from dlrmflow.flows.end_to_end import DEMO_RANKS, QUICK, demo_config
+
+    chosen = build_config({"data": {"url": "/data/criteo"}, "distributed": {"nproc": 3}})
+    cfg = demo_config(chosen, "runs/d", quick=True)
+    assert (cfg.data.url, cfg.distributed.nproc) == ("/data/criteo", 3)
+    assert cfg.train.batch_size == QUICK["train.batch_size"] // 3  # the global batch, split
+    own_batch = demo_config(build_config({"train": {"batch_size": 300}}), "runs/d")
+    assert (own_batch.train.batch_size, own_batch.distributed.nproc) == (300, DEMO_RANKS)
+    one = demo_config(build_config({"distributed": {"nproc": 1}}), "runs/d")
+    assert one.train.batch_size == build_config({}).train.batch_size

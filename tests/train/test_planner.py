@@ -24,7 +24,9 @@ from dlrmflow.train.planner import (
     format_plan,
     paper_12t,
     plan_for_config,
+    plan_for_dataset,
     plan_for_job,
+    plan_preset,
     plan_sharding,
     tables_from_spec,
 )
@@ -595,3 +597,49 @@ def test_the_embedding_budget_puts_what_does_not_fit_in_memory_on_disk():
     roomy = plan(10**6)
     assert set(memory(roomy, "ssd")) == {0.0}
     assert roomy.tables == without.tables
+
+
+# -- what `dlrmflow plan` asks for: a preset, or the configuration's model, on other memory --
+
+
+def _without_timing(plan: ShardingPlan) -> dict:
+    record = plan.to_dict()
+    del record["estimates"]["planning_seconds"]
+    return record
+
+
+def test_a_topology_with_other_memory_keeps_the_rest_and_is_checked():
+    topology = tiny_topology(4, 2)
+    assert topology.with_memory() == topology
+    other = topology.with_memory(device_bytes=1e9, cache_load_factor=0.5)
+    assert (other.device_bytes, other.cache_load_factor) == (1e9, 0.5)
+    assert (other.dram_bytes, other.ssd_bytes) == (topology.dram_bytes, topology.ssd_bytes)
+    assert other.world_size == 4 and other.device_bw == topology.device_bw
+    with pytest.raises(ValueError, match="memory per tier must be >= 0"):
+        topology.with_memory(ssd_bytes=-1)
+
+
+def test_a_preset_is_planned_by_name_on_its_topology_or_on_other_memory():
+    tables, topology, batch_size = paper_12t()
+    expected = plan_sharding(tables, topology.with_memory(dram_bytes=256e9), batch_size)
+    assert _without_timing(plan_preset("paper-12t", dram_bytes=256e9)) == _without_timing(expected)
+    with pytest.raises(PlanningError, match=r"unknown preset 'paper-1t' \(known: paper-12t\)"):
+        plan_preset("paper-1t")
+
+
+def test_the_plan_of_a_dataset_is_its_jobs_plan_unless_memory_is_given(tiny_dataset):
+    from dlrmflow.ingest.manifest import read_manifest
+
+    config = build_config({"data": {"url": tiny_dataset}})
+    spec = FeatureSpec.for_dataset(read_manifest(tiny_dataset), config.features, config.model)
+    job = plan_for_config(config, spec, world_size=4, ranks_per_host=2)
+    assert _without_timing(plan_for_dataset(config, 4, 2)) == _without_timing(job)
+    on_one_host = plan_for_config(config, spec, world_size=2, ranks_per_host=2)
+    assert _without_timing(plan_for_dataset(config, 2)) == _without_timing(on_one_host)
+
+    small = plan_for_dataset(config, 2, device_bytes=1e5, ssd_bytes=1e9)
+    expected = plan_for_config(
+        config, spec, 2, 2, topology=cpu_topology(2, 2).with_memory(device_bytes=1e5, ssd_bytes=1e9)
+    )
+    assert _without_timing(small) == _without_timing(expected)
+    assert max(small.estimates["memory_bytes"]["device"]) <= 1e5

@@ -17,10 +17,11 @@ in this list:
 - ``tiering``: the memory tier of each table before placement, promotion after it.
 - ``refine``: moves and swaps off the busiest rank.
 - ``planners``: ``plan_sharding``, the steps in order (the algorithm is in its docstring).
-- ``jobs``: the plan a training job runs (``plan_for_config``, ``plan_for_job``), from the
-  configuration, the feature spec and the dataset's ``stats.json``.
-- ``presets`` (``paper_12t``) and ``report`` (``format_plan``, the printed plan) stand
-  apart: inputs to planning and its output as text.
+- ``jobs``: the plan a training job runs (``plan_for_config``, ``plan_for_job``,
+  ``plan_for_dataset``), from the configuration, the feature spec and the dataset's
+  ``stats.json``.
+- ``presets`` (``paper_12t``, ``plan_preset``) and ``report`` (``format_plan``, the printed
+  plan) stand apart: inputs to planning and its output as text.
 
 The plan itself is plain data in ``dlrmflow.train.sharding``. This package re-exports its
 public API, so callers may import from ``dlrmflow.train.planner`` or from the module.
@@ -35,11 +36,12 @@ from dlrmflow.train.planner.jobs import (
     cpu_topology,
     load_plan_stats,
     plan_for_config,
+    plan_for_dataset,
     plan_for_job,
     tables_from_spec,
 )
 from dlrmflow.train.planner.planners import plan_sharding
-from dlrmflow.train.planner.presets import PAPER_BATCH_SIZE, paper_12t
+from dlrmflow.train.planner.presets import PAPER_BATCH_SIZE, PRESETS, paper_12t, plan_preset
 from dlrmflow.train.planner.report import format_plan
 from dlrmflow.train.planner.types import (
     ADAM_STATE,
@@ -58,6 +60,7 @@ __all__ = [
     "DISK_BYTES",
     "OPTIMIZER_STATES",
     "PAPER_BATCH_SIZE",
+    "PRESETS",
     "ROW_WISE_ADAGRAD_STATE",
     "SGD_STATE",
     "OptimizerState",
@@ -70,7 +73,9 @@ __all__ = [
     "load_plan_stats",
     "paper_12t",
     "plan_for_config",
+    "plan_for_dataset",
     "plan_for_job",
+    "plan_preset",
     "plan_sharding",
     "tables_from_spec",
 ]

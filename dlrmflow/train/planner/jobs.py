@@ -11,15 +11,17 @@ rate from how skewed the accesses are. ``tables_from_spec`` takes them from the 
 ``stats.json`` (``dlrmflow.ingest.stats``) when there is one; without it every table is
 one-hot, always accessed, and accessed uniformly (a cache of a fraction of the rows serves
 that fraction of the lookups). ``plan_for_config`` records which in the plan's estimates
-(``statistics``). ``plan_for_job`` plans on rank 0 only and broadcasts the plan, so ranks
-that see different files (or compute in a different order) still run one plan.
+(``statistics``); ``plan_for_dataset`` is the same plan from the configuration alone
+(what ``dlrmflow plan`` prints). ``plan_for_job`` plans on rank 0 only and broadcasts the
+plan, so ranks that see different files (or compute in a different order) still run one
+plan.
 """
 
 from __future__ import annotations
 
 from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.ingest.manifest import join_url
+from dlrmflow.ingest.manifest import join_url, read_manifest
 from dlrmflow.ingest.stats import STATS_NAME, DatasetStats, read_stats
 from dlrmflow.train.planner.planners import plan_sharding
 from dlrmflow.train.planner.types import OPTIMIZER_STATES, PlanningError, TableSpec, Topology
@@ -152,6 +154,39 @@ def plan_for_config(
             )
     plan.estimates["statistics"] = join_url(root, STATS_NAME) if stats is not None else "defaults"
     return plan
+
+
+def plan_for_dataset(
+    config: RunConfig,
+    world_size: int,
+    ranks_per_host: int | None = None,
+    *,
+    device_bytes: float | None = None,
+    dram_bytes: float | None = None,
+    ssd_bytes: float | None = None,
+    cache_load_factor: float | None = None,
+) -> ShardingPlan:
+    """The plan ``dlrmflow plan`` prints for the configuration's model: its feature spec
+    from the dataset's manifest (``data.url``), on ``world_size`` ranks,
+    ``ranks_per_host`` to a host (default: all on one).
+
+    Without memory options it is the plan a job of this configuration runs (a budget in
+    ``train.embedding_memory_bytes`` puts shards on disk, as the trainer's plan does); with
+    any, a CPU topology (``cpu_topology``) with those memories instead, to see how the same
+    model would sit on other hardware.
+    """
+    spec = FeatureSpec.for_dataset(read_manifest(config.data.url), config.features, config.model)
+    per_host = ranks_per_host or world_size
+    memory = {
+        "device_bytes": device_bytes,
+        "dram_bytes": dram_bytes,
+        "ssd_bytes": ssd_bytes,
+        "cache_load_factor": cache_load_factor,
+    }
+    topology = None
+    if any(value is not None for value in memory.values()):
+        topology = cpu_topology(world_size, per_host).with_memory(**memory)
+    return plan_for_config(config, spec, world_size, per_host, topology=topology)
 
 
 def plan_for_job(

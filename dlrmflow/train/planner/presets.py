@@ -1,14 +1,18 @@
 """Models and topologies fixed for benchmarks and demonstrations: ``paper_12t``, the
-paper-scale model ``dlrmflow plan --preset paper-12t`` plans.
+paper-scale model ``dlrmflow plan --preset paper-12t`` plans (``plan_preset``).
 
 Kept out of the planning steps: a preset is an input to them, chosen by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from dlrmflow.train.planner.types import TableSpec, Topology
+from dlrmflow.train.planner.planners import plan_sharding
+from dlrmflow.train.planner.types import PlanningError, TableSpec, Topology
+from dlrmflow.train.sharding import ShardingPlan
 
 PAPER_BATCH_SIZE = 512  # per rank: 64K samples a step on 128 ranks
 
@@ -40,3 +44,32 @@ def paper_12t() -> tuple[list[TableSpec], Topology, int]:
         world_size=128, ranks_per_host=8, device_bytes=80e9, dram_bytes=192e9, ssd_bytes=2e12
     )
     return tables, topology, PAPER_BATCH_SIZE
+
+
+# By the name ``dlrmflow plan --preset`` takes: the tables, topology and per-rank batch.
+PRESETS: dict[str, Callable[[], tuple[list[TableSpec], Topology, int]]] = {
+    "paper-12t": paper_12t,
+}
+
+
+def plan_preset(
+    name: str,
+    *,
+    device_bytes: float | None = None,
+    dram_bytes: float | None = None,
+    ssd_bytes: float | None = None,
+    cache_load_factor: float | None = None,
+) -> ShardingPlan:
+    """The plan of the preset ``name`` (a key of ``PRESETS``), on its own topology with the
+    memory per tier given replacing its own (``Topology.with_memory``): what a model of that
+    scale would need of other hardware, without a dataset or a configuration."""
+    if name not in PRESETS:
+        raise PlanningError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    tables, topology, batch_size = PRESETS[name]()
+    topology = topology.with_memory(
+        device_bytes=device_bytes,
+        dram_bytes=dram_bytes,
+        ssd_bytes=ssd_bytes,
+        cache_load_factor=cache_load_factor,
+    )
+    return plan_sharding(tables, topology, batch_size)

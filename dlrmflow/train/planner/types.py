@@ -12,7 +12,7 @@ embeddings as well.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -120,6 +120,25 @@ class Topology:
             raise ValueError("bandwidths must be > 0")
         if not 0 <= self.cache_load_factor <= 1:
             raise ValueError(f"cache_load_factor must be in [0, 1], got {self.cache_load_factor}")
+
+    def with_memory(
+        self,
+        *,
+        device_bytes: float | None = None,
+        dram_bytes: float | None = None,
+        ssd_bytes: float | None = None,
+        cache_load_factor: float | None = None,
+    ) -> Topology:
+        """This topology with the memory per tier and cache share given (None: kept), so
+        that a plan can be asked for other hardware (``dlrmflow plan --device-memory ...``)
+        without restating its ranks and bandwidths; checked as any topology is."""
+        given = {
+            "device_bytes": device_bytes,
+            "dram_bytes": dram_bytes,
+            "ssd_bytes": ssd_bytes,
+            "cache_load_factor": cache_load_factor,
+        }
+        return replace(self, **{key: value for key, value in given.items() if value is not None})
 
     @property
     def hosts(self) -> int:

@@ -1,0 +1,97 @@
+"""Commands that make and describe datasets: ``generate``, ``convert`` and ``stats``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from dlrmflow.cli.options import ConfigOpt, Progress, SetOpt, echo_json, resolve
+
+
+def generate(
+    out: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
+    days: Annotated[int | None, typer.Option(help="Day partitions; the last is held out.")] = None,
+    rows_per_day: Annotated[int | None, typer.Option(help="Rows in each day.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Generator seed.")] = None,
+    multi_hot: Annotated[
+        bool | None, typer.Option("--multi-hot/--one-hot", help="Lists of IDs per feature.")
+    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Write synthetic Criteo-like data as day-partitioned Parquet plus manifest.json."""
+    from dlrmflow.ingest.synthetic import generate_dataset
+
+    cfg = resolve(
+        config,
+        set_,
+        **{
+            "data.url": out,
+            "data.days": days,
+            "data.rows_per_day": rows_per_day,
+            "data.seed": seed,
+            "data.multi_hot": multi_hot,
+        },
+    )
+    bar = Progress(cfg.data.days * cfg.data.rows_per_day, "generate")
+    manifest = generate_dataset(cfg.data, progress=bar)
+    bar.close()
+    echo_json(
+        {
+            "url": cfg.data.url,
+            "rows": manifest.rows,
+            "days": manifest.days,
+            "test_day": manifest.test_day,
+            "positive_rate": manifest.positive_rate,
+            "bayes_auc": manifest.bayes_auc,
+            "bayes_logloss": manifest.bayes_logloss,
+        }
+    )
+
+
+def convert(
+    input_: Annotated[
+        list[str], typer.Option("--input", "-i", help="Raw Criteo TSV day files (.gz ok).")
+    ],
+    out: Annotated[str, typer.Option(help="Output dataset URL.")],
+    max_bad_fraction: Annotated[
+        float, typer.Option(help="Fail when a file has more malformed lines than this.")
+    ] = 0.001,
+    row_group_size: Annotated[int, typer.Option(help="Rows per Parquet row group.")] = 65_536,
+) -> None:
+    """Convert raw Criteo TSV days to Parquet, quarantining malformed lines."""
+    from dlrmflow.ingest.criteo import convert_criteo
+
+    bar = Progress(None, "convert", unit="lines")
+    result = convert_criteo(
+        input_,
+        out,
+        max_bad_fraction=max_bad_fraction,
+        row_group_size=row_group_size,
+        progress=bar,
+    )
+    bar.close()
+    echo_json(
+        {
+            "url": out,
+            "rows": result.rows,
+            "days": result.manifest.days,
+            "bad_lines": result.bad_lines,
+            "quarantine": result.quarantine,
+        }
+    )
+
+
+def stats(
+    data: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Per-column statistics of a dataset (missing rates, distinct IDs, dense ranges)."""
+    from dlrmflow.ingest.stats import dataset_stats, write_stats
+
+    url = resolve(config, set_, **{"data.url": data}).data.url
+    result = dataset_stats(url)
+    write_stats(url, result)
+    echo_json(result.to_dict())
