@@ -387,6 +387,7 @@ RESERVED_ENV = frozenset(
         "DLRMFLOW_TEST_SEED",  # the test suite's random kill point, to replay one
         "DLRMFLOW_SUPERVISOR_PID",  # the process a job's agent must not outlive (train.supervise)
         "DLRMFLOW_HEARTBEAT_DIR",  # where a job's ranks record their progress (train.supervise)
+        "DLRMFLOW_COMMAND",  # the token of the command a process was started by (guard)
     }
 )
 

@@ -66,10 +66,15 @@ def main() -> None:
 
     # A warning is one line too (the run record keeps it where it matters).
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
+    from dlrmflow.guard import guard_descendants, signals_end_the_command
+
+    command = " ".join(["dlrmflow", *[a for a in sys.argv[1:3] if not a.startswith("-")]][:2])
     try:
         env_overrides()  # a DLRMFLOW_ variable naming no key fails every command, not some
         tune_allocator()
-        app()
+        guard_descendants()  # what it starts (Prefect's server, Dask) dies with it
+        with signals_end_the_command(command):  # one line, and 130 or 143, in bounded time
+            app()
     except (DlrmflowError, ValueError, OSError) as e:
         # The message names the key, file, row group, column, step or rank; a traceback
         # would only bury it.

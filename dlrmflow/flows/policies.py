@@ -9,6 +9,7 @@ from prefect.states import State
 
 from dlrmflow.train.evaluate import NonFinitePredictions
 from dlrmflow.train.rundir import RunDirBusy
+from dlrmflow.train.supervise import JobStopped
 from dlrmflow.train.trainer import IncompatibleCheckpoint, NonFiniteLoss
 
 # Failures that a retry would only repeat.
@@ -19,6 +20,7 @@ NOT_TRANSIENT = (
     IncompatibleCheckpoint,
     NonFiniteLoss,
     NonFinitePredictions,
+    JobStopped,  # the user (or a scheduler's timeout) asked the command to stop
 )
 
 
@@ -29,6 +31,6 @@ def retry_unless_bad_input(task: Any, task_run: TaskRun, state: State) -> bool:
     The stages raise ValueError for bad data or settings (the message names the file, row
     group and column, or the config key) and FileNotFoundError for a missing input; a run
     directory in use, a checkpoint of another run and a diverged model fail the same way
-    on every try.
+    on every try; a job stopped by a signal was asked to stop, not to be run again.
     """
     return not isinstance(state.data, NOT_TRANSIENT)

@@ -1,0 +1,112 @@
+"""Nothing a command starts outlives it: a command killed by SIGKILL leaves no process of
+its own behind (Prefect's local server, Dask, anything started under it), and SIGTERM or
+SIGINT end any command with one line and the shell's code for the signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from dlrmflow.guard import COMMAND_ENV, GRACE_S, carrying
+
+DLRMFLOW = str(Path(sys.executable).parent / "dlrmflow")
+
+
+def _token_of(pid: int) -> str | None:
+    """The command token a process started under a dlrmflow command carries."""
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    env = dict(e.decode(errors="replace").partition("=")[::2] for e in entries if b"=" in e)
+    return env.get(COMMAND_ENV)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _gone_within(token: str, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := carrying(token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_a_killed_command_leaves_nothing_it_started(tmp_path: Path) -> None:
+    # A stand-in for a command: it starts its guard, then a grandchild in a session of its
+    # own (as a server or a worker pool would), then is killed by SIGKILL.
+    script = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from dlrmflow.guard import guard_descendants
+        guard_descendants()
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         start_new_session=True)
+        print("started", flush=True)
+        time.sleep(120)
+        """
+    )
+    command = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert command.stdout is not None and command.stdout.readline() == "started\n"
+        [token] = {_token_of(pid) for pid in _children(command.pid)} - {None}
+        assert len(carrying(token)) == 1  # the grandchild (the command carries its parent's)
+        command.kill()
+        command.wait()
+        assert not _gone_within(token, GRACE_S + 10)
+    finally:
+        command.kill()
+        command.wait()
+
+
+def test_sigterm_ends_a_command_in_one_line_and_cleans_its_temporaries(tmp_path: Path):
+    out = tmp_path / "data"
+    command = subprocess.Popen(
+        [DLRMFLOW, "generate", "--out", str(out), "--days", "3", "--rows-per-day", "2000000"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not any(out.glob("day=*/.*.tmp")):  # writing its first day
+        assert command.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    command.send_signal(signal.SIGTERM)
+    _, err = command.communicate(timeout=30)
+    assert command.returncode == 128 + signal.SIGTERM
+    assert err.splitlines() == ["error: dlrmflow generate stopped by SIGTERM"], err
+    assert not [p for p in out.rglob("*") if p.is_file()]  # no temporary, no day file
+
+
+def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(tmp_path: Path) -> None:
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)  # the demo's own local server
+    command = subprocess.Popen(
+        [DLRMFLOW, "demo", "--quick", "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        token = None
+        while token is None or len(carrying(token)) < 3:  # the command, its server, a job
+            assert command.poll() is None and time.monotonic() < deadline, "no server started"
+            token = next(filter(None, map(_token_of, _children(command.pid))), None)
+            time.sleep(0.1)
+        command.kill()
+        command.wait()
+        assert not _gone_within(token, GRACE_S + 15)
+    finally:
+        command.kill()
+        command.wait()
