@@ -60,7 +60,7 @@ class Mode(NamedTuple):
 
     world: int
     sharding: str
-    ours: str  # "plain": our one-process DLRM; "sharded": our ShardedDLRM, ``sharding``
+    ours: str  # "plain": our one-process DLRM; "sharded": our DLRM sharded, ``sharding``
 
 
 MODES: dict[str, Mode] = {

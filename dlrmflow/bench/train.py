@@ -129,7 +129,7 @@ def run_baseline(size: dict, warmup: int, steps: int) -> dict:
 
 def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
     """One mode on the current job (every rank calls this): global samples/s, bytes/step."""
-    from dlrmflow.train.distributed import ShardedDLRM
+    from dlrmflow.train.parallelize import sharded_dlrm
     from dlrmflow.train.planner.jobs import plan_for_config
 
     config = bench_config(size, mode["sharding"], mode["comms"], mode["pipeline"])
@@ -137,25 +137,25 @@ def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
     world = dist.get_world_size()
     plan = plan_for_config(config, spec, world, world)
     torch.manual_seed(0)
-    model = ShardedDLRM(spec, config, plan, embedding_optimizer(config.train))
+    model = sharded_dlrm(spec, config, plan, embedding_optimizer(config.train))
     optimizer = torch.optim.Adagrad(model.dense_parameters(), lr=config.train.lr)
     loss_fn = nn.BCEWithLogitsLoss()
     batches = make_batches(size, dist.get_rank())
-    state = {"pending": model.start_input_dist(batches[0].sparse)}
+    state = {"pending": model.embeddings.start_input_dist(batches[0].sparse)}
 
     def step(batch: Batch, following: Batch) -> None:
         received = state["pending"].wait()
         if mode["pipeline"]:
-            state["pending"] = model.start_input_dist(following.sparse, async_op=True)
+            state["pending"] = model.embeddings.start_input_dist(following.sparse, async_op=True)
         loss = loss_fn(model.forward_received(batch.dense, received), batch.labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if not mode["pipeline"]:
-            state["pending"] = model.start_input_dist(following.sparse)
+            state["pending"] = model.embeddings.start_input_dist(following.sparse)
 
     def at_start() -> None:
-        model.stats.reset()
+        model.embeddings.stats.reset()
         dist.barrier()
 
     seconds = _time_steps(step, batches, warmup, steps, at_start)
@@ -164,7 +164,7 @@ def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
     slowest = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     seconds = float(slowest)
-    bytes_per_step = {k: v // steps for k, v in model.stats.snapshot().items()}
+    bytes_per_step = {k: v // steps for k, v in model.embeddings.stats.snapshot().items()}
     return {
         "samples_per_s": steps * size["batch"] * world / seconds,
         "step_s": seconds / steps,

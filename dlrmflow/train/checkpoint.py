@@ -44,11 +44,10 @@ from dlrmflow.config import RunConfig, build_config
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.kernels.tbe import Adam
-from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import nearly_full
-from dlrmflow.train.model import DLRM, embedding_optimizer
-from dlrmflow.train.tiers import tiered_embeddings
+from dlrmflow.train.embeddings import EmbeddingCollection
+from dlrmflow.train.model import DLRM
+from dlrmflow.train.parallelize import build_model, parallelize
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
@@ -109,40 +108,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The DCP state dict of a ``DLRM`` or ``ShardedDLRM`` and its dense optimizer.
+def model_state(model: DLRM, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The DCP state dict of a ``DLRM`` (whichever its embeddings) and its dense optimizer.
 
     Every tensor is a view of the live one (DCP loads in place), keyed by what it is:
     ``emb.<table>.weight``, ``emb.<table>.<optimizer state>``, ``dense.<parameter>`` and
     ``dense_optim.<parameter>.<state>``, the same keys whatever the sharding.
     """
-    from dlrmflow.train.distributed import ShardedDLRM
-    from dlrmflow.train.sharded import exact_storage
-
     state: dict[str, Any] = {}
-    if isinstance(model, ShardedDLRM):
-        embedding_state = model.embeddings.checkpoint_state()
-    elif isinstance(model.embeddings, TieredEmbeddingBag):
-        # Views of the file (loaded in place, then ``reload``): never a copy of the tables.
-        bag = model.embeddings
-        bag.flush()
-        embedding_state = {
-            f"{name}.{key}": view
-            for name in bag.names
-            for key, view in bag.file_views(name, flush=False).items()
-        }
-        if isinstance(bag.optimizer, Adam):
-            embedding_state["adam_step"] = torch.tensor(bag.step, dtype=torch.int64, device="cpu")
-    else:
-        bag = model.embeddings
-        embedding_state = {}
-        for name in bag.names:
-            embedding_state[f"{name}.weight"] = exact_storage(bag.table(name))
-            for key, value in bag.state(name).items():
-                embedding_state[f"{name}.{key}"] = exact_storage(value)
-        if isinstance(bag.optimizer, Adam):
-            embedding_state["adam_step"] = bag.step
-    state.update({f"emb.{k}": v for k, v in embedding_state.items()})
+    embeddings: EmbeddingCollection = model.embeddings
+    state.update({f"emb.{k}": v for k, v in embeddings.checkpoint_state().items()})
     dense = model.dense_arch
     state.update({f"dense.{k}": v for k, v in dense.state_dict(keep_vars=False).items()})
     names = [name for name, _ in dense.named_parameters()]
@@ -154,17 +129,11 @@ def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return state
 
 
-def _file_pages(model: torch.nn.Module) -> Callable[[], None]:
+def _file_pages(model: DLRM) -> Callable[[], None]:
     """What unmaps the pages of the model's embedding files that a checkpoint item touched
-    (nothing without tiered embeddings), so a checkpoint of tables on disk keeps one item
+    (nothing without tables on disk), so a checkpoint of tables on disk keeps one item
     of them resident at a time."""
-    from dlrmflow.train.distributed import ShardedDLRM
-
-    if isinstance(model, ShardedDLRM):
-        return model.embeddings.drop_file_pages
-    if isinstance(model.embeddings, TieredEmbeddingBag):
-        return model.embeddings.drop_pages
-    return lambda: None
+    return model.embeddings.drop_file_pages
 
 
 class _DroppingSavePlanner(DefaultSavePlanner):
@@ -466,7 +435,7 @@ def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
 
 
 def restore(
-    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    info: CheckpointInfo, model: DLRM, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any] | None:
     """Load a checkpoint into a live model (and dense optimizer) at any world size or plan.
 
@@ -475,8 +444,6 @@ def restore(
     no reader can take up another's position, so only a checkpoint at an epoch's start
     (``mid_epoch`` false) continues exactly there; the trainer refuses the others.
     """
-    from dlrmflow.train.distributed import ShardedDLRM
-
     rank = _rank()
     state = model_state(model, optimizer) if optimizer is not None else _weights_only(model)
     same_world = info.world_size == _world()
@@ -492,24 +459,17 @@ def restore(
                 drop()
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{info.path}: cannot be loaded: {_reason(e, info.path)}") from e
-    if isinstance(model, ShardedDLRM):
-        prefix = "emb."
-        model.embeddings.after_checkpoint_load(
-            {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-        )
-    elif isinstance(model.embeddings, TieredEmbeddingBag):
-        # Loaded in place, into its file: its cached rows are stale now.
-        bag = model.embeddings
-        bag.reload()
-        if "emb.adam_step" in state:
-            bag.step = int(state["emb.adam_step"])
+    prefix = "emb."
+    model.embeddings.after_checkpoint_load(
+        {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    )
     if not same_world:
         return None
     torch.set_rng_state(state[f"rank{rank}.rng"])
     return json.loads(state[f"rank{rank}.loader"])
 
 
-def _weights_only(model: torch.nn.Module) -> dict[str, Any]:
+def _weights_only(model: DLRM) -> dict[str, Any]:
     """The model's entries of ``model_state`` (for evaluation: no optimizer)."""
     dummy = torch.optim.SGD(model.dense_arch.parameters(), lr=0.0)
     return model_state(model, dummy)
@@ -600,17 +560,16 @@ def load_checkpoint(
         config = build_config(info.manifest["config"])
         config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
-        optimizer = embedding_optimizer(config.train)
-        embeddings = None
-        if scratch is not None and torch.device(device).type == "cpu":
-            embeddings = tiered_embeddings(config, spec, optimizer, scratch, fill=False)
-        model = DLRM(
-            spec,
-            config.model,
-            optimizer,
-            embeddings=embeddings,
-            precision=config.train.precision,
-        ).to(device)
+        # Tables beyond train.embedding_memory_bytes on disk only where their rows are
+        # served from: the host's memory.
+        on_cpu = scratch is not None and torch.device(device).type == "cpu"
+        model = parallelize(
+            build_model(config, spec),
+            config,
+            device=torch.device(device),
+            embeddings_dir=scratch if on_cpu else None,
+            fill=False,
+        )
         restore(info, model, None)
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"{info.path}: unreadable or incompatible checkpoint ({e})") from e

@@ -1,11 +1,10 @@
-"""Hybrid parallelism: model-parallel sharded embeddings feeding data-parallel dense layers.
+"""A process's place in a job and the job's process group.
 
 ``init_distributed`` joins the job torchrun started (gloo on CPU; NCCL for CUDA tensors
 and gloo for the host's control values on GPU, see ``dlrmflow.train.device``) with a
-collective timeout, so a dead peer ends the job instead of hanging it. ``ShardedDLRM`` is
-the DLRM of ``dlrmflow.train.model`` with its embeddings replaced by the sharded
-collection and its dense arch wrapped in DDP, whose gradient allreduce runs through a
-comm hook in the configured precision.
+collective timeout, so a dead peer ends the job instead of hanging it. The model of a job
+is the plain ``DLRM`` with sharded embeddings and DDP applied by
+``dlrmflow.train.parallelize``.
 """
 
 from __future__ import annotations
@@ -18,23 +17,10 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from dlrmflow.config import RunConfig
-from dlrmflow.features.batch import KeyedJaggedTensor
-from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.memory import peak_rss_bytes
-from dlrmflow.train.comms import CommStats, dense_comm_hook
 from dlrmflow.train.device import process_group_backend
-from dlrmflow.train.model import DenseArch, EmbeddingOptimizer
-from dlrmflow.train.sharded import (
-    PendingInput,
-    ReceivedInput,
-    ShardedEmbeddingCollection,
-    TierStorage,
-)
-from dlrmflow.train.sharding import ShardingPlan
 
 
 @dataclass(frozen=True)
@@ -132,69 +118,3 @@ def seed_everything(seed: int, threads: int) -> None:
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(threads)
-
-
-class ShardedDLRM(nn.Module):
-    """The DLRM with sharded embeddings and a DDP-wrapped dense arch.
-
-    ``forward(dense, sparse)`` runs one step's input distribution synchronously; the
-    pipeline instead calls ``start_input_dist`` one batch ahead and ``forward_received``.
-    """
-
-    def __init__(
-        self,
-        spec: FeatureSpec,
-        config: RunConfig,
-        plan: ShardingPlan,
-        optimizer: EmbeddingOptimizer,
-        *,
-        stats: CommStats | None = None,
-        device: torch.device | str = "cpu",
-        tiers: TierStorage | None = None,
-    ) -> None:
-        """``tiers``: where the shards the plan puts in DRAM or on SSD live, and the rank's
-        memory budget (see ``ShardedEmbeddingCollection``); None keeps all in memory."""
-        super().__init__()
-        device = torch.device(device)
-        self.stats = stats or CommStats()
-        world = dist.get_world_size()
-        # Separate groups (with the default group's backends): the pipelined input exchange
-        # runs in the background and must not interleave with the output exchange or DDP's
-        # allreduce on the same group. With the job's collective timeout: a group takes
-        # torch's default (30 minutes) otherwise, not the default group's.
-        timeout = timedelta(seconds=config.distributed.timeout_s)
-        output_group = dist.new_group(timeout=timeout)
-        input_group = dist.new_group(timeout=timeout)
-        self.embeddings = ShardedEmbeddingCollection(
-            spec.sparse,
-            plan,
-            optimizer,
-            seed=config.train.seed,
-            comms=config.distributed.comms,
-            backward_comms=config.distributed.backward_comms,
-            group=output_group,
-            input_group=input_group,
-            stats=self.stats,
-            device=device,
-            kernels=config.model.kernels,
-            tiers=tiers,
-            timeout=timeout,
-        )
-        self.dense_arch = DenseArch(spec, config.model, config.train.precision).to(device)
-        self.ddp = DistributedDataParallel(
-            self.dense_arch, device_ids=[device.index] if device.type == "cuda" else None
-        )
-        hook, state = dense_comm_hook(config.distributed.dense_comms, self.stats, world)
-        self.ddp.register_comm_hook(state, hook)
-
-    def start_input_dist(self, sparse: KeyedJaggedTensor, async_op: bool = False) -> PendingInput:
-        return self.embeddings.start_input_dist(sparse, async_op=async_op)
-
-    def forward_received(self, dense: torch.Tensor, received: ReceivedInput) -> torch.Tensor:
-        return self.ddp(dense, self.embeddings.forward_received(received))
-
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        return self.forward_received(dense, self.start_input_dist(sparse).wait())
-
-    def dense_parameters(self) -> list[nn.Parameter]:
-        return list(self.dense_arch.parameters())

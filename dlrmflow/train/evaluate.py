@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dlrmflow.config import (
     ConfigError,
@@ -38,7 +37,6 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
-from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.checkpoint import (
     dataset_digest,
@@ -50,13 +48,13 @@ from dlrmflow.train.data import batch_loader, load_ids
 from dlrmflow.train.device import resolve_device, use_device
 from dlrmflow.train.distributed import (
     DistEnv,
-    ShardedDLRM,
     compute_threads,
     gather_peak_rss,
     init_distributed,
 )
 from dlrmflow.train.metrics import click_metrics
-from dlrmflow.train.model import embedding_optimizer
+from dlrmflow.train.model import DLRM
+from dlrmflow.train.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
 from dlrmflow.train.rundir import rank0_lock
 from dlrmflow.train.tiers import scratch_directory, scratch_tier_storage
@@ -200,7 +198,7 @@ def test_loader(
 
 @torch.no_grad()
 def score(
-    model: nn.Module,
+    model: DLRM,
     loader,
     spec: FeatureSpec,
     env: DistEnv,
@@ -259,14 +257,6 @@ def score(
     if max_rows is not None:
         out_probs, out_labels = out_probs[:max_rows], out_labels[:max_rows]
     return out_probs, out_labels
-
-
-def _rows_on_disk(model: nn.Module) -> bool:
-    """Whether the model keeps embedding rows on disk: the same answer on every rank of a
-    job (its ``TierStorage`` follows the configuration, not the rank's shards)."""
-    if isinstance(model, ShardedDLRM):
-        return model.embeddings.tiers is not None
-    return isinstance(model.embeddings, TieredEmbeddingBag)
 
 
 def evaluate(
@@ -328,8 +318,8 @@ def _evaluate(
         spec = FeatureSpec.from_dict(info.manifest["spec"])
         plan = plan_for_job(config, spec, env.world_size, env.local_world_size)
         tiers = scratch_tier_storage(config, env.rank, run_dir)
-        model: nn.Module = ShardedDLRM(
-            spec, config, plan, embedding_optimizer(config.train), device=device, tiers=tiers
+        model = parallelize(
+            build_model(config, spec), config, device=device, plan=plan, tiers=tiers
         )
         restore(info, model, None)
         step, path = info.step, info.path
@@ -343,7 +333,7 @@ def _evaluate(
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
     if batch_size is not None:
         config.eval.batch_size = batch_size
-    if _rows_on_disk(model):
+    if model.embeddings.rows_on_disk:
         # The cache was sized for a training batch's rows: score in batches no larger.
         config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
     torch.set_num_threads(compute_threads(config, env))

@@ -8,6 +8,8 @@ turns the result into one click logit per sample.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,8 +17,9 @@ from dlrmflow.config import ModelConfig, TrainConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad
 from dlrmflow.kernels.tiered import CacheTooSmall
+from dlrmflow.train.embeddings import InMemoryEmbeddings
 from dlrmflow.train.sharded import cache_budget_error
 
 EmbeddingOptimizer = SGD | RowWiseAdagrad | Adam
@@ -123,11 +126,12 @@ class DenseArch(nn.Module):
 
 
 class DLRM(nn.Module):
-    """Embedding bags feeding the dense arch, producing click logits.
+    """Embeddings feeding the dense arch, producing click logits: the one model class.
 
-    ``embeddings`` is any module mapping a ``KeyedJaggedTensor`` to pooled ``[B, n * dim]``
-    in feature order: the table-batched bag of one process by default, or the sharded
-    collection of a distributed job.
+    ``embeddings`` is an ``EmbeddingCollection`` mapping a ``KeyedJaggedTensor`` to pooled
+    ``[B, n * dim]`` in feature order: every table in this process's memory by default.
+    What a run needs beyond that (tables on disk, a job's shards, DDP for the dense arch,
+    the device and precision) ``dlrmflow.train.parallelize`` applies to the plain model.
     """
 
     def __init__(
@@ -147,14 +151,34 @@ class DLRM(nn.Module):
             raise ValueError("every sparse feature must use model.embedding_dim")
         # All tables in one table-batched bag whose backward updates the touched rows itself:
         # no embedding gradient ever exists, so no torch optimizer sees these weights.
-        self.embeddings = embeddings or TableBatchedEmbeddingBag(
+        self.embeddings = embeddings or InMemoryEmbeddings(
             spec.sparse, embedding_optimizer or SGD(lr=0.0), seed=seed, kernels=config.kernels
         )
         self.dense_arch = DenseArch(spec, config, precision)
+        # The dense arch's data-parallel wrapper in a job (``parallelize``: DDP), which
+        # runs it; beside it, not in its place, so its parameters keep their names.
+        self.ddp: nn.Module | None = None
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         try:
             pooled = self.embeddings(sparse)
         except CacheTooSmall as e:  # tables on disk (train.embedding_memory_bytes)
             raise cache_budget_error(e) from e
-        return self.dense_arch(dense, pooled)
+        return self._dense(dense, pooled)
+
+    def forward_received(self, dense: torch.Tensor, received: Any) -> torch.Tensor:
+        """The logits of a batch whose input the embeddings started
+        (``EmbeddingCollection.start_input``) and that has arrived (``received``)."""
+        try:
+            pooled = self.embeddings.look_up(received)
+        except CacheTooSmall as e:
+            raise cache_budget_error(e) from e
+        return self._dense(dense, pooled)
+
+    def _dense(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        arch = self.ddp if self.ddp is not None else self.dense_arch
+        return arch(dense, pooled)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """What the dense optimizer updates (the embeddings update themselves)."""
+        return list(self.dense_arch.parameters())

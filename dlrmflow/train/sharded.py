@@ -194,6 +194,9 @@ class ShardedEmbeddingCollection(nn.Module):
         if tiers is not None and self.device.type != "cpu":
             raise ValueError(f"shards on disk are served from host memory, not {self.device}")
         self.tiers = tiers
+        # Whether a step's input all-to-all runs in the background (``start_input``):
+        # ``distributed.pipeline``, set by ``parallelize``.
+        self.pipelined = False
         self.group = group
         self.input_group = input_group if input_group is not None else group
         self.rank = dist.get_rank(group)
@@ -573,6 +576,40 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         return self.forward_received(self.start_input_dist(kjt).wait())
+
+    # -- the interface every embedding collection offers (``EmbeddingCollection``) -------
+
+    @property
+    def rows_on_disk(self) -> bool:
+        """Whether the job keeps rows on disk: the same answer on every rank (``tiers``
+        follows the configuration, not the rank's shards)."""
+        return self.tiers is not None
+
+    @property
+    def begins_ahead(self) -> bool:
+        return self.pipelined
+
+    def start_input(self, kjt: KeyedJaggedTensor, *, ahead: bool = False) -> PendingInput | None:
+        """The input all-to-all of ``kjt``: in the background when ``pipelined``, so the
+        next batch's (``ahead``) overlaps this step; not pipelined, nothing starts ahead."""
+        if ahead and not self.pipelined:
+            return None
+        return self.start_input_dist(kjt, async_op=self.pipelined)
+
+    def look_up(self, received: ReceivedInput) -> torch.Tensor:
+        return self.forward_received(received)
+
+    def input_rows(self, received: ReceivedInput) -> int:
+        return sum(received.batch_sizes)
+
+    def prefetch_next(self, started: PendingInput | None) -> None:
+        """With shards on disk, the next batch's rows load during this step's backward,
+        once its IDs are in."""
+        if self.tiers is not None and started is not None:
+            self.prefetch(started.wait())
+
+    def lookup_modules(self) -> list[nn.Module]:
+        return [b for b in (self.local, self.replicated) if b is not None]
 
     def forward_received(self, received: ReceivedInput) -> torch.Tensor:
         """The pooled embeddings of this rank's batch from an input distribution's result."""

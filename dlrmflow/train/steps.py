@@ -7,9 +7,8 @@ may overlap the step before: the next batch's exchange (``distributed.pipeline``
 loaded from disk into the cache (``train.embedding_memory_bytes``). A ``StepRunner`` says
 what to start when; ``EpochInputs`` walks an epoch's batches and calls it in that order.
 
-The runners are where the model's kinds differ today (the plain ``DLRM``, the
-``ShardedDLRM``, either with tables on disk); once every embedding collection offers the
-same "start the next input, look up, finish" interface, one runner serves them all.
+One runner serves every model: what differs between embeddings in memory, on disk or
+sharded over a job is behind their common interface (``EmbeddingCollection``).
 """
 
 from __future__ import annotations
@@ -22,124 +21,80 @@ from torch import nn
 
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.kernels.tiered import CacheStats, TieredEmbeddingBag
+from dlrmflow.kernels.tiered import CacheStats
 from dlrmflow.train.comms import CommStats
 from dlrmflow.train.device import BatchStager
-from dlrmflow.train.distributed import DistEnv, ShardedDLRM
-from dlrmflow.train.sharded import PendingInput
+from dlrmflow.train.distributed import DistEnv
+from dlrmflow.train.embeddings import EmbeddingCollection, StartedInput
+from dlrmflow.train.model import DLRM
 from dlrmflow.train.sharding import ShardingPlan
 
 
 class StepRunner:
-    """Runs a model whose embeddings live in this process (the plain ``DLRM``): nothing to
-    start before the lookup; with tables on disk, the next batch's rows load while this
-    step computes.
+    """Feeds the model its batches in the order its embeddings need: each batch's input
+    started (``EmbeddingCollection.start_input``) before its lookup, the next batch's
+    begun while this step computes where the embeddings allow it (the input all-to-all
+    when pipelined, the rows on disk).
 
     A started input is whatever ``start``/``ahead`` return, handed back to ``forward`` (or
     ``overlap``) unopened.
     """
 
-    comms: CommStats | None = None  # the bytes the collectives sent, by kind
-    plan: ShardingPlan | None = None  # the plan the embeddings are sharded by
-
     def __init__(
-        self, model: nn.Module, stager: BatchStager, tiered: TieredEmbeddingBag | None = None
+        self,
+        model: DLRM,
+        stager: BatchStager,
+        *,
+        comms: CommStats | None = None,
+        plan: ShardingPlan | None = None,
     ) -> None:
-        """``tiered``: the model's embeddings when they live on disk behind a cache."""
+        """``comms``: the bytes the collectives sent, by kind; ``plan``: the plan the
+        embeddings are sharded by (both None in one process)."""
         self.model = model
         self.stager = stager
-        self._tiered = tiered
+        self.comms = comms
+        self.plan = plan
+        self._embeddings: EmbeddingCollection = model.embeddings
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """What the dense optimizer updates (the embeddings update themselves)."""
-        return list(self.model.parameters())
+        return self.model.dense_parameters()
 
     def embedding_bags(self) -> list[nn.Module]:
         """The modules that look up this process's rows (for the kernels it reports)."""
-        return [self.model.embeddings]
+        return self._embeddings.lookup_modules()
 
-    def start(self, batch: Batch) -> Any:
-        """Begin what the lookup of ``batch`` needs, now that it is the current batch."""
-        return None
+    def start(self, batch: Batch) -> StartedInput | None:
+        """Begin what the lookup of ``batch`` needs, now that it is the current batch
+        (once its copy to the device is in: a wait on the device, not the host)."""
+        return self._embeddings.start_input(self.stager.ready(batch).sparse)
 
-    def ahead(self, batch: Batch) -> Any:
+    def ahead(self, batch: Batch) -> StartedInput | None:
         """Begin what of ``batch`` (the next step's) may overlap the step about to run;
         None when nothing was started and ``start`` must be called when it is current."""
-        if self._tiered is not None:
-            self._tiered.prefetch(batch.sparse)  # its rows load from disk meanwhile
-        return None
+        if not self._embeddings.begins_ahead:
+            return None  # its copy to the device is not waited for before it is current
+        return self._embeddings.start_input(self.stager.ready(batch).sparse, ahead=True)
 
-    def forward(self, batch: Batch, started: Any) -> tuple[torch.Tensor, int]:
+    def forward(self, batch: Batch, started: StartedInput) -> tuple[torch.Tensor, int]:
         """The step's logits and the rows this rank computed them for."""
         batch = self.stager.ready(batch)
-        return self.model(batch.dense, batch.sparse), len(batch)
+        received = started.wait()
+        logits = self.model.forward_received(batch.dense, received)
+        return logits, self._embeddings.input_rows(received)
 
-    def overlap(self, started_next: Any) -> None:
+    def overlap(self, started_next: StartedInput | None) -> None:
         """After this step's forward: what of the next batch may overlap the backward."""
+        self._embeddings.prefetch_next(started_next)
 
     def finish(self) -> None:
         """Write what the embeddings hold only in memory (the rows cached from disk)."""
-        if self._tiered is not None:
-            self._tiered.flush()
+        self._embeddings.flush()
 
     def cache_stats(self) -> CacheStats | None:
         """The cache of the tables on disk (every rank's, summed: a collective where the
         ranks share the tables), None when all are in memory."""
-        return self._tiered.stats if self._tiered is not None else None
-
-
-class ShardedStepRunner(StepRunner):
-    """Runs the ``ShardedDLRM``: each batch's IDs go to the ranks holding their rows (the
-    input all-to-all) before the lookup. Pipelined, the next batch's exchange runs while
-    this step computes; with shards on disk, their rows load during the backward, once the
-    next batch's IDs are in."""
-
-    def __init__(
-        self,
-        model: ShardedDLRM,
-        stager: BatchStager,
-        *,
-        pipelined: bool,
-        comms: CommStats,
-        plan: ShardingPlan,
-    ) -> None:
-        super().__init__(model, stager)
-        self.comms = comms
-        self.plan = plan
-        self._pipelined = pipelined
-        self._tiers = model.embeddings.tiers is not None
-
-    def dense_parameters(self) -> list[nn.Parameter]:
-        return self.model.dense_parameters()
-
-    def embedding_bags(self) -> list[nn.Module]:
-        embeddings = self.model.embeddings
-        return [b for b in (embeddings.local, embeddings.replicated) if b is not None]
-
-    def start(self, batch: Batch) -> PendingInput:
-        # Once the batch's copy to the device is in (a wait on the device, not the host).
-        return self.model.start_input_dist(
-            self.stager.ready(batch).sparse, async_op=self._pipelined
-        )
-
-    def ahead(self, batch: Batch) -> PendingInput | None:
-        return self.start(batch) if self._pipelined else None
-
-    def forward(self, batch: Batch, started: PendingInput) -> tuple[torch.Tensor, int]:
-        batch = self.stager.ready(batch)
-        received = started.wait()
-        return self.model.forward_received(batch.dense, received), sum(received.batch_sizes)
-
-    def overlap(self, started_next: PendingInput | None) -> None:
-        if self._tiers and started_next is not None:
-            self.model.embeddings.prefetch(started_next.wait())
-
-    def finish(self) -> None:
-        if self._tiers:
-            self.model.embeddings.flush()
-
-    def cache_stats(self) -> CacheStats | None:
-        return self.model.embeddings.cache_stats() if self._tiers else None
+        return self._embeddings.cache_stats()
 
 
 class _Batches:

@@ -30,11 +30,11 @@ from dlrmflow.kernels.tiered import (
     FILE_SUFFIX,
     ROW_MAP_BYTES,
     SLOT_BOOKKEEPING_BYTES,
-    TieredEmbeddingBag,
     cache_rows_for,
     record_width,
 )
 from dlrmflow.memory import Available, available_memory, format_bytes
+from dlrmflow.train.embeddings import TieredEmbeddings
 from dlrmflow.train.model import embedding_optimizer
 from dlrmflow.train.sharded import TierBudgetError, TierStorage
 from dlrmflow.train.sharding import ShardingPlan
@@ -90,7 +90,7 @@ def tiered_embeddings(
     directory: Path,
     *,
     fill: bool = True,
-) -> TieredEmbeddingBag | None:
+) -> TieredEmbeddings | None:
     """One process's embeddings on disk in ``directory`` behind a cache of hot rows, when
     their rows and optimizer state exceed ``train.embedding_memory_bytes`` (the cache gets
     that memory); else None.
@@ -115,7 +115,7 @@ def tiered_embeddings(
             "tracking included); raise it"
         )
     (Path(directory) / f"embeddings{FILE_SUFFIX}").unlink(missing_ok=True)
-    return TieredEmbeddingBag(
+    return TieredEmbeddings(
         spec.sparse,
         optimizer,
         directory,

@@ -1,7 +1,8 @@
 """Training a DLRM on a dataset's training days: what surrounds the loop.
 
-Every knob comes from ``RunConfig``. One process trains the plain ``DLRM``; the ranks of a
-job train the ``ShardedDLRM`` under the planner's plan. Around the loop (``loop.py``) sits
+Every knob comes from ``RunConfig``. One process trains the ``DLRM`` with its tables in
+memory or on disk; the ranks of a job train it sharded under the planner's plan
+(``parallelize.py`` applies either). Around the loop (``loop.py``) sits
 what makes a run trustworthy: the run directory's lock and kind, the dataset check, where
 to resume from and whether that checkpoint belongs to this run (``resume.py``), a stop at
 the first non-finite loss, and a checkpoint whose position is the next step's. Metrics go
@@ -34,13 +35,12 @@ from dlrmflow.train.data import IdMapper, fit_features, load_ids, make_train_loa
 from dlrmflow.train.device import BatchStager, resolve_device, use_device
 from dlrmflow.train.distributed import (
     DistEnv,
-    ShardedDLRM,
     compute_threads,
     init_distributed,
     seed_everything,
 )
 from dlrmflow.train.loop import NonFiniteLoss, TrainLoop, dense_optimizer, kernels_used
-from dlrmflow.train.model import DLRM, embedding_optimizer
+from dlrmflow.train.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
 from dlrmflow.train.progress import METRICS_FILE, RESULT_FILE, TrainResult
 from dlrmflow.train.resume import (
@@ -52,8 +52,8 @@ from dlrmflow.train.resume import (
     start_afresh,
 )
 from dlrmflow.train.rundir import rank0_lock
-from dlrmflow.train.steps import ShardedStepRunner, StepRunner
-from dlrmflow.train.tiers import TIERED_DIR, tier_storage, tiered_embeddings
+from dlrmflow.train.steps import StepRunner
+from dlrmflow.train.tiers import TIERED_DIR, tier_storage
 from dlrmflow.train.tracking import config_params, open_tracker, require_tracker
 
 # Defined beside the loop and the resume logic, imported from here by the flows and tests.
@@ -108,11 +108,11 @@ def _features(
 def _build_model(
     config: RunConfig, spec: FeatureSpec, env: DistEnv, run_dir: Path, device: torch.device
 ) -> StepRunner:
-    """One process: the DLRM. Several: the sharded DLRM under the planner's plan, which
-    rank 0 writes to ``RUN_DIR/plan.json`` for the report and for resharding. Either is
-    built on the CPU (the seed's draws are the same on every device) and lives on
-    ``device``; it comes with the runner that feeds it its batches."""
-    optimizer = embedding_optimizer(config.train)
+    """The DLRM, parallelized for this run: in one process, its tables in memory or on
+    disk; in a job, sharded under the planner's plan, which rank 0 writes to
+    ``RUN_DIR/plan.json`` for the report and for resharding. It is built on the CPU (the
+    seed's draws are the same on every device) and lives on ``device``; it comes with the
+    runner that feeds it its batches."""
     stager = BatchStager(device)
     if config.train.embedding_memory_bytes is not None and device.type != "cpu":
         raise ConfigError(
@@ -120,33 +120,19 @@ def _build_model(
             f"set train.device=cpu (the model is on {device})"
         )
     if not env.distributed:
-        embeddings = tiered_embeddings(config, spec, optimizer, run_dir / TIERED_DIR)
-        model = DLRM(
-            spec,
-            config.model,
-            optimizer,
-            seed=config.train.seed,
-            embeddings=embeddings,
-            precision=config.train.precision,
-        ).to(device)
-        return StepRunner(model, stager, tiered=embeddings)
+        model = build_model(config, spec)
+        parallelize(model, config, device=device, embeddings_dir=run_dir / TIERED_DIR)
+        return StepRunner(model, stager)
     ranks_per_host = config.distributed.ranks_per_host or env.local_world_size
     # With train.embedding_memory_bytes the plan puts the shards beyond it on disk.
     plan = plan_for_job(config, spec, env.world_size, ranks_per_host)
     if env.rank == 0:
         write_atomic(run_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=1))
     stats = CommStats()
-    model = ShardedDLRM(
-        spec,
-        config,
-        plan,
-        optimizer,
-        stats=stats,
-        device=device,
-        tiers=tier_storage(config, env.rank, env.world_size, run_dir),
-    )
-    pipelined = config.distributed.pipeline
-    return ShardedStepRunner(model, stager, pipelined=pipelined, comms=stats, plan=plan)
+    tiers = tier_storage(config, env.rank, env.world_size, run_dir)
+    model = build_model(config, spec)
+    parallelize(model, config, device=device, plan=plan, tiers=tiers, stats=stats)
+    return StepRunner(model, stager, comms=stats, plan=plan)
 
 
 def run_kind(run_dir: Path) -> str | None:

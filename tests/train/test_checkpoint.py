@@ -124,8 +124,8 @@ def test_resume_after_sigkill_is_bitwise_equal(
 
 def _predict_worker(rank: int, world: int, store: str, run_dir: str, sharding, out: str) -> None:
     from dlrmflow.train.checkpoint import restore
-    from dlrmflow.train.distributed import ShardedDLRM
     from dlrmflow.train.model import embedding_optimizer
+    from dlrmflow.train.parallelize import sharded_dlrm
     from dlrmflow.train.planner import plan_for_config
 
     join_spawned_job(store, rank, world, COLLECTIVE_TIMEOUT)
@@ -135,7 +135,7 @@ def _predict_worker(rank: int, world: int, store: str, run_dir: str, sharding, o
     config = ckpt.config.model_copy(deep=True)
     config.distributed.sharding = sharding
     plan = plan_for_config(config, ckpt.spec, world, world)
-    model = ShardedDLRM(ckpt.spec, config, plan, embedding_optimizer(config.train))
+    model = sharded_dlrm(ckpt.spec, config, plan, embedding_optimizer(config.train))
     restore(info, model, None)
     model.eval()
     batch = torch.load(Path(run_dir) / "probe.pt", weights_only=False)

@@ -139,3 +139,53 @@ def test_dcnv2_learns_the_synthetic_click_model(tiny_dataset, tmp_path):
     assert result.steps == 48
     # The dot-interaction DLRM reaches AUC > 0.6 on this data in the same steps.
     assert evaluate(tmp_path / "run")["auc"] > 0.6
+
+
+def test_parallelize_places_the_plain_models_tables_as_the_model_itself_would(tmp_path):
+    """``build_model`` allocates no table; ``parallelize`` in one process places them in
+    memory (the same weights as ``DLRM`` built whole from the same seed), or on disk once
+    they exceed train.embedding_memory_bytes; either offers the embeddings' interface."""
+    from dlrmflow.config import RunConfig
+    from dlrmflow.train.embeddings import EmbeddingCollection, UnplacedEmbeddings
+    from dlrmflow.train.model import embedding_optimizer
+    from dlrmflow.train.parallelize import build_model, parallelize
+
+    config = RunConfig.model_validate(
+        {"model": {"embedding_dim": 4, "bottom_mlp": [8, 4], "top_mlp": [6]}, "train": {"seed": 3}}
+    )
+    spec = _spec(4)
+    torch.manual_seed(0)
+    whole = DLRM(spec, config.model, embedding_optimizer(config.train), seed=3)
+    torch.manual_seed(0)
+    model = build_model(config, spec)
+    assert isinstance(model.embeddings, UnplacedEmbeddings)
+    with pytest.raises(RuntimeError, match="parallelize it first"):
+        model(torch.randn(3, 3), _kjt())
+    parallelize(model, config, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="unplaced"):
+        parallelize(model, config, device=torch.device("cpu"))
+    assert all(torch.equal(whole.embeddings.table(n), model.embeddings.table(n)) for n in "xy")
+    dense_params = zip(whole.dense_arch.parameters(), model.dense_arch.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in dense_params)
+    embeddings: EmbeddingCollection = model.embeddings
+    started = embeddings.start_input(_kjt())
+    assert embeddings.start_input(_kjt(), ahead=True) is None  # nothing to begin early
+    dense = torch.randn(3, 3)
+    assert torch.equal(model.forward_received(dense, started.wait()), model(dense, _kjt()))
+    assert embeddings.input_rows(started.wait()) == 3
+    assert not embeddings.rows_on_disk and embeddings.cache_stats() is None
+    assert sorted(embeddings.checkpoint_state()) == [
+        "x.sum_squares",
+        "x.weight",
+        "y.sum_squares",
+        "y.weight",
+    ]
+
+    config.train.embedding_memory_bytes = 200  # below the tables' 17 rows x (4 + 1) floats
+    on_disk = parallelize(
+        build_model(config, spec), config, device=torch.device("cpu"), embeddings_dir=tmp_path
+    )
+    assert on_disk.embeddings.rows_on_disk and on_disk.embeddings.cache_stats() is not None
+    assert torch.equal(on_disk.embeddings.table("y"), whole.embeddings.table("y"))
+    assert on_disk.embeddings.start_input(_kjt(), ahead=True) is None  # its rows load meanwhile
+    assert on_disk.embeddings.cache_stats().prefetched > 0

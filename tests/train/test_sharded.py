@@ -102,7 +102,7 @@ def local_batch(batch: Batch, rank: int, world: int, step: int, uneven: bool) ->
 def _train_sharded(
     rank: int, world: int, out_dir: str, sharding: str, comms: str, multi_hot: bool, *_repeat: str
 ) -> dict:
-    from dlrmflow.train.distributed import ShardedDLRM
+    from dlrmflow.train.parallelize import sharded_dlrm
 
     torch.manual_seed(CONFIG.train.seed)
     config = CONFIG.model_copy(deep=True)
@@ -114,7 +114,7 @@ def _train_sharded(
             setattr(config.distributed, f"{kind}_comms", codec)
     plan = forced_plan(SPEC, world, sharding)
     stats = CommStats()
-    model = ShardedDLRM(SPEC, config, plan, RowWiseAdagrad(lr=LR), stats=stats)
+    model = sharded_dlrm(SPEC, config, plan, RowWiseAdagrad(lr=LR), stats=stats)
     optimizer = torch.optim.Adagrad(model.dense_parameters(), lr=LR)
     # As the trainer does: the sum over the global batch, times the world size that DDP and
     # the embeddings' backward divide by, over the global batch's rows.
@@ -125,19 +125,19 @@ def _train_sharded(
         local_batch(global_batch(step, world, multi_hot), rank, world, step, uneven)
         for step in range(STEPS)
     ]
-    pending = model.start_input_dist(batches[0].sparse, async_op=pipelined)
+    pending = model.embeddings.start_input_dist(batches[0].sparse, async_op=pipelined)
     for step, batch in enumerate(batches):
         received = pending.wait()
         if step + 1 < STEPS and pipelined:
             # The next batch's input all-to-all runs in the background during this step.
-            pending = model.start_input_dist(batches[step + 1].sparse, async_op=True)
+            pending = model.embeddings.start_input_dist(batches[step + 1].sparse, async_op=True)
         logits = model.forward_received(batch.dense, received)
         loss = loss_fn(logits, batch.labels) * world / sum(received.batch_sizes)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step + 1 < STEPS and not pipelined:
-            pending = model.start_input_dist(batches[step + 1].sparse)
+            pending = model.embeddings.start_input_dist(batches[step + 1].sparse)
     # Every rank writes its shards; the test loads them into one process (resharding to 1).
     path = Path(out_dir) / "-".join([sharding, comms, str(multi_hot), *_repeat])
     dcp.save(model_state(model, optimizer), checkpoint_id=str(path))

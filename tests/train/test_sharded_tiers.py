@@ -108,13 +108,13 @@ def global_batch(step: int, world: int, multi_hot: bool) -> Batch:
 
 
 def _model(plan: ShardingPlan, rank: int, tiers_dir: Path | None, cache_rows: int):
-    from dlrmflow.train.distributed import ShardedDLRM
+    from dlrmflow.train.parallelize import sharded_dlrm
 
     torch.manual_seed(CONFIG.train.seed)
     tiers = None
     if tiers_dir is not None:
         tiers = TierStorage(tiers_dir / f"rank{rank}", budget_for(plan, rank, cache_rows))
-    model = ShardedDLRM(SPEC, CONFIG, plan, RowWiseAdagrad(lr=LR), tiers=tiers)
+    model = sharded_dlrm(SPEC, CONFIG, plan, RowWiseAdagrad(lr=LR), tiers=tiers)
     return model, torch.optim.Adagrad(model.dense_parameters(), lr=LR)
 
 
@@ -122,12 +122,12 @@ def _train(model, optimizer, batches: list[Batch], world: int, prefetch: bool) -
     """The trainer's order: the next batch's input exchange in the background; with
     ``prefetch``, its rows on disk requested after this forward, before this backward."""
     loss_fn = nn.BCEWithLogitsLoss(reduction="sum")
-    pending = model.start_input_dist(batches[0].sparse, async_op=prefetch)
+    pending = model.embeddings.start_input_dist(batches[0].sparse, async_op=prefetch)
     for step, batch in enumerate(batches):
         received = pending.wait()
         following = None
         if step + 1 < len(batches) and prefetch:
-            following = model.start_input_dist(batches[step + 1].sparse, async_op=True)
+            following = model.embeddings.start_input_dist(batches[step + 1].sparse, async_op=True)
         logits = model.forward_received(batch.dense, received)
         if following is not None:
             model.embeddings.prefetch(following.wait())
@@ -136,7 +136,7 @@ def _train(model, optimizer, batches: list[Batch], world: int, prefetch: bool) -
         loss.backward()
         optimizer.step()
         if step + 1 < len(batches):
-            pending = following or model.start_input_dist(batches[step + 1].sparse)
+            pending = following or model.embeddings.start_input_dist(batches[step + 1].sparse)
 
 
 def _rank_batches(rank: int, world: int, multi_hot: bool, steps: range) -> list[Batch]:
@@ -343,10 +343,10 @@ def test_checkpoints_reshard_between_disk_and_memory(tmp_path: Path, world2: lis
 def _too_small(rank: int, world: int) -> str:
     plan = tiered_plan(world, "table_wise")
     budget = in_memory_bytes(plan, rank)  # nothing left for the cache
-    from dlrmflow.train.distributed import ShardedDLRM
+    from dlrmflow.train.parallelize import sharded_dlrm
 
     try:
-        ShardedDLRM(
+        sharded_dlrm(
             SPEC,
             CONFIG,
             plan,

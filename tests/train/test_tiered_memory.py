@@ -43,7 +43,7 @@ CONFIG = build_config(
 
 def _model(directory: Path):
     """One rank's sharded model with its one table on disk behind a small cache."""
-    from dlrmflow.train.distributed import ShardedDLRM
+    from dlrmflow.train.parallelize import sharded_dlrm
 
     plan = plan_sharding(tables_from_spec(SPEC), cpu_topology(1, 1), BATCH)
     plan = dataclasses.replace(
@@ -57,7 +57,7 @@ def _model(directory: Path):
     )
     budget = CACHE_ROWS * (4 * (DIM + 1) + SLOT_BOOKKEEPING_BYTES)
     tiers = TierStorage(directory, budget)
-    model = ShardedDLRM(SPEC, CONFIG, plan, RowWiseAdagrad(lr=0.1), tiers=tiers)
+    model = sharded_dlrm(SPEC, CONFIG, plan, RowWiseAdagrad(lr=0.1), tiers=tiers)
     return model, plan
 
 
@@ -66,7 +66,9 @@ def _train(model, steps: int, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         ids = torch.randint(0, ROWS, (BATCH, 1), generator=generator)
-        received = model.start_input_dist(KeyedJaggedTensor.from_one_hot(["C1"], ids)).wait()
+        received = model.embeddings.start_input_dist(
+            KeyedJaggedTensor.from_one_hot(["C1"], ids)
+        ).wait()
         logits = model.forward_received(torch.randn(BATCH, 1, generator=generator), received)
         labels = torch.rand(BATCH, generator=generator).round()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)

@@ -124,9 +124,9 @@ def test_embeddings_beyond_the_memory_budget_train_from_disk_to_the_same_weights
     from dlrmflow.train.evaluate import evaluate
 
     bags = []
-    real = tiers.TieredEmbeddingBag
+    real = tiers.TieredEmbeddings
     monkeypatch.setattr(
-        tiers, "TieredEmbeddingBag", lambda *a, **k: bags.append(real(*a, **k)) or bags[-1]
+        tiers, "TieredEmbeddings", lambda *a, **k: bags.append(real(*a, **k)) or bags[-1]
     )
     scored, want_metrics = evaluate(tmp_path / "disk"), evaluate(tmp_path / "memory")
     assert [bag.path.parent.name for bag in bags] == ["eval-rank0"]
