@@ -29,7 +29,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 
 # The token every process started by a command carries in its environment.
 COMMAND_ENV = "DLRMFLOW_COMMAND"
@@ -114,13 +113,10 @@ def signals_end_the_command(command: str) -> Iterator[None]:
     interruption and goes on (a Prefect flow marks the task crashed and may run the next)
     cannot keep the command alive: after ``UNWIND_S``, or at a second signal, the command
     stops everything it started (``sweep``), says so in one line and exits. A job that
-    handles the signals itself (``train.supervise``) does so inside the block. A signal
-    this process ignores (``nohup``) stays ignored."""
-    from dlrmflow.train.supervise import STOP_SIGNALS, JobStopped
+    handles the signals itself (``train.supervise``) does so inside the block. Outside the
+    main thread, and for a signal this process ignores (``nohup``), nothing changes."""
+    from dlrmflow.train.supervise import JobStopped, stop_on_signals
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     got: list[int] = []
 
     def end_now(signum: int) -> None:
@@ -129,7 +125,7 @@ def signals_end_the_command(command: str) -> Iterator[None]:
             sweep(_token)
         os._exit(128 + signum)
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int) -> None:
         if got:  # a second signal: no more waiting
             end_now(signum)
         got.append(signum)
@@ -138,20 +134,13 @@ def signals_end_the_command(command: str) -> Iterator[None]:
         timer.start()
         raise _Stop
 
-    previous = {
-        sig: signal.signal(sig, handler)
-        for sig in STOP_SIGNALS
-        if signal.getsignal(sig) is not signal.SIG_IGN
-    }
-    try:
-        yield
-    except BaseException:
-        if got:  # whatever the interruption became on its way up
-            raise JobStopped(command, got[0]) from None
-        raise
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    with stop_on_signals(on_signal):
+        try:
+            yield
+        except BaseException:
+            if got:  # whatever the interruption became on its way up
+                raise JobStopped(command, got[0]) from None
+            raise
     if got:  # caught on the way and the work went on to its end: still a stopped command
         raise JobStopped(command, got[0])
 

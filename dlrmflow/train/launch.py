@@ -40,7 +40,13 @@ from dlrmflow.train.agent import FAILURES, STARTUP_FAILED
 from dlrmflow.train.evaluate import evaluate
 from dlrmflow.train.multihost import Hosts, StartupFailed
 from dlrmflow.train.rundir import held_lock_fds
-from dlrmflow.train.supervise import Job, JobStopped, interrupt_on_signals, stop_on_signals
+from dlrmflow.train.supervise import (
+    Job,
+    JobStopped,
+    children_of,
+    interrupt_on_signals,
+    stop_on_signals,
+)
 from dlrmflow.train.trainer import TrainResult, train
 
 CONFIG_FILE = "config.json"
@@ -95,12 +101,7 @@ def launch_command(
 
 def ranks_of(pid: int) -> list[int]:
     """The child processes of torchrun: its ranks (each in a session of its own)."""
-    children: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children += [int(c) for c in f.read().split()]
-    return children
+    return children_of(pid)
 
 
 def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

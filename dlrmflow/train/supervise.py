@@ -301,7 +301,8 @@ class Watchdog:
         return self._stuck(self._culprit(stale), now, waiter=exclude) if stale else None
 
 
-def _children(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
+    """The child processes of ``pid`` (of all its threads); none once it is gone."""
     children: list[int] = []
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
@@ -366,7 +367,7 @@ class Job:
 
     def _discover(self) -> None:
         agent = [self.proc.pid] if self.proc.poll() is None else []
-        self._remember([*agent, *[c for a in agent for c in _children(a)]])
+        self._remember([*agent, *[c for a in agent for c in children_of(a)]])
         self._remember(self.watchdog.pids())
 
     def alive(self) -> list[int]:
