@@ -51,7 +51,7 @@ Size = Annotated[Int, Field(ge=1)]
 
 # How a table is spread over ranks (``distributed.sharding``). Named here, where every
 # setting's values are, so that the configuration imports no stage above it; the plan's
-# nouns (``dlrmflow.train.sharding``) take it from here.
+# nouns (``dlrmflow.train.model.plan``) take it from here.
 ShardingType = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"]
 # Where a model runs (``train.device``) and what runs its embeddings and interaction
 # (``model.kernels``): named so that commands taking them as flags (``dlrmflow evaluate``)
@@ -382,7 +382,7 @@ ENV_SEPARATOR = "__"
 RESERVED_ENV = frozenset(
     {
         "DLRMFLOW_DEBUG",  # tracebacks instead of one-line errors (dlrmflow.errors)
-        "DLRMFLOW_HELD_RUN_DIRS",  # run directories a parent holds (dlrmflow.train.rundir)
+        "DLRMFLOW_HELD_RUN_DIRS",  # run directories a parent holds (dlrmflow.train.run.rundir)
         "DLRMFLOW_MMAP_THRESHOLD",  # glibc's mmap threshold (dlrmflow.memory)
         "DLRMFLOW_TEST_SEED",  # the test suite's random kill point, to replay one
         "DLRMFLOW_SUPERVISOR_PID",  # the process a job's agent must not outlive (train.supervise)

@@ -115,7 +115,7 @@ def signals_end_the_command(command: str) -> Iterator[None]:
     stops everything it started (``sweep``), says so in one line and exits. A job that
     handles the signals itself (``train.supervise``) does so inside the block. Outside the
     main thread, and for a signal this process ignores (``nohup``), nothing changes."""
-    from dlrmflow.train.supervise import JobStopped, stop_on_signals
+    from dlrmflow.supervise import JobStopped, stop_on_signals
 
     got: list[int] = []
 

@@ -9,7 +9,7 @@ import torch
 from dlrmflow.bench.readers import BASELINE, CostlyTransform, burn_cpu, run_readers_benchmark
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.train.data import batch_loader, fit_features
+from dlrmflow.train.run.data import batch_loader, fit_features
 from tests.conftest import tiny_run_config
 
 CASES = {BASELINE, "local_2_readers", "remote_1_server", "remote_2_servers"}

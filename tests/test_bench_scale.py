@@ -3,7 +3,7 @@ error in one line.
 
 The benchmark's full run (``make bench-scale``, ~20 minutes) is what the docs record; its
 pieces are tested where they live: tiers under a budget, their checkpoints and evaluation
-(tests/train/test_sharded_tiers.py), memory bounds (tests/train/test_tiered_memory.py),
+(tests/train/model/test_sharded_tiers.py), memory bounds (tests/train/model/test_tiered_memory.py),
 and the rendering of its record (tests/test_docs.py).
 """
 

@@ -16,7 +16,7 @@ from dlrmflow.bench.train import (
 )
 from dlrmflow.cli import app
 from dlrmflow.memory import tune_allocator
-from dlrmflow.train.sharding import SHARDING_TYPES
+from dlrmflow.train.model.plan import SHARDING_TYPES
 
 
 def test_modes_cover_every_sharding_type_and_codec():

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from dlrmflow.cli import app, main
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.train.checkpoint import load_checkpoint
+from dlrmflow.train.run.checkpoint import load_checkpoint
 
 runner = CliRunner()
 
@@ -149,7 +149,7 @@ def test_convert_over_the_bad_line_threshold_fails_naming_the_file(
 def test_plan_prints_each_ranks_shards_and_uses_the_datasets_stats(tmp_path, capsys, monkeypatch):
     """``dlrmflow plan``: a block per rank by default, the plan as JSON with --json; with
     the dataset's stats.json and tables on SSD, each SSD shard's expected cache hit rate."""
-    from dlrmflow.train.sharding import ShardingPlan
+    from dlrmflow.train.model.plan import ShardingPlan
 
     data = str(tmp_path / "data")
     sets = ["--set", "data.row_group_size=1000", "--set", "data.cardinality_scale=0.0005"]

@@ -330,7 +330,7 @@ def test_a_rank_resolves_the_configuration_its_parent_did(tmp_path, monkeypatch)
     # And the rank's entry point reads it that way when launched (--resolved), while a
     # rank started by hand with torchrun resolves the environment as the CLI does.
     import dlrmflow.train.__main__ as rank
-    from dlrmflow.train.launch import launch_command
+    from dlrmflow.train.launch.job import launch_command
 
     assert "--resolved" in launch_command(path, 2, 1234)
 

@@ -14,9 +14,9 @@ import pytest
 from dlrmflow.config import ConfigError, DataConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.train.checkpoint import dataset_digest
-from dlrmflow.train.evaluate import EVAL_FILE, evaluate, evaluation_settings
-from dlrmflow.train.trainer import (
+from dlrmflow.train.run.checkpoint import dataset_digest
+from dlrmflow.train.run.evaluate import EVAL_FILE, evaluate, evaluation_settings
+from dlrmflow.train.run.trainer import (
     END_TO_END_KIND,
     RUN_FILE,
     TRAIN_KIND,

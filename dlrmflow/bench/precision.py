@@ -30,9 +30,9 @@ from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.memory import applied_threshold, tune_allocator
-from dlrmflow.train.device import autocast_supported
-from dlrmflow.train.evaluate import evaluate
-from dlrmflow.train.trainer import train
+from dlrmflow.train.model.device import autocast_supported
+from dlrmflow.train.run.evaluate import evaluate
+from dlrmflow.train.run.trainer import train
 
 BASELINE = (
     "the same configuration with train.precision=fp32: same data, seed, threads, allocator "

@@ -47,8 +47,8 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.train.data import TrainLoader, batch_loader, fit_features, make_train_loader
-from dlrmflow.train.reader_servers import reader_processes
+from dlrmflow.train.launch.reader_servers import reader_processes
+from dlrmflow.train.run.data import TrainLoader, batch_loader, fit_features, make_train_loader
 
 BASELINE = "local_1_reader"
 

@@ -51,7 +51,7 @@ from dlrmflow.kernels.tbe import RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.memory import tune_allocator
 from dlrmflow.outputs import write_atomic
-from dlrmflow.train.sharding import SHARDING_TYPES
+from dlrmflow.train.model.plan import SHARDING_TYPES
 
 TIERED_FULL = {"rows": 100_000, "dim": 64, "batch": 4096, "warmup": 8, "steps": 24, "repeats": 3}
 TIERED_QUICK = {"rows": 1_000, "dim": 8, "batch": 256, "warmup": 2, "steps": 4, "repeats": 1}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dlrmflow.memory import applied_threshold, tune_allocator
-from dlrmflow.train.distributed import exit_without_teardown, join_spawned_job
+from dlrmflow.train.run.rank import exit_without_teardown, join_spawned_job
 
 # A rank stuck in a collective fails the job after this, rather than hanging it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)

@@ -20,7 +20,7 @@ The baseline runs in the world-size-1 job's process, so that it, too, is a fresh
 spawned process; every rank (the baseline's included) applies ``dlrmflow.memory``'s
 allocator setting, and the record lists each process's threads and setting.
 
-Bytes per step: what one rank sent, by kind (``dlrmflow.train.comms.CommStats``).
+Bytes per step: what one rank sent, by kind (``dlrmflow.train.model.comms.CommStats``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.schema import DENSE, SPARSE
-from dlrmflow.train.model import DLRM, embedding_optimizer
-from dlrmflow.train.sharding import SHARDING_TYPES
+from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer
+from dlrmflow.train.model.plan import SHARDING_TYPES
 
 BASELINE = (
     "single-process DLRM (one table-batched bag, no communication) on the same batches, "
@@ -129,7 +129,7 @@ def run_baseline(size: dict, warmup: int, steps: int) -> dict:
 
 def run_sharded_mode(size: dict, mode: dict, warmup: int, steps: int) -> dict:
     """One mode on the current job (every rank calls this): global samples/s, bytes/step."""
-    from dlrmflow.train.parallelize import sharded_dlrm
+    from dlrmflow.train.model.parallelize import sharded_dlrm
     from dlrmflow.train.planner.jobs import plan_for_config
 
     config = bench_config(size, mode["sharding"], mode["comms"], mode["pipeline"])

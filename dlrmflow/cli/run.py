@@ -91,8 +91,8 @@ def train(
     """
     import contextlib
 
-    from dlrmflow.train.launch import launch_training
-    from dlrmflow.train.rundir import run_dir_lock
+    from dlrmflow.train.launch.job import launch_training
+    from dlrmflow.train.run.rundir import run_dir_lock
 
     cfg = resolve(
         config,
@@ -241,10 +241,10 @@ def evaluate(
     # Checked before anything starts (torchrun would fail on them in many lines).
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, not {nproc}")
-    from dlrmflow.train.checkpoint import find_checkpoint
-    from dlrmflow.train.evaluate import check_run_dir, evaluation_settings
-    from dlrmflow.train.launch import launch_evaluation
-    from dlrmflow.train.multihost import Hosts
+    from dlrmflow.train.launch.job import launch_evaluation
+    from dlrmflow.train.launch.multihost import Hosts
+    from dlrmflow.train.run.checkpoint import find_checkpoint
+    from dlrmflow.train.run.evaluate import check_run_dir, evaluation_settings
 
     # Flags, --config and --set, typed by the configuration; the job's hosts also from
     # DLRMFLOW_DISTRIBUTED__* variables (one per host). Never the model: the run's own.
@@ -266,7 +266,7 @@ def evaluate(
     find_checkpoint(checkpoint or run_dir, verified=False)  # a checkpoint, or one line
     bar = Progress(None, "evaluate")
     if settings.nproc == 1 and hosts.nnodes == 1:
-        from dlrmflow.train.evaluate import evaluate as evaluate_run
+        from dlrmflow.train.run.evaluate import evaluate as evaluate_run
 
         metrics = evaluate_run(
             run_dir,
@@ -299,7 +299,7 @@ def export(
     checkpoint: Annotated[str | None, typer.Option(help="A checkpoint directory.")] = None,
 ) -> None:
     """Write the whole model (every table, every dense parameter) as one safetensors file."""
-    from dlrmflow.train.export import export_model
+    from dlrmflow.train.run.export import export_model
 
     echo_json(export_model(checkpoint or run_dir, out))
 

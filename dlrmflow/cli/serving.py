@@ -85,7 +85,7 @@ def readers_serve(
     """
     import logging
 
-    from dlrmflow.train.reader_servers import serve_readers
+    from dlrmflow.train.launch.reader_servers import serve_readers
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = resolve(config, set_, **{"data.url": data})

@@ -21,8 +21,8 @@ from matplotlib.figure import Figure
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from dlrmflow.ingest.stats import DatasetStats
-from dlrmflow.train.sharding import ShardingPlan
-from dlrmflow.train.trainer import METRICS_FILE
+from dlrmflow.train.model.plan import ShardingPlan
+from dlrmflow.train.run.trainer import METRICS_FILE
 
 STATS_KEY = "dlrmflow-data-stats"
 PLAN_KEY = "dlrmflow-sharding-plan"

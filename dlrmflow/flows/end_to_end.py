@@ -24,8 +24,8 @@ from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.train import train_flow
 from dlrmflow.outputs import write_atomic
-from dlrmflow.train.rundir import run_dir_lock
-from dlrmflow.train.trainer import END_TO_END_KIND, claim_run_dir
+from dlrmflow.train.run.rundir import run_dir_lock
+from dlrmflow.train.run.trainer import END_TO_END_KIND, claim_run_dir
 
 SUMMARY_FILE = "summary.json"
 SUMMARY_KEY = "dlrmflow-summary"

@@ -9,8 +9,8 @@ from prefect import flow, get_run_logger, task
 from dlrmflow.config import RunConfig
 from dlrmflow.flows.artifacts import EVAL_METRICS_KEY, publish_metrics
 from dlrmflow.flows.policies import retry_unless_bad_input
-from dlrmflow.train.evaluate import check_run_dir, evaluate
-from dlrmflow.train.rundir import run_dir_lock
+from dlrmflow.train.run.evaluate import check_run_dir, evaluate
+from dlrmflow.train.run.rundir import run_dir_lock
 
 # A hang guard: scoring a test day takes minutes; hours means a stalled read.
 EVAL_TIMEOUT_S = 6 * 3600

@@ -7,10 +7,10 @@ from typing import Any
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from dlrmflow.train.evaluate import NonFinitePredictions
-from dlrmflow.train.rundir import RunDirBusy
-from dlrmflow.train.supervise import JobStopped
-from dlrmflow.train.trainer import IncompatibleCheckpoint, NonFiniteLoss
+from dlrmflow.supervise import JobStopped
+from dlrmflow.train.run.evaluate import NonFinitePredictions
+from dlrmflow.train.run.rundir import RunDirBusy
+from dlrmflow.train.run.trainer import IncompatibleCheckpoint, NonFiniteLoss
 
 # Failures that a retry would only repeat.
 NOT_TRANSIENT = (

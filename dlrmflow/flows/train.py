@@ -27,8 +27,8 @@ from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.flows.progress import ProgressReporter
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.outputs import write_atomic
-from dlrmflow.train.launch import CONFIG_FILE, launch_training
-from dlrmflow.train.rundir import run_dir_lock
+from dlrmflow.train.launch.job import CONFIG_FILE, launch_training
+from dlrmflow.train.run.rundir import run_dir_lock
 
 PROGRESS_KEY = "dlrmflow-train-progress"
 # A hang guard, not a budget: far beyond any run these machines make, short enough that a
@@ -131,7 +131,7 @@ def train_with_readers_flow(
     the trainers get their endpoints in ``distributed.readers``; this flow is the
     one-machine form of that layout, for trying it and for its benchmark.
     """
-    from dlrmflow.train.reader_servers import reader_processes
+    from dlrmflow.train.launch.reader_servers import reader_processes
 
     logger = get_run_logger()
     with reader_processes(config, readers, workers) as servers:

@@ -6,8 +6,8 @@ of their own that scale apart from the trainers. A server runs the local reader 
 and sends each batch as one Arrow record batch (``ParquetStreams``, with the caller's
 ``encode``); the client hands each one to the caller's ``decode``. This module knows record
 batches only: what a batch holds, and which digest of its features a server and a client
-must share, is the caller's (``dlrmflow.train.reader_servers`` and ``dlrmflow.train.data``
-compose it with the feature transform).
+must share, is the caller's (``dlrmflow.train.launch.reader_servers`` and
+``dlrmflow.train.run.data`` compose it with the feature transform).
 
 How the work is divided (the rule). The local loader of a rank runs ``num_workers``
 readers (one, read in the training loop, when it is 0); reader ``w`` reads a fixed share of

@@ -1,6 +1,6 @@
 """DLRM's dot interaction as one autograd op with a hand-written backward (torch ops).
 
-The output matches ``dlrmflow.train.model.DotInteraction``: ``[dense, tri(V V^T)]`` where
+The output matches ``dlrmflow.train.model.dlrm.DotInteraction``: ``[dense, tri(V V^T)]`` where
 ``V = [dense, pooled_1, ..., pooled_F]`` and ``tri`` is the strict lower triangle of each
 sample's Gram matrix in ``torch.tril_indices(F + 1, F + 1, offset=-1)`` order.
 
@@ -82,7 +82,8 @@ def dot_interaction(
         pooled: ``[B, F, d]`` pooled embeddings, one per sparse feature.
 
     Returns:
-        ``[B, d + (F + 1) * F / 2]``, laid out as ``DotInteraction`` in ``dlrmflow.train.model``
+        ``[B, d + (F + 1) * F / 2]``, laid out as ``DotInteraction``
+        in ``dlrmflow.train.model.dlrm``
         (pairs ``(i, j)`` with ``i > j`` in ``torch.tril_indices`` order, index 0 being dense).
         Differentiable once with respect to both inputs.
 

@@ -1,7 +1,7 @@
 """Embedding tables larger than memory: rows on disk, a cache of hot rows in memory.
 
 ``TieredEmbeddingBag`` keeps every row of its tables, with the row's optimizer state, in
-one memory-mapped file per bag (the "ssd" tier of ``dlrmflow.train.sharding.Shard``), and
+one memory-mapped file per bag (the "ssd" tier of ``dlrmflow.train.model.plan.Shard``), and
 ``cache_rows`` of them in memory. A batch's rows are made resident (least recently used
 rows are evicted, dirty ones written back first), copied into a small dense *working set*
 that is itself a ``TableBatchedEmbeddingBag`` over just those rows, and looked up and

@@ -4,9 +4,9 @@
 ``--data``, ``--max-rows``, ``--device`` and ``--kernels`` as for ``dlrmflow evaluate``).
 
 torchrun starts this on every rank (``dlrmflow train --nproc N``, with ``--nnodes`` and
-``--node-rank`` on many hosts, starts it through ``dlrmflow.train.agent``). Rank 0 prints
+``--node-rank`` on many hosts, starts it through ``dlrmflow.train.launch.agent``). Rank 0 prints
 the metrics records. A rank dies with the agent that started it and keeps a heartbeat for
-the launcher's watchdog (``dlrmflow.train.supervise``).
+the launcher's watchdog (``dlrmflow.supervise``).
 Started by hand (``torchrun ... -m dlrmflow.train``), a rank resolves its configuration as
 the CLI does: the file, then ``DLRMFLOW_SECTION__KEY`` variables, then ``--set``. Started
 by ``dlrmflow train`` it gets ``--resolved``: the launcher's ``config.json`` already holds
@@ -15,7 +15,7 @@ the environment, and a ``--set`` that overrode a variable there must not be undo
 
 from __future__ import annotations
 
-from dlrmflow.train import supervise
+from dlrmflow import supervise
 
 if __name__ == "__main__":
     # First, before the imports below take seconds: a rank dies with its agent.
@@ -30,8 +30,8 @@ from typing import NoReturn  # noqa: E402
 
 from dlrmflow.config import ConfigError, load_config  # noqa: E402
 from dlrmflow.memory import tune_allocator  # noqa: E402
-from dlrmflow.train.evaluate import evaluate  # noqa: E402
-from dlrmflow.train.trainer import train  # noqa: E402
+from dlrmflow.train.run.evaluate import evaluate  # noqa: E402
+from dlrmflow.train.run.trainer import train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +106,7 @@ def _run(stage) -> int:
 def _main_of_rank() -> NoReturn:
     """``main`` on a rank of a multi-rank job, which ends without Python's teardown (see
     ``exit_without_teardown``), whatever ``main`` raised (with ``DLRMFLOW_DEBUG``)."""
-    from dlrmflow.train.distributed import exit_without_teardown
+    from dlrmflow.train.run.rank import exit_without_teardown
 
     try:
         code = main()

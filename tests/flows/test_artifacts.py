@@ -17,7 +17,7 @@ from dlrmflow.flows.artifacts import (
     stats_table,
 )
 from dlrmflow.ingest.stats import DatasetStats, DenseStats, SparseStats
-from dlrmflow.train.sharding import Shard, ShardingPlan, TablePlan
+from dlrmflow.train.model.plan import Shard, ShardingPlan, TablePlan
 
 
 def two_rank_plan() -> ShardingPlan:

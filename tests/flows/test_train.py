@@ -17,7 +17,7 @@ from dlrmflow.flows.artifacts import CURVE_KEY, PLAN_KEY, TRAIN_METRICS_KEY
 from dlrmflow.flows.progress import ProgressReporter
 from dlrmflow.flows.train import PROGRESS_KEY, planned_steps, train_flow
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.train import launch
+from dlrmflow.train.launch import job as launch
 from tests.conftest import tiny_run_config
 from tests.flows.records import call_client, run_records
 from tests.flows.test_artifacts import two_rank_plan

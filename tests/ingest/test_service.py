@@ -1,7 +1,7 @@
 """The reader service on its own: Arrow record batches, no features, the local reader's exactly.
 
-The service with the feature transform, failover and its errors: tests/train/test_readers.py;
-servers that hang (stopped processes), with training: tests/train/test_reader_hang.py.
+The service with the feature transform, failover and its errors: tests/train/launch/test_readers.py;
+servers that hang (stopped processes), with training: tests/train/launch/test_reader_hang.py.
 """
 
 from __future__ import annotations

@@ -220,3 +220,46 @@ def test_no_stage_imports_a_stage_above_it():
     assert not new, "imports against the stage rule:\n" + "\n".join(new)
     gone = sorted(KNOWN_CROSSINGS - crossings.keys())
     assert not gone, f"no longer imported, delete from KNOWN_CROSSINGS: {gone}"
+
+
+# The train stage's folders, each importing only those before it: the model knows nothing
+# of how it is planned, a plan nothing of the run that executes it, a run nothing of how
+# its processes were launched.
+TRAIN_FOLDERS = ("model", "planner", "run", "launch")
+
+
+def _train_folder(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "train" and parts[2] in TRAIN_FOLDERS:
+        return parts[2]
+    return None
+
+
+def train_folder_crossings(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each import of a train folder by one before it, as ``module (line N) -> target``."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = _train_folder(module)
+        for target, line in sorted(targets.items()):
+            there = _train_folder(target)
+            if here and there and TRAIN_FOLDERS.index(there) > TRAIN_FOLDERS.index(here):
+                found.append(f"{module} (line {line}) -> {target}")
+    return found
+
+
+def test_no_train_folder_imports_one_after_it():
+    graph = import_graph(PACKAGE_ROOT)
+    assert {_train_folder(m) for m in graph} >= set(TRAIN_FOLDERS)  # the folders were found
+    crossings = train_folder_crossings(graph)
+    assert not crossings, "imports against the train folders' order:\n" + "\n".join(crossings)
+
+
+def test_the_train_folder_scan_finds_an_upward_import():
+    graph = {
+        "dlrmflow.train.model.dlrm": {"dlrmflow.train.run.loop": 7},
+        "dlrmflow.train.run.loop": {"dlrmflow.train.model.dlrm": 3},
+        "dlrmflow.train.launch.job": {"dlrmflow.train.run.loop": 2},
+    }
+    assert train_folder_crossings(graph) == [
+        "dlrmflow.train.model.dlrm (line 7) -> dlrmflow.train.run.loop"
+    ]

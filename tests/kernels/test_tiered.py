@@ -24,7 +24,7 @@ from dlrmflow.kernels.tiered import (
     DiskSpaceError,
     TieredEmbeddingBag,
 )
-from dlrmflow.train.model import DLRM
+from dlrmflow.train.model.dlrm import DLRM
 from tests.conftest import small_tmpfs
 from tests.kernels.batches import random_jagged, random_one_hot
 

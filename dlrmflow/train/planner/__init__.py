@@ -23,7 +23,7 @@ in this list:
 - ``presets`` (``paper_12t``, ``plan_preset``) and ``report`` (``format_plan``, the printed
   plan) stand apart: inputs to planning and its output as text.
 
-The plan itself is plain data in ``dlrmflow.train.sharding``. This package re-exports its
+The plan itself is plain data in ``dlrmflow.train.model.plan``. This package re-exports its
 public API, so callers may import from ``dlrmflow.train.planner`` or from the module.
 """
 

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dlrmflow.train.model.plan import SHARDING_TYPES, TIERS, ShardingPlan
 from dlrmflow.train.planner.types import (
     ROW_WISE_ADAGRAD_STATE,
     OptimizerState,
@@ -43,7 +44,6 @@ from dlrmflow.train.planner.types import (
     _Draft,
     _Option,
 )
-from dlrmflow.train.sharding import SHARDING_TYPES, TIERS, ShardingPlan
 
 ID_BYTES = 8  # int64 IDs travel in the input all-to-all
 LENGTH_BYTES = 4  # one int32 bag length per sample and table

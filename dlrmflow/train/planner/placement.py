@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dlrmflow.train.model.plan import TIERS
 from dlrmflow.train.planner.estimators import _CostModel
 from dlrmflow.train.planner.types import PlanningError, TableSpec, _Draft, _format_bytes, _Option
-from dlrmflow.train.sharding import TIERS
 
 
 class _Placement:

@@ -32,6 +32,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
+from dlrmflow.train.model.plan import (
+    SHARDING_TYPES,
+    TIERS,
+    Shard,
+    ShardingPlan,
+    ShardingType,
+    TablePlan,
+)
 from dlrmflow.train.planner.estimators import _CostModel, _estimates
 from dlrmflow.train.planner.placement import _place
 from dlrmflow.train.planner.proposers import _choose_options, _data_parallel_by_cost
@@ -44,14 +52,6 @@ from dlrmflow.train.planner.types import (
     TableSpec,
     Topology,
     _format_bytes,
-)
-from dlrmflow.train.sharding import (
-    SHARDING_TYPES,
-    TIERS,
-    Shard,
-    ShardingPlan,
-    ShardingType,
-    TablePlan,
 )
 
 MAX_REPLANS = 4

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.planner.planners import plan_sharding
 from dlrmflow.train.planner.types import PlanningError, TableSpec, Topology
-from dlrmflow.train.sharding import ShardingPlan
 
 PAPER_BATCH_SIZE = 512  # per rank: 64K samples a step on 128 ranks
 

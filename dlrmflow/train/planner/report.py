@@ -7,8 +7,8 @@ or edited by hand prints too.
 
 from __future__ import annotations
 
+from dlrmflow.train.model.plan import SHARDING_TYPES, TIERS, ShardingPlan
 from dlrmflow.train.planner.types import _format_bytes
-from dlrmflow.train.sharding import SHARDING_TYPES, TIERS, ShardingPlan
 
 
 def _span(start: int, end: int, size: int) -> str:

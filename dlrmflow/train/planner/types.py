@@ -6,7 +6,7 @@ model, the steps and the report can all use them without an import cycle. The re
 (``_Draft``, ``_Option``) and ``_format_bytes`` (which words both the errors and the
 printed plan) keep their leading underscore: they are shared by the package's modules but
 are not its API. The plan the planner writes (``ShardingPlan`` and its shards) is not
-here: it is the train stage's (``dlrmflow.train.sharding``), read by the sharded
+here: it is the train stage's (``dlrmflow.train.model.plan``), read by the sharded
 embeddings as well.
 """
 

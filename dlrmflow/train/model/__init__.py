@@ -1,0 +1,6 @@
+"""The model: one ``DLRM`` (``dlrm``), built plain and parallelized by ``parallelize``.
+
+``embeddings`` is the interface every embedding collection offers and the two that live
+in one process (in memory, on disk through ``disk_tier``); ``sharded_embeddings`` executes
+a ``plan`` across ranks with ``comms``; ``device`` says where a rank computes.
+"""

@@ -1,0 +1,260 @@
+"""Composes ingest and features into the loaders the trainer and the evaluator consume.
+
+This is where the two stages join (with ``reader_servers``, the server side of the remote
+loader): the reader runs the feature transform on each decoded row group in its own threads,
+so preprocessing overlaps training. The trainer's batches come either from those threads
+(the default) or from reader servers over Arrow Flight (``distributed.readers``, see
+``dlrmflow.ingest.service``), decoded from their record batches here; ``make_train_loader``
+picks one, and both give the same batches in the same order, resumable from the same states.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlrmflow.config import RunConfig
+from dlrmflow.features.batch import Batch
+from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.transform import BatchTransform
+from dlrmflow.features.wire import decode_batch, features_digest
+from dlrmflow.ingest.manifest import Manifest
+from dlrmflow.ingest.reader import ParquetBatchDataset, ReaderLoader, list_splits, make_loader
+from dlrmflow.ingest.schema import SPARSE
+from dlrmflow.supervise import beat
+
+if TYPE_CHECKING:
+    from dlrmflow.ingest.service import RemoteBatchSource
+
+VOCAB_FILE = "vocab.npz"
+
+IdMapper = HashIds | Vocabulary
+
+
+def fit_features(
+    config: RunConfig, manifest: Manifest, run_dir: Path | None = None
+) -> tuple[FeatureSpec, IdMapper]:
+    """The feature spec and ID mapping for training, fitting a vocabulary if configured.
+
+    The vocabulary is counted on the training days only (never the test day) and saved in
+    ``run_dir`` so evaluation maps IDs exactly as training did. Reader servers pass no
+    ``run_dir``: they fit the same mapping from the same data and keep it in memory.
+    """
+    if config.features.ids == "vocab":
+        paths = manifest.day_paths(config.data.url, manifest.train_days())
+        vocab = build_vocabulary(
+            paths,
+            list(SPARSE),
+            min_count=config.features.min_count,
+            max_size=config.features.max_rows_per_table - 1,
+        )
+        if run_dir is not None:
+            vocab.save(str(run_dir / VOCAB_FILE))
+        spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
+        return spec, vocab
+    spec = FeatureSpec.for_dataset(manifest, config.features, config.model)
+    return spec, HashIds.from_spec(spec)
+
+
+def load_ids(kind: str, spec: FeatureSpec, run_dir: Path) -> IdMapper:
+    """The ID mapping a checkpoint was trained with."""
+    if kind == "vocab":
+        return Vocabulary.load(str(run_dir / VOCAB_FILE))
+    return HashIds.from_spec(spec)
+
+
+def batch_loader(
+    paths: list[str],
+    spec: FeatureSpec,
+    ids: IdMapper,
+    *,
+    batch_size: int,
+    num_workers: int,
+    shuffle: bool,
+    shuffle_window: int = 4,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    transform: BatchTransform | None = None,
+    threads: int | None = None,
+    pin_memory: bool = False,
+) -> tuple[ParquetBatchDataset, ReaderLoader]:
+    """A resumable loader of ``Batch`` objects over the given day files.
+
+    ``transform`` replaces ``BatchTransform(spec, ids)``; the readers benchmark passes one
+    with an artificial cost so that the local and the remote readers do the same work.
+    ``threads`` is each reader's (``make_loader``'s default: ``reader_threads``).
+    ``pin_memory``: the readers hand out page-locked batches (for a CUDA trainer).
+    """
+    transform = BatchTransform(spec, ids) if transform is None else transform
+    dataset = ParquetBatchDataset(
+        list_splits(paths),
+        spec.columns,
+        batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        shuffle=shuffle,
+        shuffle_window=shuffle_window,
+        validate=transform.validate,
+        transform=transform,
+    )
+    loader = make_loader(dataset, num_workers=num_workers, threads=threads, pin_memory=pin_memory)
+    return dataset, loader
+
+
+class TrainLoader:
+    """The trainer's batches: one rank's share of every epoch, resumable, with its wait time.
+
+    ``for batch in loader`` runs a pass over the epoch chosen with ``set_epoch`` (or resumes
+    the pass a loaded state was taken in, right after its last batch), exactly as the
+    ``torchdata`` ``Loader`` it wraps. ``wait_seconds`` adds up the time the consumer spent
+    blocked waiting for a batch, starting a pass included: the trainer reads it per step to
+    tell a data-starved step from a compute-bound one. ``failovers`` counts the times a
+    remote reader stream moved to another endpoint (always 0 for local readers).
+    ``close()`` ends the pass: remote streams at once, and the reader threads, which it
+    waits for; a batch that cannot be read closes the loader before its error is raised.
+    """
+
+    def __init__(
+        self,
+        loader: ReaderLoader,
+        dataset: ParquetBatchDataset | RemoteBatchSource,
+        remote: RemoteBatchSource | None = None,
+    ) -> None:
+        self._loader = loader
+        self._dataset = dataset
+        self._remote = remote
+        self.wait_seconds = 0.0
+
+    @property
+    def remote(self) -> bool:
+        """Whether the batches come from reader servers."""
+        return self._remote is not None
+
+    @property
+    def failovers(self) -> int:
+        return 0 if self._remote is None else self._remote.failovers
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next fresh pass reads (a loaded state keeps its own)."""
+        self._dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Batch]:
+        clock = time.perf_counter
+        start = clock()
+        it = iter(self._loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                self.wait_seconds += clock() - start
+                return
+            except BaseException:
+                # The other readers' threads stop now rather than run on while the error
+                # travels up (and possibly past the interpreter's exit).
+                self.close()
+                raise
+            self.wait_seconds += clock() - start
+            beat()  # this rank's main thread is making progress (see supervise.Watchdog)
+            yield batch
+            start = clock()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current pass stands: the same format for local and remote readers."""
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the next ``for batch in loader`` from ``state`` (see ``state_dict``)."""
+        self._loader.load_state_dict(state)
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+        self._loader.close()
+
+    def __enter__(self) -> TrainLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_train_loader(
+    config: RunConfig,
+    spec: FeatureSpec,
+    ids: IdMapper,
+    paths: list[str],
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    pin_memory: bool = False,
+) -> TrainLoader:
+    """Rank ``rank``'s training batches over ``paths``, from local readers or reader servers.
+
+    ``pin_memory``: local readers hand out page-locked batches (a CUDA trainer's copies to
+    the device are then asynchronous); remote batches are pinned by the trainer.
+
+    ``distributed.readers`` empty: ``train.num_workers`` reader threads in this process.
+    Otherwise the same number of streams from those servers (see ``dlrmflow.ingest.service``
+    for how they are divided); ``paths`` must then lie under ``data.url``, which the servers
+    serve under their own root. Either way the batches and states are the same.
+    """
+    train = config.train
+    if not config.distributed.readers:
+        dataset, loader = batch_loader(
+            paths,
+            spec,
+            ids,
+            batch_size=train.batch_size,
+            num_workers=train.num_workers,
+            shuffle=train.shuffle,
+            shuffle_window=train.shuffle_window,
+            seed=train.seed,
+            rank=rank,
+            world_size=world_size,
+            pin_memory=pin_memory,
+        )
+        return TrainLoader(loader, dataset)
+    source = _remote_source(config, spec, ids, paths, rank=rank, world_size=world_size)
+    return TrainLoader(source.loader(train.num_workers), source, remote=source)
+
+
+def _remote_source(
+    config: RunConfig,
+    spec: FeatureSpec,
+    ids: IdMapper,
+    paths: list[str],
+    *,
+    rank: int,
+    world_size: int,
+) -> RemoteBatchSource:
+    """The ``Batch``es of ``config.distributed.readers`` for ``paths`` (under ``data.url``),
+    from a server that hangs failing over after ``distributed.reader_timeout_s``."""
+    # Imported here: only trainers that read from reader servers load Flight (gRPC).
+    from dlrmflow.ingest.service import RemoteBatchSource
+
+    root = config.data.url.rstrip("/") + "/"
+    outside = [p for p in paths if not p.startswith(root)]
+    if outside:
+        raise ValueError(
+            f"remote readers resolve files under their own data root, so every path must "
+            f"lie under data.url {config.data.url}; {outside[0]} does not"
+        )
+    train = config.train
+    return RemoteBatchSource(
+        config.distributed.readers,
+        [p.removeprefix(root) for p in paths],
+        features_digest(spec, ids),
+        batch_size=train.batch_size,
+        seed=train.seed,
+        shuffle=train.shuffle,
+        shuffle_window=train.shuffle_window,
+        rank=rank,
+        world_size=world_size,
+        decode=decode_batch,
+        timeout_s=config.distributed.reader_timeout_s,
+    )

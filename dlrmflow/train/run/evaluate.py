@@ -1,0 +1,379 @@
+"""Evaluation on the held-out test day: AUC, log loss, NE and calibration to ``eval.json``.
+
+One process, or every rank of a job: each rank scores its own splits of the test day
+through the (sharded) model, all ranks stepping together, and rank 0 gathers every
+prediction to compute the exact AUC (no histogram). The trainer calls ``score`` every
+``train.eval_every`` steps on the live model; ``evaluate`` scores a checkpoint, loaded at
+whatever world size runs it. ``evaluation_settings`` resolves what ``dlrmflow evaluate``
+may change of how a run is scored (its flags, ``--config`` and ``--set``): never the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrmflow.config import (
+    ConfigError,
+    DeviceType,
+    DistributedConfig,
+    KernelsType,
+    Source,
+    build_config,
+    given_keys,
+    resolve_config,
+)
+from dlrmflow.errors import DlrmflowError
+from dlrmflow.features.batch import Batch
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
+from dlrmflow.kernels.backends import check_kernels
+from dlrmflow.outputs import write_atomic
+from dlrmflow.train.model.device import resolve_device, use_device
+from dlrmflow.train.model.disk_tier import scratch_directory, scratch_tier_storage
+from dlrmflow.train.model.dlrm import DLRM
+from dlrmflow.train.model.parallelize import build_model, parallelize
+from dlrmflow.train.planner.jobs import plan_for_job
+from dlrmflow.train.run.checkpoint import (
+    dataset_digest,
+    find_checkpoint,
+    load_checkpoint,
+    restore,
+)
+from dlrmflow.train.run.data import batch_loader, load_ids
+from dlrmflow.train.run.metrics import click_metrics
+from dlrmflow.train.run.rank import (
+    DistEnv,
+    compute_threads,
+    gather_peak_rss,
+    init_distributed,
+)
+from dlrmflow.train.run.rundir import rank0_lock
+
+EVAL_FILE = "eval.json"
+
+
+class NonFinitePredictions(DlrmflowError):
+    """The model scores some rows NaN or infinite: its metrics would mean nothing."""
+
+
+class NoRunDirectory(DlrmflowError):
+    """``evaluate`` was given a run directory that does not exist."""
+
+
+# The job's hosts and its collective timeout: also taken from DLRMFLOW_DISTRIBUTED__*
+# variables (one set per host), as ``train`` takes them.
+HOST_KEYS = (
+    "distributed.nnodes",
+    "distributed.node_rank",
+    "distributed.rdzv_endpoint",
+    "distributed.local_addr",
+    "distributed.connect_timeout_s",
+    "distributed.timeout_s",
+)
+# What ``dlrmflow evaluate --config/--set`` may set: on what, where, how and by how many
+# ranks the run's model is scored. The model itself (architecture, features, optimizer,
+# training) is the run's config.json, carried by its checkpoint: a file or --set changing
+# it would describe another model than the one scored, so every other key is refused.
+EVALUATION_KEYS = (
+    "data.url",
+    "eval.batch_size",
+    "eval.max_rows",
+    "train.device",
+    "model.kernels",
+    "distributed.nproc",
+    *HOST_KEYS,
+)
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """How ``evaluate`` scores a run. ``data_url``, ``batch_size`` and ``max_rows`` are
+    None where not given: the run's own (its config.json's) then apply."""
+
+    nproc: int
+    data_url: str | None
+    batch_size: int | None
+    max_rows: int | None
+    device: DeviceType
+    kernels: KernelsType
+    distributed: DistributedConfig
+
+
+def _given(source: Source) -> str:
+    return f"--set {source.name}" if source.kind == "set" else str(source)
+
+
+def evaluation_settings(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> EvaluationSettings:
+    """The settings of one evaluation: a configuration file at ``path``, then
+    ``section.key=value`` ``overrides``, then ``flags`` (``{"section.key": value}``, None
+    when not given), each checked by the configuration's types, as ``train``'s are.
+
+    Only ``EVALUATION_KEYS`` may be set: any other key is a ``ConfigError`` naming it and
+    where it was set. The environment's ``DLRMFLOW_SECTION__KEY`` variables are checked as
+    for every command, but only ``distributed.*`` ones apply (the hosts of a job, one set
+    per host): a shell set up for training (``DLRMFLOW_DATA__URL``) does not change what a
+    run is scored on. ``eval.batch_size`` applies to one process for now: a job of several
+    ranks scores in the run's own batch size, so asking for another there is refused.
+    """
+    for key, source in given_keys(path, overrides).items():
+        if key not in EVALUATION_KEYS:
+            raise ConfigError(
+                f"{key} ({_given(source)}): not an evaluation setting; evaluate scores the "
+                "run's model as its config.json defines it, and --config and --set may set "
+                f"only {', '.join(EVALUATION_KEYS)}"
+            )
+    own = resolve_config(path, overrides, flags, env=False)
+    # The hosts: the environment's too (validated whole, as every command does).
+    hosts = resolve_config(path, overrides, flags).config.distributed
+    config, chosen = own.config, own.sources
+    settings = EvaluationSettings(
+        nproc=config.distributed.nproc,
+        data_url=config.data.url if "data.url" in chosen else None,
+        batch_size=config.eval.batch_size if "eval.batch_size" in chosen else None,
+        max_rows=config.eval.max_rows if "eval.max_rows" in chosen else None,
+        device=config.train.device,
+        kernels=config.model.kernels,
+        distributed=hosts,
+    )
+    if settings.batch_size is not None and (settings.nproc > 1 or hosts.nnodes > 1):
+        raise ConfigError(
+            "eval.batch_size: applies to an evaluation in one process (--nproc 1 on one "
+            "host); a job of several ranks scores in the run's own eval.batch_size"
+        )
+    return settings
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """``NoRunDirectory`` unless ``run_dir`` is a directory: evaluation reads the run's ID
+    mapping there and writes ``eval.json`` beside its checkpoints, so a missing one is a
+    mistyped path, never a directory to create."""
+    if not Path(run_dir).is_dir():
+        raise NoRunDirectory(
+            f"{run_dir}: no such run directory; evaluate scores a trained run in its own "
+            "directory (give the --run-dir of a `dlrmflow train` run)"
+        )
+
+
+def test_loader(
+    config,
+    spec: FeatureSpec,
+    ids,
+    env: DistEnv,
+    data_url: str | None = None,
+    pin_memory: bool = False,
+    manifest: Manifest | None = None,
+):
+    """This rank's share of the test day, in file order (page-locked for a CUDA model).
+    ``manifest``: the dataset's, when the caller has read it already."""
+    url = data_url or config.data.url
+    manifest = read_manifest(url) if manifest is None else manifest
+    check_dataset(url, manifest, training=False)  # a missing or empty test day, named
+    _, loader = batch_loader(
+        manifest.day_paths(url, [manifest.test_day]),
+        spec,
+        ids,
+        batch_size=config.eval.batch_size,
+        num_workers=config.train.num_workers,
+        shuffle=False,
+        rank=env.rank,
+        world_size=env.world_size,
+        pin_memory=pin_memory,
+    )
+    return loader, manifest.test_day
+
+
+@torch.no_grad()
+def score(
+    model: DLRM,
+    loader,
+    spec: FeatureSpec,
+    env: DistEnv,
+    max_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Probabilities and labels of every test row, on rank 0 (None on the others).
+
+    ``max_rows`` caps the rows scored in total (each rank scores its share of the cap).
+    The model is put in eval mode for the pass and back in its previous mode after.
+    Batches go to the model's device; the scores come back to the host.
+    """
+    device = next(model.dense_arch.parameters()).device
+    was_training = model.training
+    model.eval()
+    limit = None if max_rows is None else math.ceil(max_rows / env.world_size)
+    probs, labels = [], []
+    seen = 0
+    batches = iter(loader)
+    while True:
+        batch = next(batches, None) if limit is None or seen < limit else None
+        if env.distributed:
+            anyone = torch.tensor([int(batch is not None)], device="cpu")
+            dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+            if not bool(anyone):
+                break
+            if batch is None:
+                batch = Batch.empty(len(spec.dense), spec.sparse_names)
+        elif batch is None:
+            break
+        batch = batch.to(device, non_blocking=True)
+        take = len(batch) if limit is None else min(len(batch), limit - seen)
+        logits = model(batch.dense, batch.sparse)
+        logits = logits[:take]
+        # An infinite logit would become a confident 0 or 1: mark it NaN, so the
+        # evaluation refuses it rather than scoring a broken model.
+        probs.append(torch.sigmoid(logits).masked_fill(~torch.isfinite(logits), math.nan).cpu())
+        labels.append(batch.labels[:take].cpu())
+        seen += take
+        if progress is not None and take:
+            progress(take * env.world_size)
+    model.train(was_training)
+    mine = (
+        (torch.cat(probs), torch.cat(labels))
+        if probs
+        else (torch.empty(0, device="cpu"), torch.empty(0, device="cpu"))
+    )
+    if not env.distributed:
+        return mine
+    gathered = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    out_probs = torch.cat([p for p, _ in gathered])
+    out_labels = torch.cat([y for _, y in gathered])
+    if max_rows is not None:
+        out_probs, out_labels = out_probs[:max_rows], out_labels[:max_rows]
+    return out_probs, out_labels
+
+
+def evaluate(
+    run_dir: str | Path,
+    *,
+    data_url: str | None = None,
+    checkpoint: str | Path | None = None,
+    max_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    device: str = "auto",
+    kernels: str = "auto",
+    batch_size: int | None = None,
+) -> dict[str, float]:
+    """Score a checkpoint of ``run_dir`` on the test day of its dataset (or ``data_url``).
+
+    Alone, or on every rank of a torchrun job (``dlrmflow evaluate --nproc N``): the
+    checkpoint is loaded at this world size (resharded under this job's plan). The ID
+    mapping is the run's, so test IDs map to the rows they trained; IDs never seen in
+    training hit untrained or OOV rows, exactly as they would in serving.
+    ``progress(n)`` receives the rows scored per batch. ``device`` ("auto", "cpu" or
+    "cuda", as ``train.device``) is where the model runs and ``kernels`` (as
+    ``model.kernels``) what runs it, whatever device and kernels trained it;
+    ``batch_size`` replaces the run's ``eval.batch_size`` (memory, not the metrics).
+    """
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir)
+    env = DistEnv.from_env()
+    where = resolve_device(device, env.local_rank, key="evaluate --device")
+    check_kernels(kernels, where)
+    use_device(where)
+    if env.distributed:
+        # Only the configuration, to join the job; every rank verifies its share below.
+        info = find_checkpoint(checkpoint if checkpoint is not None else run_dir, verified=False)
+        init_distributed(build_config(info.manifest["config"]), env, where)
+    with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
+        try:
+            return _evaluate(
+                run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels, batch_size
+            )
+        finally:
+            shutil.rmtree(scratch_directory(run_dir, env.rank), ignore_errors=True)
+
+
+def _evaluate(
+    run_dir: Path,
+    env: DistEnv,
+    data_url: str | None,
+    checkpoint: str | Path | None,
+    max_rows: int | None,
+    progress: Callable[[int], None] | None,
+    device: torch.device,
+    kernels: str,
+    batch_size: int | None = None,
+) -> dict[str, float]:
+    if env.distributed:
+        info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
+        config = build_config(info.manifest["config"])
+        config.model.kernels = kernels
+        spec = FeatureSpec.from_dict(info.manifest["spec"])
+        plan = plan_for_job(config, spec, env.world_size, env.local_world_size)
+        tiers = scratch_tier_storage(config, env.rank, run_dir)
+        model = parallelize(
+            build_model(config, spec), config, device=device, plan=plan, tiers=tiers
+        )
+        restore(info, model, None)
+        step, path = info.step, info.path
+    else:
+        ckpt = load_checkpoint(
+            checkpoint if checkpoint is not None else run_dir,
+            device,
+            kernels,
+            scratch=scratch_directory(run_dir, env.rank),
+        )
+        config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
+    if batch_size is not None:
+        config.eval.batch_size = batch_size
+    if model.embeddings.rows_on_disk:
+        # The cache was sized for a training batch's rows: score in batches no larger.
+        config.eval.batch_size = min(config.eval.batch_size, config.train.batch_size)
+    torch.set_num_threads(compute_threads(config, env))
+    ids = load_ids(config.features.ids, spec, run_dir)
+    url = data_url or config.data.url
+    manifest = read_manifest(url)
+    loader, test_day = test_loader(
+        config, spec, ids, env, url, pin_memory=device.type == "cuda", manifest=manifest
+    )
+    start = time.perf_counter()
+    limit = max_rows if max_rows is not None else config.eval.max_rows
+    try:
+        scored = score(model, loader, spec, env, limit, progress)
+    finally:
+        loader.close()
+    seconds = time.perf_counter() - start
+    peaks = gather_peak_rss(env)
+    if scored is None:
+        return {}
+    if len(scored[0]) == 0:
+        raise DlrmflowError(f"{url}: test day {test_day} holds no rows to evaluate on")
+    finite = torch.isfinite(scored[0])
+    if not bool(finite.all()):
+        raise NonFinitePredictions(
+            f"{path}: the model predicts NaN or infinity for {int((~finite).sum())} of "
+            f"{len(finite)} test rows; its weights are not usable"
+        )
+    metrics = click_metrics(*scored)
+    metrics.update(
+        {
+            "test_day": test_day,
+            # What was scored: another dataset's test day (--data) is as valid a score.
+            "data_url": url,
+            "dataset_digest": dataset_digest(manifest),
+            "checkpoint": str(path),
+            "step": step,
+            "eval_seconds": seconds,
+            "world_size": env.world_size,
+            "peak_rss_bytes": peaks,
+        }
+    )
+    write_atomic(run_dir / EVAL_FILE, json.dumps(metrics, indent=2) + "\n")
+    return metrics
