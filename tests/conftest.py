@@ -18,6 +18,9 @@ os.environ.setdefault(
 from dlrmflow.config import DataConfig, RunConfig, build_config  # noqa: E402
 from dlrmflow.ingest.synthetic import generate_dataset  # noqa: E402
 
+# Data kept in the repository for the tests (see its README).
+TEST_DATA = Path(__file__).resolve().parent / "data"
+
 TINY_DATA = {
     "days": 3,
     "rows_per_day": 6000,
@@ -44,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def criteo_sample() -> Path:
     """200 real Criteo lines, kept in the repository (tests/data) so a fresh clone tests."""
-    path = Path(__file__).resolve().parent / "data" / "criteo_sample_200.tsv"
+    path = TEST_DATA / "criteo_sample_200.tsv"
     assert path.is_file(), f"{path} is missing from the repository"
     return path
 

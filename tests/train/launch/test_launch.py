@@ -143,7 +143,7 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(
         # The command's children: its launcher agent and its guard (dlrmflow.guard).
         children = ranks_of(cli.pid)
         [launcher] = [
-            p for p in children if b"train.agent" in Path(f"/proc/{p}/cmdline").read_bytes()
+            p for p in children if b"train.launch.agent" in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         [rank1] = [pid for pid in ranks_of(launcher) if _environ(pid).get("RANK") == "1"]
         os.kill(rank1, signal.SIGKILL)

@@ -192,7 +192,7 @@ def test_sigkill_to_the_agent_takes_the_ranks_down(tiny_dataset: str, tmp_path: 
     cli = _start(tiny_dataset, run_dir, 2)
     try:
         _wait_for_training(cli, run_dir, 2)
-        [agent] = [p for p in _job_processes(run_dir) if b"train.agent" in _cmdline(p)]
+        [agent] = [p for p in _job_processes(run_dir) if b"train.launch.agent" in _cmdline(p)]
         os.kill(agent, signal.SIGKILL)
         _, err = cli.communicate(timeout=60)
         left = _job_processes(run_dir)

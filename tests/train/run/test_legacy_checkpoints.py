@@ -15,8 +15,9 @@ from dlrmflow.config import load_config
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.evaluate import evaluate
 from dlrmflow.train.run.trainer import train
+from tests.conftest import TEST_DATA
 
-LEGACY = Path(__file__).resolve().parents[2] / "data" / "checkpoints"
+LEGACY = TEST_DATA / "checkpoints"
 
 
 @pytest.fixture
