@@ -383,7 +383,7 @@ RESERVED_ENV = frozenset(
     {
         "DLRMFLOW_DEBUG",  # tracebacks instead of one-line errors (dlrmflow.errors)
         "DLRMFLOW_HELD_RUN_DIRS",  # run directories a parent holds (dlrmflow.train.run.rundir)
-        "DLRMFLOW_MMAP_THRESHOLD",  # glibc's mmap threshold (dlrmflow.memory)
+        "DLRMFLOW_MMAP_THRESHOLD",  # glibc's mmap threshold (dlrmflow.runtime.glibc_malloc)
         "DLRMFLOW_TEST_SEED",  # the test suite's random kill point, to replay one
         "DLRMFLOW_SUPERVISOR_PID",  # the process a job's agent must not outlive (train.supervise)
         "DLRMFLOW_HEARTBEAT_DIR",  # where a job's ranks record their progress (train.supervise)

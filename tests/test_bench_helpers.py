@@ -6,7 +6,7 @@ import torch
 from dlrmflow.bench import machine
 from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.bench.turns import best_of_turns
-from dlrmflow.memory import tune_allocator
+from dlrmflow.runtime.glibc_malloc import tune_allocator
 
 
 def test_cases_take_turns_and_keep_their_best():

@@ -9,7 +9,7 @@ import torch
 from dlrmflow.bench.ingest import pyarrow_decode, run_ingest_benchmark
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import list_splits, reader_threads
-from dlrmflow.memory import applied_threshold
+from dlrmflow.runtime.glibc_malloc import applied_threshold
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from dlrmflow.bench.kernels import (
 from dlrmflow.cli import app
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
-from dlrmflow.memory import applied_threshold
+from dlrmflow.runtime.glibc_malloc import applied_threshold
 
 TBE_KEYS = {
     f"tbe_{opt}_step_{form}_d8"

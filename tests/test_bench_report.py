@@ -9,7 +9,7 @@ import pytest
 from dlrmflow.bench.machine import available_cores
 from dlrmflow.bench.report import PLOTS, run_report, torchrec_section
 from dlrmflow.bench.torchrec_compare import MODES, WORLD_SIZES, torchrec_missing
-from dlrmflow.memory import applied_threshold
+from dlrmflow.runtime.glibc_malloc import applied_threshold
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TORCHREC_INSTALLED = importlib.util.find_spec("torchrec") is not None
@@ -105,7 +105,7 @@ def test_torchrec_comparison_record(report):
         )
         if mode.ours == "sharded":
             assert r["ours"]["shardings"] == [mode.sharding]
-            assert r["ours_model"].startswith("ShardedDLRM")
+            assert r["ours_model"].startswith("DLRM with sharded embeddings")
         else:
             assert "one process" in r["ours_model"]
     # At world size 1 both of our models face the one TorchRec run.

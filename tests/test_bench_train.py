@@ -15,7 +15,7 @@ from dlrmflow.bench.train import (
     run_train_benchmark,
 )
 from dlrmflow.cli import app
-from dlrmflow.memory import tune_allocator
+from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.train.model.plan import SHARDING_TYPES
 
 

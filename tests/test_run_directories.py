@@ -193,7 +193,6 @@ def test_evaluate_takes_evaluation_settings_from_a_file_and_set(
             ["--max-rows", "0"],
             "invalid configuration: eval.max_rows: Input should be greater than or equal to 1",
         ),
-        (["--nproc", "2", "--set", "eval.batch_size=64"], "eval.batch_size: applies to"),
     ],
 )
 def test_evaluate_refuses_a_model_key_or_a_bad_setting_in_one_line(
@@ -239,6 +238,24 @@ def test_evaluation_settings_take_only_the_hosts_from_the_environment(
     monkeypatch.setenv("DLRMFLOW_DISTRIBUTED__NNODES", "abc")
     with pytest.raises(ConfigError, match="DLRMFLOW_DISTRIBUTED__NNODES"):
         evaluation_settings()  # every variable is still checked
+
+
+def test_evaluate_on_two_ranks_scores_in_the_batch_size_asked_for(
+    trained: RunConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    run_dir = _copy(trained, tmp_path)
+    alone = evaluate(run_dir)  # the whole test day, as the two ranks score it
+    assert alone["batch_size"] == trained.eval.batch_size != 64
+    args = ["--nproc", "2", "--set", "eval.batch_size=64"]
+    code, out, err = run_cli(monkeypatch, capsys, "evaluate", "--run-dir", str(run_dir), *args)
+    assert code == 0, err
+    recorded = json.loads((run_dir / EVAL_FILE).read_text())
+    assert (recorded["batch_size"], recorded["world_size"]) == (64, 2)
+    assert recorded["rows"] == alone["rows"]
+    assert recorded["auc"] == pytest.approx(alone["auc"], abs=1e-6)
 
 
 def test_evaluate_scores_in_the_batch_size_asked_for(trained: RunConfig, tmp_path: Path) -> None:

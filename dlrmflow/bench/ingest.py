@@ -8,7 +8,7 @@ reads (``pq.read_table``'s default) and without Arrow's own thread pool, and bot
 file's footer from its first read for its other row groups (ours once per reader and
 pass, the baseline once per run: with several readers ours reads a footer a few more
 times, which only favours the baseline). Both run in this process, under the allocator
-setting of ``dlrmflow.memory`` (applied here too, so that a run outside the CLI is tuned
+setting of ``runtime.glibc_malloc`` (applied here too, so that a run outside the CLI is tuned
 as well).
 
 The cases take turns within each of ``repeats`` rounds, after one untimed round, and the
@@ -48,7 +48,7 @@ from dlrmflow.ingest.reader import (
     reader_threads,
 )
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.memory import tune_allocator
+from dlrmflow.runtime.glibc_malloc import tune_allocator
 
 
 def _rate(run: Callable[[], int]) -> tuple[float, float]:

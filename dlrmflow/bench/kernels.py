@@ -19,7 +19,7 @@ batching: one ``nn.EmbeddingBag`` per table and ``torch.optim.SGD`` or
 value per element rather than per row, so that line is context, never the headline ratio.
 Both torch sides get their inputs ready-made (stacked or split per table), outside the
 timed step; ours reads the ``KeyedJaggedTensor`` as the trainer hands it over. All sides
-run in this process with the same torch threads and allocator setting (``dlrmflow.memory``,
+run in this process with the same torch threads and allocator setting (``runtime.glibc_malloc``,
 applied here too), take turns within each repeat after one untimed warm-up round, and
 the best time of each counts (``dlrmflow.bench.turns``).
 
@@ -49,7 +49,7 @@ from dlrmflow.ingest.schema import CRITEO_CARDINALITIES
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.triton_tbe import available as triton_available
-from dlrmflow.memory import applied_threshold, tune_allocator
+from dlrmflow.runtime.glibc_malloc import applied_threshold, tune_allocator
 
 POOLING = 20
 ZIPF_ALPHA = 1.1

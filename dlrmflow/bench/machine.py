@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pyarrow
 import torch
 
-from dlrmflow.memory import applied_threshold
+from dlrmflow.runtime.glibc_malloc import applied_threshold
 
 
 def describe_machine() -> dict[str, object]:

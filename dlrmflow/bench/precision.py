@@ -29,7 +29,7 @@ from dlrmflow.bench.machine import describe_machine
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.memory import applied_threshold, tune_allocator
+from dlrmflow.runtime.glibc_malloc import applied_threshold, tune_allocator
 from dlrmflow.train.model.device import autocast_supported
 from dlrmflow.train.run.evaluate import evaluate
 from dlrmflow.train.run.trainer import train

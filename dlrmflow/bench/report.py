@@ -49,8 +49,8 @@ from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
-from dlrmflow.memory import tune_allocator
 from dlrmflow.outputs import write_atomic
+from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.train.model.plan import SHARDING_TYPES
 
 TIERED_FULL = {"rows": 100_000, "dim": 64, "batch": 4096, "warmup": 8, "steps": 24, "repeats": 3}

@@ -1,6 +1,6 @@
 """Jobs of spawned processes on this host: how benchmarks and tests run a gloo job.
 
-Every rank sets its torch threads and the allocator setting of ``dlrmflow.memory`` before
+Every rank sets its torch threads and the allocator setting of ``runtime.glibc_malloc`` before
 any work: ``mallopt`` acts on one process only, so a spawned rank would otherwise run with
 glibc's defaults while the parent runs tuned (the environment variable that chooses the
 setting is inherited; the setting itself is not). It then joins the job through a file
@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dlrmflow.memory import applied_threshold, tune_allocator
-from dlrmflow.train.run.rank import exit_without_teardown, join_spawned_job
+from dlrmflow.runtime.glibc_malloc import applied_threshold, tune_allocator
+from dlrmflow.runtime.teardown import exit_without_teardown
+from dlrmflow.train.run.rank import join_spawned_job
 
 # A rank stuck in a collective fails the job after this, rather than hanging it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)

@@ -71,7 +71,7 @@ MODES: dict[str, Mode] = {
 }
 OURS = {
     "plain": "DLRM: one process, one table-batched bag, no distribution layer",
-    "sharded": "ShardedDLRM with its pipelined input exchange",
+    "sharded": "DLRM with sharded embeddings and the pipelined input exchange",
 }
 WORLD_SIZES = tuple(sorted({m.world for m in MODES.values()}))
 BASELINE = (

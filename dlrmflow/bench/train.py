@@ -17,7 +17,7 @@ Every side gets the same cores in total (``thread_budget``): the baseline runs w
 of them as torch threads, a job of N ranks with a 1/N share each, so a ratio above 1 at
 world size 2 is what splitting the work gains over one process using the whole machine.
 The baseline runs in the world-size-1 job's process, so that it, too, is a freshly
-spawned process; every rank (the baseline's included) applies ``dlrmflow.memory``'s
+spawned process; every rank (the baseline's included) applies ``runtime.glibc_malloc``'s
 allocator setting, and the record lists each process's threads and setting.
 
 Bytes per step: what one rank sent, by kind (``dlrmflow.train.model.comms.CommStats``).

@@ -20,7 +20,7 @@ import typer
 
 from dlrmflow.cli import bench, data, run, serving
 from dlrmflow.config import env_overrides
-from dlrmflow.memory import tune_allocator
+from dlrmflow.runtime.glibc_malloc import tune_allocator
 
 __all__ = ["app", "main"]
 

@@ -288,6 +288,7 @@ def evaluate(
             distributed=hosts,
             device=settings.device,
             kernels=settings.kernels,
+            batch_size=settings.batch_size,
         )
     bar.close()
     echo_json(host_result(hosts.node_rank, metrics))

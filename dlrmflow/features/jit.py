@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-from dlrmflow.prefetch import prefetch, prefetch_read
+from dlrmflow.runtime.llvm_prefetch import prefetch, prefetch_read
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

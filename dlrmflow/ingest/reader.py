@@ -67,6 +67,7 @@ from dlrmflow.ingest.dayfile import (
     open_regular_for_arrow,
 )
 from dlrmflow.ingest.shuffle import deal
+from dlrmflow.runtime.torchdata_threads import stop_prefetch_thread
 
 
 class DataError(DlrmflowError, ValueError):
@@ -863,14 +864,7 @@ class ReaderPrefetcher(Prefetcher):
         raise error
 
     def close(self) -> None:
-        # torchdata 0.11 has no public way to stop the thread: its stop event and thread
-        # are those of the private ``_SingleThreadedMapper`` (``_shutdown`` waits 0.5 s only).
-        it = self._it
-        if it is not None:
-            it._stop_event.set()
-        close_node(self._kept)  # a thread waiting in the source's next() returns
-        if it is not None and it._thread.is_alive():
-            it._thread.join(self.JOIN_TIMEOUT_S)
+        stop_prefetch_thread(self, lambda: close_node(self._kept), self.JOIN_TIMEOUT_S)
 
 
 _open_prefetchers: weakref.WeakSet[ReaderPrefetcher] = weakref.WeakSet()

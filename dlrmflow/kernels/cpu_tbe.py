@@ -24,7 +24,7 @@ row of the output gradient, a contiguous stretch, which the CPU streams in faste
 the scattered rows a split by row would read. Steps below 16 MB of gradients stay on
 one thread (see ``_MIN_SPLIT``).
 
-The parts run on torch's own OpenMP threads (``_omp_runner``), or where that runtime is not
+The parts run on torch's own OpenMP threads (``runtime.gomp``), or where that runtime is not
 reachable, on a small pool of Python threads; either way the compiled loops run without
 the GIL. Not numba's parallel mode: its default thread layer refuses calls from two
 threads at once (the readers make such calls), and its OpenMP layer would be a second
@@ -33,7 +33,6 @@ team of threads competing with torch's for the same cores.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -43,14 +42,15 @@ import numba
 import numpy as np
 import torch
 
-from dlrmflow.prefetch import prefetch as _prefetch
+from dlrmflow.runtime import gomp
+from dlrmflow.runtime.llvm_prefetch import prefetch as _prefetch
 
 _SGD, _ROWWISE_ADAGRAD = 0, 1
 
 # Rows fetched ahead of use: the rows a step touches are scattered over tables far larger
 # than the caches, so each costs a trip to memory; asking for them this many rows early
 # keeps several trips in flight (measured at dim 128, the whole backward: 32-35% less time
-# with row-wise Adagrad, 0-15% with SGD; see ``dlrmflow.prefetch``).
+# with row-wise Adagrad, 0-15% with SGD; see ``dlrmflow.runtime.llvm_prefetch``).
 _AHEAD = 8
 _LINE = 64
 # Pass 1 looks up each row's slot in a per-row array as large as the group's tables; the
@@ -416,97 +416,6 @@ def _helpers(workers: int) -> ThreadPoolExecutor:
         return _pool[2]
 
 
-# A step's parts go to torch's own OpenMP threads through libgomp's ``GOMP_parallel``, an
-# entry point of a runtime torch ships privately. Why: after each torch op those threads
-# spin a while waiting for the next one, holding the cores, so a Python thread of ours
-# that wakes then may wait its turn, while a region on their team starts at once. What it
-# buys, measured here (2 cores shared with other jobs; the backward of a batch of 4096
-# over Criteo's 26 tables capped at 200k rows, dim 128, row-wise Adagrad; best of 60
-# rounds alternating the two, two runs): nothing beyond the noise, one-hot 10.5-13.3 ms
-# on torch's team against 11.1-11.9 ms on the pool, 20 IDs a bag 40.5-68.1 against
-# 39.7-62.6 ms. Anything unexpected about that runtime (not mapped, not loadable, no such
-# symbol, a call that fails or does not run the work) sends the steps to the pool of
-# Python threads, with bitwise the same results.
-OmpRunner = Callable[[Callable[[], None], int], None]
-_OMP_BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_IMPORT_PID = os.getpid()
-_omp: tuple[int, OmpRunner | None] | None = None  # (pid, the runner or None)
-
-
-def _omp_runner() -> OmpRunner | None:
-    """``run(body, threads)`` running ``body()`` on ``threads`` of torch's OpenMP threads
-    (this one among them), or None where the pool of Python threads must do instead.
-
-    None in a forked child: libgomp's threads do not survive a fork, and a parallel region
-    there would hang.
-    """
-    global _omp
-    pid = os.getpid()
-    if _omp is None or _omp[0] != pid:
-        _omp = (pid, _load_omp_runner() if pid == _IMPORT_PID else None)
-    return _omp[1]
-
-
-def _give_up_omp() -> None:
-    """Send this process's later steps to the pool of Python threads."""
-    global _omp
-    _omp = (os.getpid(), None)
-
-
-def _load_omp_runner() -> OmpRunner | None:
-    """The runner over torch's libgomp, if it loads, has ``GOMP_parallel`` and passes a
-    trial region; else None."""
-    library = _load_torch_libgomp()
-    if library is None:
-        return None
-    try:
-        parallel = library.GOMP_parallel
-        # void GOMP_parallel(void (*fn)(void *), void *data, unsigned threads, unsigned flags)
-        parallel.argtypes = [_OMP_BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-        parallel.restype = None
-    except AttributeError:
-        return None
-
-    def run(body: Callable[[], None], threads: int) -> None:
-        parallel(_OMP_BODY(lambda _: body()), None, threads, 0)
-
-    return run if _runs_as_expected(run) else None
-
-
-def _runs_as_expected(run: OmpRunner) -> bool:
-    """Whether a region of two threads runs its body once or twice (a team may be given
-    fewer threads), this thread's call among them, and returns without an error."""
-    callers: list[int] = []
-    lock = threading.Lock()
-
-    def body() -> None:
-        with lock:
-            callers.append(threading.get_ident())
-
-    try:
-        run(body, 2)
-    except Exception:  # noqa: BLE001 - any failure of the runtime means: do without it
-        return False
-    return 1 <= len(callers) <= 2 and threading.get_ident() in callers
-
-
-def _load_torch_libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process already has mapped from torch's library directory."""
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libgomp" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        if os.path.dirname(os.path.realpath(path)) == os.path.realpath(torch_lib):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                return None
-    return None
-
-
 def _share(run: Callable[[int], None], parts: int, threads: int) -> None:
     """``run(p)`` for every part ``p``, on this thread and up to ``threads - 1`` helpers.
 
@@ -542,12 +451,12 @@ def _share(run: Callable[[int], None], parts: int, threads: int) -> None:
                 if state["finished"] == parts:
                     done.set()
 
-    runner = _omp_runner()
+    runner = gomp.omp_runner()
     if runner is not None:
         try:
             runner(work, threads)
         except Exception:  # noqa: BLE001 - the runtime failed: the pool takes over
-            _give_up_omp()
+            gomp.give_up()
             runner = None
     if runner is None:
         pool = _helpers(threads - 1)

@@ -1,7 +1,8 @@
 """``python -m dlrmflow.train --config FILE [--set KEY=VALUE ...]``: one rank of a job.
 
 ``--evaluate RUN_DIR`` instead scores that run's checkpoint on the test day (``--checkpoint``,
-``--data``, ``--max-rows``, ``--device`` and ``--kernels`` as for ``dlrmflow evaluate``).
+``--data``, ``--max-rows``, ``--batch-size``, ``--device`` and ``--kernels`` as for
+``dlrmflow evaluate``).
 
 torchrun starts this on every rank (``dlrmflow train --nproc N``, with ``--nnodes`` and
 ``--node-rank`` on many hosts, starts it through ``dlrmflow.train.launch.agent``). Rank 0 prints
@@ -29,7 +30,7 @@ import traceback  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
 from dlrmflow.config import ConfigError, load_config  # noqa: E402
-from dlrmflow.memory import tune_allocator  # noqa: E402
+from dlrmflow.runtime.glibc_malloc import tune_allocator  # noqa: E402
 from dlrmflow.train.run.evaluate import evaluate  # noqa: E402
 from dlrmflow.train.run.trainer import train  # noqa: E402
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="with --evaluate: a checkpoint directory")
     parser.add_argument("--data", help="with --evaluate: the dataset URL")
     parser.add_argument("--max-rows", type=int, help="with --evaluate: rows to score at most")
+    parser.add_argument("--batch-size", type=int, help="with --evaluate: each rank's batch")
     parser.add_argument("--device", default="auto", help="with --evaluate: auto, cpu or cuda")
     parser.add_argument("--kernels", default="auto", help="with --evaluate: as model.kernels")
     args = parser.parse_args(argv)
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 data_url=args.data,
                 checkpoint=args.checkpoint,
                 max_rows=args.max_rows,
+                batch_size=args.batch_size,
                 device=args.device,
                 kernels=args.kernels,
             )
@@ -106,7 +109,7 @@ def _run(stage) -> int:
 def _main_of_rank() -> NoReturn:
     """``main`` on a rank of a multi-rank job, which ends without Python's teardown (see
     ``exit_without_teardown``), whatever ``main`` raised (with ``DLRMFLOW_DEBUG``)."""
-    from dlrmflow.train.run.rank import exit_without_teardown
+    from dlrmflow.runtime.teardown import exit_without_teardown
 
     try:
         code = main()

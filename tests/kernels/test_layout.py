@@ -31,6 +31,22 @@ FORBIDDEN = {
     "train": {"flows", "bench", "cli"},
     "kernels": {"ingest", "features", "train", "flows", "bench", "cli"},
     "config": {"ingest", "features", "train", "kernels", "flows", "bench", "cli"},
+    # Private and version-specific runtime pieces: below everything, used by any stage.
+    "runtime": {
+        "ingest",
+        "features",
+        "train",
+        "kernels",
+        "flows",
+        "bench",
+        "cli",
+        "config",
+        "errors",
+        "memory",
+        "outputs",
+        "supervise",
+        "guard",
+    },
 }
 
 # Imports against the rule, being removed elsewhere: (module, stage it imports), exact.

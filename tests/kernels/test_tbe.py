@@ -14,6 +14,7 @@ from dlrmflow.kernels.tbe import (
     RowWiseAdagrad,
     TableBatchedEmbeddingBag,
 )
+from dlrmflow.runtime import gomp
 from tests.kernels.batches import random_jagged, random_one_hot
 
 # Different dims (two runs of dim 4 around a dim-2 table, so three weight groups), both
@@ -337,8 +338,8 @@ def test_compiled_step_split_over_threads_is_bitwise_the_same(optimizer, form, t
     # update is computed alike: the weights are bitwise those of one thread, on torch's
     # OpenMP threads and on the fallback pool of Python threads.
     if team == "python":
-        monkeypatch.setattr(cpu_tbe, "_omp_runner", lambda: None)
-    elif cpu_tbe._omp_runner() is None:
+        monkeypatch.setattr(gomp, "omp_runner", lambda: None)
+    elif gomp.omp_runner() is None:
         pytest.skip("torch here has no GNU OpenMP runtime to share")
 
     def train(threads: int) -> torch.Tensor:
@@ -389,7 +390,7 @@ def test_a_forked_child_steps_without_torchs_openmp_threads():
         tbe(kjt).backward(_grad_out(0, tbe, kjt.stride))
 
     def child() -> None:
-        assert cpu_tbe._omp_runner() is None
+        assert gomp.omp_runner() is None
         step()
 
     with pytest.MonkeyPatch.context() as patch:

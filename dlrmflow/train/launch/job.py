@@ -27,7 +27,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 from collections import deque
@@ -39,7 +38,6 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.supervise import (
     Job,
     JobStopped,
-    children_of,
     interrupt_on_signals,
     stop_on_signals,
 )
@@ -97,35 +95,6 @@ def launch_command(
         *config,
         *args,
     ]
-
-
-def ranks_of(pid: int) -> list[int]:
-    """The child processes of torchrun: its ranks (each in a session of its own)."""
-    return children_of(pid)
-
-
-def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop a torchrun job and every rank: SIGTERM (and SIGCONT, for stopped ones), then
-    SIGKILL after ``grace_s``.
-
-    The ranks are signalled directly too (each is in a session of its own): one blocked
-    inside a collective does not run torchrun's forwarded SIGTERM handler, and would
-    outlive a killed torchrun.
-    """
-    ranks = ranks_of(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGCONT):
-        for pid in [proc.pid, *ranks]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, sig)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    for pid in ranks:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
 
 
 def _run_job(
@@ -300,9 +269,11 @@ def launch_evaluation(
     distributed: DistributedConfig | None = None,
     device: str = "auto",
     kernels: str = "auto",
+    batch_size: int | None = None,
 ) -> dict | None:
     """Score a run's checkpoint on ``nproc`` ranks (loaded resharded to that world size);
-    in this process when ``nproc`` is 1; on ``device`` with ``kernels`` (see ``evaluate``).
+    in this process when ``nproc`` is 1; on ``device`` with ``kernels``, each rank in
+    batches of ``batch_size`` (the run's ``eval.batch_size`` when None; see ``evaluate``).
     With ``distributed`` (its ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``local_addr``,
     ``connect_timeout_s``), this host's ranks of a job that spans hosts: the metrics come
     back on node 0, None elsewhere."""
@@ -316,12 +287,14 @@ def launch_evaluation(
                 max_rows=max_rows,
                 device=device,
                 kernels=kernels,
+                batch_size=batch_size,
             )
     args = ["--evaluate", str(run_dir)]
     for flag, value in (
         ("--data", data_url),
         ("--checkpoint", checkpoint),
         ("--max-rows", max_rows),
+        ("--batch-size", batch_size),
         ("--device", device),
         ("--kernels", kernels),
     ):

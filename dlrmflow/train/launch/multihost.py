@@ -22,20 +22,19 @@ rendezvous and then hung the ranks for the whole collective timeout without a wo
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import fcntl
 import ipaddress
 import json
 import math
 import socket
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
+import psutil
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -55,7 +54,6 @@ RUN_ID = "dlrmflow"  # one job per endpoint: node 0 serves a fresh store for eac
 # What may differ between the hosts of one job: each host's own place in it.
 PER_HOST_KEYS = ("distributed.node_rank", "distributed.local_addr")
 _KEY_PREFIX = "dlrmflow/"  # keys of the start-up checks in the rendezvous round's store
-_SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
 
 
 class StartupFailed(DlrmflowError, RuntimeError):
@@ -180,28 +178,17 @@ def advertised_address(local_addr: str | None, endpoint_host: str, endpoint_port
 
 
 def interface_of(address: str) -> str:
-    """The network interface that holds ``address`` (Linux), for ``GLOO_SOCKET_IFNAME``:
-    unset, gloo binds to what the host name resolves to, which may be no address another
-    host reaches (or loopback)."""
+    """The network interface that holds ``address``, for ``GLOO_SOCKET_IFNAME``: unset,
+    gloo binds to what the host name resolves to, which may be no address another host
+    reaches (or loopback). psutil lists every interface's addresses, IPv4 and IPv6
+    (an IPv6 link-local one with its ``%scope`` suffix)."""
     ip = ipaddress.ip_address(address)
-    if ip.version == 6:
-        try:
-            lines = Path("/proc/net/if_inet6").read_text().splitlines()
-        except OSError:
-            lines = []
-        for line in lines:
-            fields = line.split()
-            if ipaddress.ip_address(int(fields[0], 16)) == ip:
-                return fields[5]
-    else:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            for _, name in socket.if_nameindex():
-                request = struct.pack("256s", name.encode()[:15])
-                try:
-                    reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
-                except OSError:
-                    continue  # an interface without an IPv4 address
-                if socket.inet_ntoa(reply[20:24]) == address:
+    for name, addresses in sorted(psutil.net_if_addrs().items()):
+        for entry in addresses:
+            if entry.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(entry.address.split("%")[0]) == ip:
                     return name
     raise ConfigError(
         f"distributed.local_addr: no network interface has {address} as its address; set "

@@ -126,8 +126,7 @@ def evaluation_settings(
     where it was set. The environment's ``DLRMFLOW_SECTION__KEY`` variables are checked as
     for every command, but only ``distributed.*`` ones apply (the hosts of a job, one set
     per host): a shell set up for training (``DLRMFLOW_DATA__URL``) does not change what a
-    run is scored on. ``eval.batch_size`` applies to one process for now: a job of several
-    ranks scores in the run's own batch size, so asking for another there is refused.
+    run is scored on.
     """
     for key, source in given_keys(path, overrides).items():
         if key not in EVALUATION_KEYS:
@@ -149,11 +148,6 @@ def evaluation_settings(
         kernels=config.model.kernels,
         distributed=hosts,
     )
-    if settings.batch_size is not None and (settings.nproc > 1 or hosts.nnodes > 1):
-        raise ConfigError(
-            "eval.batch_size: applies to an evaluation in one process (--nproc 1 on one "
-            "host); a job of several ranks scores in the run's own eval.batch_size"
-        )
     return settings
 
 
@@ -372,6 +366,7 @@ def _evaluate(
             "step": step,
             "eval_seconds": seconds,
             "world_size": env.world_size,
+            "batch_size": config.eval.batch_size,  # each rank's
             "peak_rss_bytes": peaks,
         }
     )

@@ -10,10 +10,8 @@ is the plain ``DLRM`` with sharded embeddings and DDP applied by
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,19 +45,6 @@ class DistEnv:
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
         )
-
-
-def exit_without_teardown(code: int = 0) -> NoReturn:
-    """End a rank's process now, skipping Python's teardown.
-
-    Destroying gloo process groups during teardown can deadlock: a gloo worker thread
-    freeing a finished gather's Python objects waits for the GIL, which the main thread
-    holds while it joins that worker (seen in CI, at exit after ``gather_object``). Every
-    file is closed by then; only the output streams need flushing.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def join_spawned_job(

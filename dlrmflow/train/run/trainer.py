@@ -27,8 +27,8 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
-from dlrmflow.memory import tune_allocator
 from dlrmflow.outputs import write_atomic
+from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.device import BatchStager, resolve_device, use_device
 from dlrmflow.train.model.disk_tier import TIERED_DIR, tier_storage

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.supervise import Job, children_of
 from dlrmflow.train.launch.job import (
     TrainingFailed,
     first_failure,
@@ -22,8 +23,6 @@ from dlrmflow.train.launch.job import (
     launch_command,
     launch_evaluation,
     launch_training,
-    ranks_of,
-    stop_job,
 )
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.evaluate import evaluate
@@ -141,16 +140,16 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(
             assert time.monotonic() < deadline and cli.poll() is None, "training never started"
             time.sleep(0.05)
         # The command's children: its launcher agent and its guard (dlrmflow.guard).
-        children = ranks_of(cli.pid)
+        children = children_of(cli.pid)
         [launcher] = [
             p for p in children if b"train.launch.agent" in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
-        [rank1] = [pid for pid in ranks_of(launcher) if _environ(pid).get("RANK") == "1"]
+        [rank1] = [pid for pid in children_of(launcher) if _environ(pid).get("RANK") == "1"]
         os.kill(rank1, signal.SIGKILL)
         _, err = cli.communicate(timeout=120)
     finally:
         if cli.poll() is None:
-            for pid in [p for child in ranks_of(cli.pid) for p in [child, *ranks_of(child)]]:
+            for pid in [p for child in children_of(cli.pid) for p in [child, *children_of(child)]]:
                 os.kill(pid, signal.SIGKILL)
             cli.kill()
             cli.wait()
@@ -171,21 +170,25 @@ def test_stopping_a_job_takes_every_rank_down(tiny_dataset: str, tmp_path: Path)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump()))
-    job = subprocess.Popen(
+    (tmp_path / "beats").mkdir()
+    job = Job(
         launch_command(run_dir / "config.json", 2, free_port()),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        dict(os.environ),
+        heartbeats=tmp_path / "beats",
+        timeout_s=60,
+        grace_s=5,
     )
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").is_file():
-        assert time.monotonic() < deadline and job.poll() is None, "training never started"
+        assert time.monotonic() < deadline and job.proc.poll() is None, "training never started"
         time.sleep(0.05)
-    ranks = ranks_of(job.pid)
+    ranks = children_of(job.proc.pid)
     assert len(ranks) == 2
-    stop_job(job, grace_s=5)
-    time.sleep(0.5)
-    for pid in ranks:
+    job.stop()
+    for _ in job.lines():
+        pass
+    job.wait()
+    for pid in [job.proc.pid, *ranks]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), pid
 
 

@@ -29,7 +29,8 @@ import yaml
 
 from dlrmflow.cli import main
 from dlrmflow.config import ConfigError, DistributedConfig, RunConfig
-from dlrmflow.train.launch.job import launch_command, launch_training, ranks_of
+from dlrmflow.supervise import children_of
+from dlrmflow.train.launch.job import launch_command, launch_training
 from dlrmflow.train.launch.multihost import (
     BACKEND,
     Hosts,
@@ -312,8 +313,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a host's command, its torchrun agent and its ranks at once, as a lost
     machine would."""
     pids = [proc.pid]
-    for agent in ranks_of(proc.pid):
-        pids += [agent, *ranks_of(agent)]
+    for agent in children_of(proc.pid):
+        pids += [agent, *children_of(agent)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

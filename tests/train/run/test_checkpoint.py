@@ -21,14 +21,16 @@ import torch.multiprocessing as mp
 
 import dlrmflow.train.run.checkpoint as checkpoint_module
 from dlrmflow.config import RunConfig
-from dlrmflow.train.launch.job import free_port, launch_command, launch_training, ranks_of
+from dlrmflow.runtime.teardown import exit_without_teardown
+from dlrmflow.supervise import children_of
+from dlrmflow.train.launch.job import free_port, launch_command, launch_training
 from dlrmflow.train.run.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
 )
-from dlrmflow.train.run.rank import exit_without_teardown, join_spawned_job
+from dlrmflow.train.run.rank import join_spawned_job
 from dlrmflow.train.run.trainer import TrainResult, train
 from tests.conftest import tiny_run_config
 
@@ -76,7 +78,7 @@ def _start_job(cfg: RunConfig) -> subprocess.Popen:
 
 def _kill_tree(job: subprocess.Popen) -> None:
     """SIGKILL torchrun and every rank at once, as a lost machine would."""
-    ranks = ranks_of(job.pid)
+    ranks = children_of(job.pid)
     os.killpg(job.pid, signal.SIGKILL)
     for pid in ranks:
         with contextlib.suppress(ProcessLookupError):
@@ -241,7 +243,7 @@ def test_a_killed_rank_ends_the_job_within_the_collective_timeout(
         while not (Path(cfg.run_dir) / "metrics.jsonl").is_file():
             assert time.monotonic() < deadline and job.poll() is None, "training never started"
             time.sleep(0.05)
-        ranks = ranks_of(job.pid)
+        ranks = children_of(job.pid)
         assert len(ranks) == 2
         killed = time.monotonic()
         os.kill(ranks[1], signal.SIGKILL)
