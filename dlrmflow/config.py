@@ -26,9 +26,11 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
+from dlrmflow.days import parse_window
 from dlrmflow.errors import DlrmflowError
 
 
@@ -80,6 +82,37 @@ class DataConfig(_Section):
     )
     positive_rate: Float = Field(0.25, gt=0, lt=1)
     row_group_size: Int = Field(65_536, ge=1, description="rows per Parquet row group")
+    drift: Float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="synthetic: how far the click model and the IDs move from one day to "
+        "the next (each ID's effects decorrelate and this share of IDs is replaced by new "
+        "ones each day); 0 keeps the days i.i.d.",
+    )
+    train_days: str | list[Int] | None = Field(
+        None,
+        description="days to train on: days (5), ranges (0-22), all, first N, last N, "
+        "all_but_last N, joined by commas, or a list; default every day not evaluated on",
+    )
+    eval_days: str | list[Int] | None = Field(
+        None,
+        description="held-out days to score on, as train_days; default the dataset's test "
+        "day (its last)",
+    )
+
+    @field_validator("train_days", "eval_days", mode="before")
+    @classmethod
+    def _one_day(cls, value: Any) -> Any:
+        # One day, as ``--set data.eval_days=5`` gives it (YAML reads a number).
+        return [value] if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("train_days", "eval_days")
+    @classmethod
+    def _check_window(cls, value: str | list[int] | None) -> str | list[int] | None:
+        if value is not None:
+            parse_window(value)  # a WindowError (a ValueError) says what a window looks like
+        return value
 
 
 class FeaturesConfig(_Section):
@@ -140,6 +173,12 @@ class TrainConfig(_Section):
     )
     shuffle: bool = True
     shuffle_window: Int = Field(4, ge=1, description="row groups whose rows are shuffled together")
+    order: Literal["shuffled", "days"] = Field(
+        "shuffled",
+        description="shuffled: each epoch reads the training days' row groups in one shuffled "
+        "order; days: each training day once, in day order, shuffled within itself by a seed "
+        "from the day, so that a run continues when the window grows by a day",
+    )
     threads: Int | None = Field(
         None, ge=1, description="torch intra-op threads (default: cores left by the readers)"
     )
@@ -179,6 +218,15 @@ class TrainConfig(_Section):
         None, description="mlflow: the tracking URI (default: the file store RUN_DIR/mlruns)"
     )
     experiment: str = Field("dlrmflow", min_length=1, description="mlflow: the experiment name")
+
+    @model_validator(mode="after")
+    def _check_order(self) -> TrainConfig:
+        if self.order == "days" and self.epochs != 1:
+            raise ValueError(
+                f"train.order=days reads each training day once: train.epochs must be 1 "
+                f"(got {self.epochs})"
+            )
+        return self
 
 
 class DistributedConfig(_Section):

@@ -194,3 +194,19 @@ def test_plan_prints_each_ranks_shards_and_uses_the_datasets_stats(tmp_path, cap
         main()
     err = capsys.readouterr().err
     assert err == "error: cache_load_factor must be in [0, 1], got 2.0\n"
+
+
+def test_generate_one_day_more_writes_only_that_day(tmp_path):
+    data = str(tmp_path / "data")
+    base = ["generate", "--out", data, "--rows-per-day", "1000", "--drift", "0.1"]
+    small = ["--set", "data.row_group_size=500", "--set", "data.cardinality_scale=0.0005"]
+    first = runner.invoke(app, [*base, "--days", "2", *small])
+    assert first.exit_code == 0, first.output
+    assert json.loads(first.output)["written_days"] == [0, 1]
+    more = runner.invoke(app, [*base, "--days", "3", *small])
+    assert more.exit_code == 0, more.output
+    info = json.loads(more.output)
+    assert (info["written_days"], info["test_day"], info["rows"]) == ([2], 2, 3000)
+    again = runner.invoke(app, [*base, "--days", "3", *small])
+    assert json.loads(again.output)["written_days"] == []
+    assert read_manifest(data).generator["drift"] == 0.1

@@ -17,10 +17,19 @@ def generate(
     multi_hot: Annotated[
         bool | None, typer.Option("--multi-hot/--one-hot", help="Lists of IDs per feature.")
     ] = None,
+    drift: Annotated[
+        float | None, typer.Option(help="Day-to-day change of the click model and IDs (0-1).")
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Write synthetic Criteo-like data as day-partitioned Parquet plus manifest.json."""
+    """Write synthetic Criteo-like data as day-partitioned Parquet plus manifest.json.
+
+    Days already there with the same settings are kept as they are: one day more writes
+    only that day."""
+    import posixpath
+
+    from dlrmflow.ingest.manifest import listed_paths
     from dlrmflow.ingest.synthetic import generate_dataset
 
     cfg = resolve(
@@ -32,11 +41,14 @@ def generate(
             "data.rows_per_day": rows_per_day,
             "data.seed": seed,
             "data.multi_hot": multi_hot,
+            "data.drift": drift,
         },
     )
+    before = listed_paths(cfg.data.url) or set()
     bar = Progress(cfg.data.days * cfg.data.rows_per_day, "generate")
     manifest = generate_dataset(cfg.data, progress=bar)
     bar.close()
+    written = [f.day for f in manifest.files if posixpath.normpath(f.path) not in before]
     echo_json(
         {
             "url": cfg.data.url,
@@ -46,6 +58,7 @@ def generate(
             "positive_rate": manifest.positive_rate,
             "bayes_auc": manifest.bayes_auc,
             "bayes_logloss": manifest.bayes_logloss,
+            "written_days": written,
         }
     )
 

@@ -277,6 +277,7 @@ def evaluate(
             device=settings.device,
             kernels=settings.kernels,
             batch_size=settings.batch_size,
+            eval_days=settings.eval_days,
         )
     else:
         metrics = launch_evaluation(
@@ -289,6 +290,7 @@ def evaluate(
             device=settings.device,
             kernels=settings.kernels,
             batch_size=settings.batch_size,
+            eval_days=settings.eval_days,
         )
     bar.close()
     echo_json(host_result(hosts.node_rank, metrics))

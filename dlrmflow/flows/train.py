@@ -28,6 +28,7 @@ from dlrmflow.flows.progress import ProgressReporter
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import CONFIG_FILE, launch_training
+from dlrmflow.train.run.data import day_windows
 from dlrmflow.train.run.rundir import run_dir_lock
 
 PROGRESS_KEY = "dlrmflow-train-progress"
@@ -45,9 +46,14 @@ def planned_steps(config: RunConfig) -> int:
     partial, and ranks deal row groups, not rows, so a run may take a few more steps.
     """
     manifest = read_manifest(config.data.url)
-    rows = sum(f.rows for f in manifest.files if f.day != manifest.test_day)
+    train_days, _ = day_windows(config, manifest)
     rows_per_step = config.train.batch_size * config.distributed.nproc
-    steps = config.train.epochs * max(1, math.ceil(rows / rows_per_step))
+    if config.train.order == "days":  # a partial step at each day's end
+        days = [sum(f.rows for f in manifest.files if f.day == day) for day in train_days]
+        steps = sum(max(1, math.ceil(rows / rows_per_step)) for rows in days)
+    else:
+        rows = sum(f.rows for f in manifest.files if f.day in train_days)
+        steps = config.train.epochs * max(1, math.ceil(rows / rows_per_step))
     if config.train.max_steps is not None:
         steps = min(steps, config.train.max_steps)
     return steps

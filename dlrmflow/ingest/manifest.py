@@ -58,11 +58,14 @@ class DayFile(BaseModel):
     positive_rate: float
     digest: str | None = None
     bytes: int | None = None
+    # Synthetic data: the AUC and log loss of the true click probabilities on this day.
+    bayes_auc: float | None = None
+    bayes_logloss: float | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unknown_identity(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for key in ("digest", "bytes"):
+        for key in ("digest", "bytes", "bayes_auc", "bayes_logloss"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -87,12 +90,15 @@ class Manifest(BaseModel):
     bayes_logloss: float | None = None
     generator: dict[str, Any] | None = None
 
-    def day_paths(self, root: str, days: list[int] | None = None) -> list[str]:
+    def day_paths(
+        self, root: str, days: list[int] | None = None, held_out: list[int] | None = None
+    ) -> list[str]:
         """Full URLs of the day files, optionally restricted to ``days``.
 
         Raises ``DataError`` when one of ``days`` has no file (an empty list would only fail
-        later, far from its cause), and when ``days`` leaves out the test day but a file
-        they list is also listed under it: held-out rows would be read with the others.
+        later, far from its cause), and when a file they list is also listed under a
+        held-out day (``held_out``, by default the test day when ``days`` leaves it out):
+        held-out rows would be read with the others.
         """
         if days is None:
             return [join_url(root, f.path) for f in self.files]
@@ -101,13 +107,15 @@ class Manifest(BaseModel):
         if missing:
             raise DataError(f"day {', '.join(map(str, missing))}: no file in the manifest")
         chosen = [f for f in self.files if f.day in wanted]
-        if self.test_day not in wanted:
-            held_out = {_normal(f.path) for f in self.files if f.day == self.test_day}
+        if held_out is None:
+            held_out = [] if self.test_day in wanted else [self.test_day]
+        for day in held_out:
+            kept = {_normal(f.path) for f in self.files if f.day == day}
             for f in chosen:
-                if _normal(f.path) in held_out:
+                if _normal(f.path) in kept:
                     raise DataError(
-                        f"{f.path}: listed under day {f.day} and under the test day "
-                        f"{self.test_day}; the held-out day's rows must not be read with others"
+                        f"{f.path}: listed under day {f.day} and under the held-out day "
+                        f"{day}; the held-out day's rows must not be read with others"
                     )
         return [join_url(root, f.path) for f in chosen]
 

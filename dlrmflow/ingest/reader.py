@@ -61,6 +61,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.dayfile import (
     NotRegularFile,
     Stamp,
+    day_of,
     day_path,
     footer_identity,
     open_regular,
@@ -169,6 +170,10 @@ class ParquetBatchDataset:
     It reads nothing itself: ``make_loader`` builds the reader threads that iterate it.
     ``validate`` checks each decoded row group (an error it raises becomes a ``DataError``
     naming the row group) and ``transform`` turns it into a ``Block``.
+
+    ``by_day``: each pass ("epoch") reads one day, the days in ascending order, its row
+    groups shuffled by a seed derived from the day rather than from the pass, so that a day
+    is read alike whichever pass reads it (see ``pass_of``).
     """
 
     def __init__(
@@ -185,6 +190,7 @@ class ParquetBatchDataset:
         drop_last: bool = False,
         validate: Callable[[pa.Table], None] | None = None,
         transform: Callable[[pa.Table], Block] | None = None,
+        by_day: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -207,7 +213,27 @@ class ParquetBatchDataset:
         self.drop_last = drop_last
         self.validate = validate
         self.transform = transform
+        self.by_day = by_day
         self._epoch = 0
+        if by_day:
+            self._day_splits: dict[int, list[Split]] = {}
+            for split in self.splits:
+                day = split.day if split.day is not None else day_of(split.path)
+                if day is None:
+                    raise ValueError(f"{split.path}: no day in its footer or its path")
+                self._day_splits.setdefault(day, []).append(split)
+            self.days = sorted(self._day_splits)
+
+    def pass_of(self, epoch: int) -> tuple[list[Split], int]:
+        """The splits pass ``epoch`` reads and the number its shuffles are seeded with: every
+        split and the epoch, or by day the ``epoch``-th day's splits and that day (none
+        past the last day)."""
+        if not self.by_day:
+            return self.splits, epoch
+        if epoch >= len(self.days):
+            return [], epoch
+        day = self.days[epoch]
+        return self._day_splits[day], day
 
     @property
     def epoch(self) -> int:
@@ -255,7 +281,7 @@ class SplitReader(BaseNode[Any]):
                 raise ValueError(
                     "not a reader state (was it saved by a loader with num_workers > 0?)"
                 )
-            layout = self._layout()
+            layout = self._layout(int(initial_state["epoch"]))
             if initial_state["layout"] != layout:
                 raise ValueError(
                     f"reader state was saved with layout {initial_state['layout']}, "
@@ -283,14 +309,19 @@ class SplitReader(BaseNode[Any]):
     def get_state(self) -> dict[str, Any]:
         assert self._pass is not None
         epoch, window, offset = self._pass.cursor
-        return {"epoch": epoch, "window": window, "offset": offset, "layout": self._layout()}
+        state = {"epoch": epoch, "window": window, "offset": offset}
+        return {**state, "layout": self._layout(epoch)}
 
-    def _layout(self) -> dict[str, Any]:
+    def _layout(self, epoch: int) -> dict[str, Any]:
         # Everything that decides which rows a window holds and in what order; a state
-        # taken under another layout would silently repeat or skip rows.
+        # taken under another layout would silently repeat or skip rows. By day, the
+        # pass's day and its splits: days added after it change nothing of it.
         d = self.dataset
+        splits, key = d.pass_of(epoch)
+        by_day = {"by_day": True, "day": key} if d.by_day else {}
         return {
-            "splits": len(d.splits),
+            **by_day,
+            "splits": len(splits),
             "reader": d.rank * self.num_workers + self.worker,
             "num_readers": d.world_size * self.num_workers,
             "seed": d.seed,
@@ -383,14 +414,15 @@ class _Plan:
         self._threads = threads
         self._worker = worker
         self._epoch = epoch
+        pass_splits, self._key = dataset.pass_of(epoch)
         splits = assign_splits(
-            dataset.splits,
+            pass_splits,
             rank=dataset.rank,
             world_size=dataset.world_size,
             worker=worker,
             num_workers=num_workers,
             seed=dataset.seed,
-            epoch=epoch,
+            epoch=self._key,
             shuffle=dataset.shuffle,
         )
         size = dataset.shuffle_window
@@ -475,7 +507,7 @@ class _Plan:
         if not d.shuffle:
             identity = np.arange(bounds[-1], dtype=np.int64)
             return identity, identity
-        rng = np.random.default_rng((d.seed, self._epoch, d.rank, self._worker, window))
+        rng = np.random.default_rng((d.seed, self._key, d.rank, self._worker, window))
         return deal(np.asarray(bounds), rng)
 
 

@@ -11,16 +11,25 @@ test day, which go into the manifest as the target a trained model is measured a
 Everything is a function of the ``DataConfig`` alone (for one NumPy release, whose random
 streams may change between releases): the ground-truth tables come from the seed, and every
 row group is drawn from its own RNG keyed by (seed, day, row group), so no row depends on
-what was generated before it. Memory is bounded by one row group plus the ground-truth tables
-(about 56 bytes per ID of every feature), whatever the number of rows.
+what was generated before it. Memory is bounded by one day's true probabilities plus the
+ground-truth tables (about 56 bytes per ID of every feature), whatever the number of days.
+
+With ``data.drift`` > 0 the days are no longer i.i.d., as logs of a live service are not:
+from each day to the next every ID's effect and latent vector move (an AR(1) step with
+correlation ``1 - drift``, keeping their variance), and a ``drift`` share of the
+popularity ranks of every feature is taken over by new IDs with fresh effects. A model
+trained on earlier days goes stale, and continued training has something to catch up on.
+Day 0 is the i.i.d. data's day 0, and the tables keep their size: the manifest's
+cardinalities are day 0's, the number of IDs live on any day.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import torch
@@ -33,7 +42,13 @@ from dlrmflow.ingest.dayfile import (
     file_name,
     remove_temporaries,
 )
-from dlrmflow.ingest.manifest import DayFile, Manifest, listed_paths, publish_manifest
+from dlrmflow.ingest.manifest import (
+    DayFile,
+    Manifest,
+    listed_paths,
+    publish_manifest,
+    read_manifest,
+)
 from dlrmflow.ingest.schema import (
     CRITEO_CARDINALITIES,
     DENSE,
@@ -97,7 +112,7 @@ _SPARSE_MISSING = {
 GENERATOR_FORMAT = 1
 
 # First word of every SeedSequence key, so the streams can never collide.
-_STREAM_ROWS, _STREAM_TABLES, _STREAM_DENSE, _STREAM_CALIBRATION = range(4)
+_STREAM_ROWS, _STREAM_TABLES, _STREAM_DENSE, _STREAM_CALIBRATION, _STREAM_DRIFT = range(5)
 
 
 @dataclass(frozen=True)
@@ -111,6 +126,10 @@ class _SparseTruth:
     id_key: np.uint32  # keys the rank -> hashed-ID bijection of this feature
     missing_rate: float
     mean_length: float  # mean list length when multi-hot
+    scale: np.ndarray  # float64 [n]: the std of each rank's effect, relative to EFFECT_STD
+    # The ID number (before hashing) at each rank: the rank itself until drift replaces it.
+    id_number: np.ndarray | None = None
+    next_id: int = 0  # the first ID number not used yet (drift's new IDs)
 
     @property
     def cardinality(self) -> int:
@@ -147,10 +166,13 @@ def generate_dataset(
     ``url`` overrides ``config.url``; ``progress(n)`` is called with the rows of each row
     group written.
 
-    A dataset already at ``url`` stays whole until the new one is: the new files are
-    written beside its files, the manifest is switched last, and only then are the files
-    it no longer lists removed (``publish_manifest``). A failed run removes the files it
-    wrote; one that was killed leaves temporaries that the next run removes.
+    A dataset already at ``url`` grows: a day it lists under the same file name (the
+    same parameters, see ``day_file_name``) and size is kept as it is, neither rewritten
+    nor read, so generating ``days + 1`` days writes only the new day and a new manifest.
+    Every other day is written beside the old files, the manifest is switched last, and
+    only then are the files it no longer lists removed (``publish_manifest``). A failed
+    run removes the files it wrote; one that was killed leaves temporaries that the next
+    run removes. Each day records the Bayes AUC and log loss of its true probabilities.
     """
     root = url if url is not None else config.url
     if not root:
@@ -164,11 +186,23 @@ def generate_dataset(
     schema = criteo_schema(config.multi_hot)
     files: list[DayFile] = []
     positives_total = 0
+    kept = _kept_days(root, config)
+    day_truth = truth
     try:
         for day in range(config.days):
+            if day > 0 and config.drift > 0:
+                day_truth = _drifted(day_truth, config, day)
+            if day in kept:
+                files.append(kept[day])
+                positives_total += round(kept[day].positive_rate * kept[day].rows)
+                if progress is not None:
+                    progress(kept[day].rows)
+                continue
             with day_file_writer(root, day, day_file_name(config, day), schema) as writer:
-                positives, probs, labels = _write_day(writer, truth, config, day, progress)
+                # The one per-day buffer: the exact Bayes AUC needs the whole day at once.
+                positives, probs, labels = _write_day(writer, day_truth, config, day, progress)
                 written = writer.finish()
+            day_auc, day_logloss = _bayes_metrics(probs, labels)
             files.append(
                 DayFile(
                     day=day,
@@ -177,14 +211,13 @@ def generate_dataset(
                     positive_rate=positives / config.rows_per_day,
                     digest=written.digest,
                     bytes=written.bytes,
+                    bayes_auc=day_auc,
+                    bayes_logloss=day_logloss,
                 )
             )
             positives_total += positives
-            if day == test_day:
-                # The one per-day buffer: the exact Bayes AUC needs the whole test day at once.
-                test_probs, test_labels = probs, labels
 
-        bayes_auc, bayes_logloss = _bayes_metrics(test_probs, test_labels)
+        bayes_auc, bayes_logloss = files[test_day].bayes_auc, files[test_day].bayes_logloss
         total_rows = config.rows_per_day * config.days
         manifest = Manifest(
             source="synthetic",
@@ -208,11 +241,40 @@ def generate_dataset(
     return manifest
 
 
+def _kept_days(root: str, config: DataConfig) -> dict[int, DayFile]:
+    """The days of the dataset at ``root`` that generating ``config`` would write again
+    byte for byte: listed by its manifest under this day's file name, with their digest,
+    Bayes metrics and the size listed (a stat, not a read). None where there is no
+    readable manifest."""
+    try:
+        manifest = read_manifest(root)
+    except (FileNotFoundError, ValueError, OSError):
+        return {}
+    fs, root_path = fsspec.core.url_to_fs(root)
+    kept = {}
+    for f in manifest.files:
+        if f.path != f"day={f.day}/{day_file_name(config, f.day)}" or f.day >= config.days:
+            continue
+        if None in (f.digest, f.bytes, f.bayes_logloss) or f.rows != config.rows_per_day:
+            continue  # from before identities or per-day metrics: written again
+        try:
+            if fs.size(f"{root_path}/{f.path}") != f.bytes:
+                continue
+        except OSError:
+            continue
+        kept[f.day] = f
+    return kept
+
+
 def day_file_name(config: DataConfig, day: int) -> str:
     """The file name of day ``day`` of ``config``'s data: a hash of everything its bytes
     follow from (the parameters, the day, this generator's and the libraries' versions),
     never of other days, so the same day generated again lands on the same name."""
-    parameters = config.model_dump(mode="json", exclude={"url", "days"})
+    # What the bytes follow from: not where they go, how many days, nor which days a run
+    # reads (the windows).
+    parameters = config.model_dump(mode="json", exclude={"url", "days", "train_days", "eval_days"})
+    if config.drift == 0:
+        del parameters["drift"]  # the i.i.d. days keep the names they had before drift
     versions = (GENERATOR_FORMAT, np.__version__, pa.__version__)
     return file_name("synthetic", *versions, sorted(parameters.items()), day)
 
@@ -224,12 +286,8 @@ def _write_day(
     day: int,
     progress: Callable[[int], None] | None,
 ) -> tuple[int, np.ndarray, np.ndarray]:
-    """Write one day file, a row group at a time: its positives, true probabilities, labels.
-
-    Probabilities and labels are only kept for the test day; other days return empty arrays
-    so that memory stays one row group.
-    """
-    keep = day == config.days - 1
+    """Write one day file, a row group at a time: its positives, true probabilities, labels
+    (kept for the day's Bayes metrics: 9 bytes a row)."""
     probs_kept: list[np.ndarray] = []
     labels_kept: list[np.ndarray] = []
     positives = 0
@@ -243,13 +301,10 @@ def _write_day(
         columns = [pa.array(labels), *rows.dense, *rows.sparse]
         writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
         positives += int(labels.sum())
-        if keep:
-            probs_kept.append(probs)
-            labels_kept.append(labels)
+        probs_kept.append(probs)
+        labels_kept.append(labels)
         if progress is not None:
             progress(n)
-    if not keep:
-        return positives, np.empty(0), np.empty(0, dtype=np.int8)
     return positives, np.concatenate(probs_kept), np.concatenate(labels_kept)
 
 
@@ -286,6 +341,8 @@ def _ground_truth(config: DataConfig) -> _GroundTruth:
                 id_key=np.uint32(rng.integers(0, 1 << _ID_BITS)),
                 missing_rate=_SPARSE_MISSING.get(name, 0.0),
                 mean_length=mean_length,
+                scale=scale,
+                next_id=n,
             )
         )
     dense_rng = _rng(_STREAM_DENSE, config.seed)
@@ -359,7 +416,7 @@ def _one_hot_feature(
     present = rng.random(n) >= feature.missing_rate
     effect = feature.effect[ranks] * present
     latent = feature.latent[:, ranks] * present
-    column = pa.array(_hashed_ids(ranks, feature.id_key), mask=~present)
+    column = pa.array(_hashed_ids(_numbers(feature, ranks), feature.id_key), mask=~present)
     return column, effect, latent
 
 
@@ -377,9 +434,46 @@ def _multi_hot_feature(
     effect = np.bincount(row, feature.effect[ranks], minlength=n) * inv_length
     latent = np.stack([np.bincount(row, coord[ranks], minlength=n) for coord in feature.latent])
     latent *= inv_length
-    values = pa.array(_hashed_ids(ranks, feature.id_key))
+    values = pa.array(_hashed_ids(_numbers(feature, ranks), feature.id_key))
     column = pa.ListArray.from_arrays(pa.array(offsets), values)
     return column, effect, latent
+
+
+def _numbers(feature: _SparseTruth, ranks: np.ndarray) -> np.ndarray:
+    """The ID numbers at ``ranks`` today (the ranks themselves without drift)."""
+    return ranks if feature.id_number is None else feature.id_number[ranks]
+
+
+def _drifted(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
+    """The click model of ``day``, one day of ``config.drift`` after ``truth`` (the day
+    before's): each rank's effect and latent vector take an AR(1) step, and a ``drift``
+    share of the ranks, drawn anew each day, goes to new IDs with fresh values."""
+    rho = 1.0 - config.drift
+    keep, fresh = rho, math.sqrt(1.0 - rho * rho)
+    sparse = []
+    for index, feature in enumerate(truth.sparse):
+        rng = _rng(_STREAM_DRIFT, config.seed, index, day)
+        n = feature.cardinality
+        effect = keep * feature.effect + fresh * rng.normal(0.0, EFFECT_STD, n) * feature.scale
+        noise = rng.normal(0.0, LATENT_STD, (LATENT_DIM, n)) * feature.scale
+        latent = keep * feature.latent + fresh * noise
+        numbers = np.arange(n) if feature.id_number is None else feature.id_number.copy()
+        replaced = np.flatnonzero(rng.random(n) < config.drift)
+        numbers[replaced] = feature.next_id + np.arange(replaced.size)
+        effect[replaced] = rng.normal(0.0, EFFECT_STD, replaced.size) * feature.scale[replaced]
+        latent[:, replaced] = (
+            rng.normal(0.0, LATENT_STD, (LATENT_DIM, replaced.size)) * feature.scale[replaced]
+        )
+        sparse.append(
+            replace(
+                feature,
+                effect=effect,
+                latent=latent,
+                id_number=numbers,
+                next_id=feature.next_id + replaced.size,
+            )
+        )
+    return _GroundTruth(tuple(sparse), truth.dense_weights, truth.bias)
 
 
 def _hashed_ids(ranks: np.ndarray, key: np.uint32) -> np.ndarray:
@@ -421,6 +515,7 @@ def _generator_record(config: DataConfig, truth: _GroundTruth) -> dict[str, obje
         "seed": config.seed,
         "numpy": np.__version__,
         "rows_per_day": config.rows_per_day,
+        "drift": config.drift,
         "row_group_size": config.row_group_size,
         "cardinality_scale": config.cardinality_scale,
         "max_cardinality": config.max_cardinality,

@@ -1,8 +1,8 @@
 """``python -m dlrmflow.train --config FILE [--set KEY=VALUE ...]``: one rank of a job.
 
 ``--evaluate RUN_DIR`` instead scores that run's checkpoint on the test day (``--checkpoint``,
-``--data``, ``--max-rows``, ``--batch-size``, ``--device`` and ``--kernels`` as for
-``dlrmflow evaluate``).
+``--data``, ``--max-rows``, ``--batch-size``, ``--eval-days``, ``--device`` and
+``--kernels`` as for ``dlrmflow evaluate``).
 
 torchrun starts this on every rank (``dlrmflow train --nproc N``, with ``--nnodes`` and
 ``--node-rank`` on many hosts, starts it through ``dlrmflow.train.launch.agent``). Rank 0 prints
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="with --evaluate: the dataset URL")
     parser.add_argument("--max-rows", type=int, help="with --evaluate: rows to score at most")
     parser.add_argument("--batch-size", type=int, help="with --evaluate: each rank's batch")
+    parser.add_argument("--eval-days", help="with --evaluate: the days, as data.eval_days")
     parser.add_argument("--device", default="auto", help="with --evaluate: auto, cpu or cuda")
     parser.add_argument("--kernels", default="auto", help="with --evaluate: as model.kernels")
     args = parser.parse_args(argv)
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint=args.checkpoint,
                 max_rows=args.max_rows,
                 batch_size=args.batch_size,
+                eval_days=args.eval_days,
                 device=args.device,
                 kernels=args.kernels,
             )

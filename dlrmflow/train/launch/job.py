@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dlrmflow.config import DistributedConfig, RunConfig
+from dlrmflow.days import Window, window_text
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.supervise import (
     Job,
@@ -270,10 +271,12 @@ def launch_evaluation(
     device: str = "auto",
     kernels: str = "auto",
     batch_size: int | None = None,
+    eval_days: Window = None,
 ) -> dict | None:
     """Score a run's checkpoint on ``nproc`` ranks (loaded resharded to that world size);
     in this process when ``nproc`` is 1; on ``device`` with ``kernels``, each rank in
-    batches of ``batch_size`` (the run's ``eval.batch_size`` when None; see ``evaluate``).
+    batches of ``batch_size`` (the run's ``eval.batch_size`` when None), on the days of
+    window ``eval_days`` (the run's ``data.eval_days`` when None; see ``evaluate``).
     With ``distributed`` (its ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``local_addr``,
     ``connect_timeout_s``), this host's ranks of a job that spans hosts: the metrics come
     back on node 0, None elsewhere."""
@@ -288,6 +291,7 @@ def launch_evaluation(
                 device=device,
                 kernels=kernels,
                 batch_size=batch_size,
+                eval_days=eval_days,
             )
     args = ["--evaluate", str(run_dir)]
     for flag, value in (
@@ -295,6 +299,7 @@ def launch_evaluation(
         ("--checkpoint", checkpoint),
         ("--max-rows", max_rows),
         ("--batch-size", batch_size),
+        ("--eval-days", window_text(eval_days) if eval_days is not None else None),
         ("--device", device),
         ("--kernels", kernels),
     ):

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from dlrmflow.config import RunConfig, build_config
+from dlrmflow.days import describe
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest
@@ -84,6 +85,7 @@ class Checkpoint:
     step: int
     rows: int
     path: Path
+    trained_days: list[int] | None = None  # recorded since day windows
 
 
 @contextlib.contextmanager
@@ -299,6 +301,54 @@ def dataset_digest(manifest: Manifest) -> str:
 
 
 DATASET_KEY = "dataset (digest of manifest.json)"
+# What a checkpoint written since day windows trained on: its training days and their files.
+TRAIN_DATA_KEY = "training data (data.train_days and their files)"
+
+
+@dataclass(frozen=True)
+class DataIdentity:
+    """What a run trains on: the whole dataset (its manifest's digest, kept for the record
+    and for checkpoints written before day windows) and its training days, whose files'
+    identities (``train_data``) decide whether a checkpoint belongs to this run. A dataset
+    that grows by a day leaves a window of earlier days, and their checkpoints, valid."""
+
+    dataset: str
+    days: tuple[int, ...]
+    train_data: str
+    day_digests: tuple[str, ...]  # each training day's files, in ``days``' order
+
+    @classmethod
+    def of(cls, manifest: Manifest, train_days: list[int]) -> DataIdentity:
+        days = tuple(sorted(set(train_days)))
+        per_day = tuple(
+            _digest(sorted((f.path, f.rows, f.digest) for f in manifest.files if f.day == day))
+            for day in days
+        )
+        whole = _digest(list(zip(days, per_day, strict=True)))
+        return cls(dataset_digest(manifest), days, whole, per_day)
+
+    def record(self) -> dict[str, Any]:
+        """The checkpoint manifest's keys for it."""
+        return {
+            "dataset_digest": self.dataset,
+            "train_days": list(self.days),
+            "train_data_digest": self.train_data,
+            "train_day_digests": list(self.day_digests),
+        }
+
+    def continues(self, manifest: dict[str, Any]) -> bool:
+        """Whether a checkpoint's training days (``manifest``'s) are the first of these,
+        with the same files: in day order, a window grown by later days goes on from it."""
+        days = manifest.get("train_days")
+        digests = manifest.get("train_day_digests")
+        if days is None or digests is None or len(days) > len(self.days):
+            return False
+        n = len(days)
+        return list(days) == list(self.days[:n]) and list(digests) == list(self.day_digests[:n])
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -315,14 +365,15 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def differences(
     manifest: dict[str, Any],
     config: RunConfig,
-    digest: str,
+    data: DataIdentity,
     keys: tuple[str, ...],
     ignore: tuple[str, ...] = (),
 ) -> dict[str, list]:
     """``{key: [the checkpoint's value, this configuration's]}`` for every configuration key
     under one of ``keys`` (a section such as "model", or one key such as "train.lr") and
-    not in ``ignore`` that differs, plus ``DATASET_KEY`` when the checkpoint trained on
-    another dataset."""
+    not in ``ignore`` that differs, plus ``TRAIN_DATA_KEY`` when the checkpoint trained on
+    other days or other files of them (``DATASET_KEY``, another dataset, for a checkpoint
+    written before day windows)."""
     old = _flatten(build_config(manifest["config"]).model_dump(mode="json"))
     new = _flatten(config.model_dump(mode="json"))
 
@@ -334,9 +385,19 @@ def differences(
         for key in sorted(old.keys() | new.keys())
         if wanted(key) and old.get(key) != new.get(key)
     }
+    window = manifest.get("train_data_digest")
+    if window is not None:
+        days_order = config.train.order == "days" and old.get("train.order") == "days"
+        if window != data.train_data and not (days_order and data.continues(manifest)):
+            days = manifest.get("train_days", [])
+            if list(days) == list(data.days):
+                changed[TRAIN_DATA_KEY] = [f"days {describe(days)}", "their files changed"]
+            else:
+                changed[TRAIN_DATA_KEY] = [f"days {describe(days)}", f"days {describe(data.days)}"]
+        return changed
     recorded = manifest.get("dataset_digest")
-    if recorded is not None and recorded != digest:
-        changed[DATASET_KEY] = [recorded[:12], digest[:12]]
+    if recorded is not None and recorded != data.dataset:
+        changed[DATASET_KEY] = [recorded[:12], data.dataset[:12]]
     return changed
 
 
@@ -575,4 +636,5 @@ def load_checkpoint(
         raise ValueError(f"{info.path}: unreadable or incompatible checkpoint ({e})") from e
     model.eval()
     progress = info.manifest["progress"]
-    return Checkpoint(model, config, spec, info.step, int(progress["rows"]), info.path)
+    days = info.manifest.get("train_days")
+    return Checkpoint(model, config, spec, info.step, int(progress["rows"]), info.path, days)

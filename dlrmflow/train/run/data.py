@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlrmflow.config import RunConfig
+from dlrmflow.config import ConfigError, RunConfig
+from dlrmflow.days import windows
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
 from dlrmflow.features.spec import FeatureSpec
@@ -34,17 +35,45 @@ VOCAB_FILE = "vocab.npz"
 IdMapper = HashIds | Vocabulary
 
 
+def day_windows(config: RunConfig, manifest: Manifest) -> tuple[list[int], list[int]]:
+    """``(train days, eval days)`` of this run on ``manifest``'s dataset: its windows
+    (``data.train_days``, ``data.eval_days``, see ``dlrmflow.days``) against the days the
+    dataset has."""
+    available = [f.day for f in manifest.files]
+    return windows(config.data.train_days, config.data.eval_days, available, manifest.test_day)
+
+
+def pass_count(config: RunConfig, train_days: list[int]) -> int:
+    """The passes a run makes over its data: ``train.epochs``, or one a day in day order."""
+    return len(train_days) if config.train.order == "days" else config.train.epochs
+
+
+def train_paths(config: RunConfig, manifest: Manifest) -> list[str]:
+    """The files of the training days, none of them also listed under a held-out day."""
+    train, held_out = day_windows(config, manifest)
+    return manifest.day_paths(config.data.url, train, held_out=held_out)
+
+
 def fit_features(
-    config: RunConfig, manifest: Manifest, run_dir: Path | None = None
+    config: RunConfig, manifest: Manifest, run_dir: Path | None = None, keep: bool = False
 ) -> tuple[FeatureSpec, IdMapper]:
     """The feature spec and ID mapping for training, fitting a vocabulary if configured.
 
-    The vocabulary is counted on the training days only (never the test day) and saved in
+    The vocabulary is counted on the training days only (never a held-out day) and saved in
     ``run_dir`` so evaluation maps IDs exactly as training did. Reader servers pass no
     ``run_dir``: they fit the same mapping from the same data and keep it in memory.
+    ``keep``: the run continues (in day order, over a window grown since it started), so
+    the vocabulary it started with stays, and IDs new since then share the OOV row.
     """
     if config.features.ids == "vocab":
-        paths = manifest.day_paths(config.data.url, manifest.train_days())
+        kept = run_dir / VOCAB_FILE if run_dir is not None else None
+        if keep and kept is not None and kept.is_file():
+            vocab = Vocabulary.load(str(kept))
+            spec = FeatureSpec.for_dataset(
+                manifest, config.features, config.model, vocab.table_rows
+            )
+            return spec, vocab
+        paths = train_paths(config, manifest)
         vocab = build_vocabulary(
             paths,
             list(SPARSE),
@@ -81,6 +110,7 @@ def batch_loader(
     transform: BatchTransform | None = None,
     threads: int | None = None,
     pin_memory: bool = False,
+    by_day: bool = False,
 ) -> tuple[ParquetBatchDataset, ReaderLoader]:
     """A resumable loader of ``Batch`` objects over the given day files.
 
@@ -88,6 +118,7 @@ def batch_loader(
     with an artificial cost so that the local and the remote readers do the same work.
     ``threads`` is each reader's (``make_loader``'s default: ``reader_threads``).
     ``pin_memory``: the readers hand out page-locked batches (for a CUDA trainer).
+    ``by_day``: each pass reads one day (``ParquetBatchDataset``).
     """
     transform = BatchTransform(spec, ids) if transform is None else transform
     dataset = ParquetBatchDataset(
@@ -101,6 +132,7 @@ def batch_loader(
         shuffle_window=shuffle_window,
         validate=transform.validate,
         transform=transform,
+        by_day=by_day,
     )
     loader = make_loader(dataset, num_workers=num_workers, threads=threads, pin_memory=pin_memory)
     return dataset, loader
@@ -204,6 +236,11 @@ def make_train_loader(
     serve under their own root. Either way the batches and states are the same.
     """
     train = config.train
+    if train.order == "days" and config.distributed.readers:
+        raise ConfigError(
+            "train.order=days: its days are read by local readers for now; leave "
+            "distributed.readers empty"
+        )
     if not config.distributed.readers:
         dataset, loader = batch_loader(
             paths,
@@ -217,6 +254,7 @@ def make_train_loader(
             rank=rank,
             world_size=world_size,
             pin_memory=pin_memory,
+            by_day=train.order == "days",
         )
         return TrainLoader(loader, dataset)
     source = _remote_source(config, spec, ids, paths, rank=rank, world_size=world_size)

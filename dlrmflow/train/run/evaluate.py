@@ -27,11 +27,13 @@ from dlrmflow.config import (
     DeviceType,
     DistributedConfig,
     KernelsType,
+    RunConfig,
     Source,
     build_config,
     given_keys,
     resolve_config,
 )
+from dlrmflow.days import Window, describe, held_out_days
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
@@ -86,6 +88,7 @@ HOST_KEYS = (
 # it would describe another model than the one scored, so every other key is refused.
 EVALUATION_KEYS = (
     "data.url",
+    "data.eval_days",
     "eval.batch_size",
     "eval.max_rows",
     "train.device",
@@ -97,11 +100,12 @@ EVALUATION_KEYS = (
 
 @dataclass(frozen=True)
 class EvaluationSettings:
-    """How ``evaluate`` scores a run. ``data_url``, ``batch_size`` and ``max_rows`` are
-    None where not given: the run's own (its config.json's) then apply."""
+    """How ``evaluate`` scores a run. ``data_url``, ``eval_days``, ``batch_size`` and
+    ``max_rows`` are None where not given: the run's own (its config.json's) then apply."""
 
     nproc: int
     data_url: str | None
+    eval_days: Window
     batch_size: int | None
     max_rows: int | None
     device: DeviceType
@@ -142,6 +146,7 @@ def evaluation_settings(
     settings = EvaluationSettings(
         nproc=config.distributed.nproc,
         data_url=config.data.url if "data.url" in chosen else None,
+        eval_days=config.data.eval_days if "data.eval_days" in chosen else None,
         batch_size=config.eval.batch_size if "eval.batch_size" in chosen else None,
         max_rows=config.eval.max_rows if "eval.max_rows" in chosen else None,
         device=config.train.device,
@@ -168,16 +173,20 @@ def test_loader(
     ids,
     env: DistEnv,
     data_url: str | None = None,
+    days: list[int] | None = None,
     pin_memory: bool = False,
     manifest: Manifest | None = None,
 ):
-    """This rank's share of the test day, in file order (page-locked for a CUDA model).
-    ``manifest``: the dataset's, when the caller has read it already."""
+    """This rank's share of the held-out ``days`` (by default the run's eval window), in
+    file order (page-locked for a CUDA model). ``manifest``: the dataset's, when the caller
+    has read it already."""
     url = data_url or config.data.url
     manifest = read_manifest(url) if manifest is None else manifest
     check_dataset(url, manifest, training=False)  # a missing or empty test day, named
+    if days is None:
+        days = eval_window(config, manifest)
     _, loader = batch_loader(
-        manifest.day_paths(url, [manifest.test_day]),
+        manifest.day_paths(url, days, held_out=[]),
         spec,
         ids,
         batch_size=config.eval.batch_size,
@@ -187,7 +196,16 @@ def test_loader(
         world_size=env.world_size,
         pin_memory=pin_memory,
     )
-    return loader, manifest.test_day
+    return loader
+
+
+def eval_window(
+    config: RunConfig, manifest: Manifest, trained: list[int] | None = None
+) -> list[int]:
+    """The days ``config`` evaluates on in ``manifest``'s dataset (``data.eval_days``, by
+    default its test day), none of them among ``trained``."""
+    available = [f.day for f in manifest.files]
+    return held_out_days(config.data.eval_days, available, manifest.test_day, trained)
 
 
 @torch.no_grad()
@@ -263,8 +281,12 @@ def evaluate(
     device: str = "auto",
     kernels: str = "auto",
     batch_size: int | None = None,
+    eval_days: Window = None,
 ) -> dict[str, float]:
-    """Score a checkpoint of ``run_dir`` on the test day of its dataset (or ``data_url``).
+    """Score a checkpoint of ``run_dir`` on the held-out days of its dataset (or
+    ``data_url``'s): ``eval_days`` (a window, see ``dlrmflow.days``), else the run's
+    ``data.eval_days``, else the dataset's test day. Days the checkpoint trained on are
+    refused in one line (on the run's own dataset).
 
     Alone, or on every rank of a torchrun job (``dlrmflow evaluate --nproc N``): the
     checkpoint is loaded at this world size (resharded under this job's plan). The ID
@@ -288,7 +310,16 @@ def evaluate(
     with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
         try:
             return _evaluate(
-                run_dir, env, data_url, checkpoint, max_rows, progress, where, kernels, batch_size
+                run_dir,
+                env,
+                data_url,
+                checkpoint,
+                max_rows,
+                progress,
+                where,
+                kernels,
+                batch_size,
+                eval_days,
             )
         finally:
             shutil.rmtree(scratch_directory(run_dir, env.rank), ignore_errors=True)
@@ -304,6 +335,7 @@ def _evaluate(
     device: torch.device,
     kernels: str,
     batch_size: int | None = None,
+    eval_days: Window = None,
 ) -> dict[str, float]:
     if env.distributed:
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
@@ -316,7 +348,7 @@ def _evaluate(
             build_model(config, spec), config, device=device, plan=plan, tiers=tiers
         )
         restore(info, model, None)
-        step, path = info.step, info.path
+        step, path, trained = info.step, info.path, info.manifest.get("train_days")
     else:
         ckpt = load_checkpoint(
             checkpoint if checkpoint is not None else run_dir,
@@ -325,6 +357,10 @@ def _evaluate(
             scratch=scratch_directory(run_dir, env.rank),
         )
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
+        trained = ckpt.trained_days
+    own_data = data_url is None or data_url == config.data.url
+    if eval_days is not None:
+        config.data.eval_days = eval_days
     if batch_size is not None:
         config.eval.batch_size = batch_size
     if model.embeddings.rows_on_disk:
@@ -334,8 +370,9 @@ def _evaluate(
     ids = load_ids(config.features.ids, spec, run_dir)
     url = data_url or config.data.url
     manifest = read_manifest(url)
-    loader, test_day = test_loader(
-        config, spec, ids, env, url, pin_memory=device.type == "cuda", manifest=manifest
+    held_out = eval_window(config, manifest, trained if own_data else [])
+    loader = test_loader(
+        config, spec, ids, env, url, held_out, pin_memory=device.type == "cuda", manifest=manifest
     )
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows
@@ -348,7 +385,7 @@ def _evaluate(
     if scored is None:
         return {}
     if len(scored[0]) == 0:
-        raise DlrmflowError(f"{url}: test day {test_day} holds no rows to evaluate on")
+        raise DlrmflowError(f"{url}: day {describe(held_out)} holds no rows to evaluate on")
     finite = torch.isfinite(scored[0])
     if not bool(finite.all()):
         raise NonFinitePredictions(
@@ -358,7 +395,8 @@ def _evaluate(
     metrics = click_metrics(*scored)
     metrics.update(
         {
-            "test_day": test_day,
+            **({"test_day": held_out[0]} if len(held_out) == 1 else {}),
+            "eval_days": held_out,
             # What was scored: another dataset's test day (--data) is as valid a score.
             "data_url": url,
             "dataset_digest": dataset_digest(manifest),

@@ -24,8 +24,13 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.backends import resolve as resolve_kernels
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.outputs import write_atomic
-from dlrmflow.train.run.checkpoint import prune_checkpoints, restore, save_checkpoint
-from dlrmflow.train.run.data import IdMapper
+from dlrmflow.train.run.checkpoint import (
+    DataIdentity,
+    prune_checkpoints,
+    restore,
+    save_checkpoint,
+)
+from dlrmflow.train.run.data import IdMapper, pass_count
 from dlrmflow.train.run.evaluate import score, test_loader
 from dlrmflow.train.run.metrics import click_metrics
 from dlrmflow.train.run.progress import METRICS_FILE, RESULT_FILE, RunProgress, TrainResult
@@ -82,7 +87,7 @@ class TrainLoop:
         loader,
         runner: StepRunner,
         resume: ResumePoint,
-        digest: str,
+        digest: DataIdentity,
         data_warnings: list[str],
         on_record: Callable[[dict], None] | None,
         tracker: Tracker,
@@ -111,6 +116,7 @@ class TrainLoop:
         self.rows_before = self.progress.rows
         self.trained_from = self.progress.step
         self.lineage = resume.lineage(digest)
+        self.passes = pass_count(config, list(digest.days))  # epochs, or days in day order
         # The newest checkpoint in this run dir, tracked here rather than listed from the
         # disk: every rank must take the same decisions, and rank 0 prunes while the others
         # go on. One resumed from elsewhere (another run's) does not count.
@@ -124,17 +130,18 @@ class TrainLoop:
         self.window_start = self.start_time - self.progress.window_seconds
         self.elapsed_before = self.progress.seconds
         self.eval_loader = (
-            test_loader(config, spec, ids, env, pin_memory=device.type == "cuda")[0]
+            test_loader(config, spec, ids, env, pin_memory=device.type == "cuda")
             if config.train.eval_every is not None
             else None
         )
 
     def run(self) -> TrainResult:
-        """Train to ``train.epochs`` or ``train.max_steps``, then checkpoint and report."""
+        """Train to ``train.epochs`` (in day order: through the last training day) or
+        ``train.max_steps``, then checkpoint and report."""
         progress, train = self.progress, self.config.train
         max_steps = train.max_steps or math.inf
         self.model.train()
-        while progress.epoch < train.epochs and progress.step < max_steps:
+        while progress.epoch < self.passes and progress.step < max_steps:
             inputs = self._epoch_inputs()
             if inputs.batch is None:  # nothing left of this epoch (resumed right at its end)
                 progress.epoch += 1

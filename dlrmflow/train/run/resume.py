@@ -23,7 +23,9 @@ from dlrmflow.train.model.disk_tier import TIERED_DIR
 from dlrmflow.train.run.checkpoint import (
     CHECKPOINTS_DIR,
     DATASET_KEY,
+    TRAIN_DATA_KEY,
     CheckpointInfo,
+    DataIdentity,
     differences,
     latest_checkpoint,
     read_checkpoint,
@@ -50,13 +52,14 @@ RUN_KEYS = (
     "train.shuffle_window",
     "train.num_workers",  # rows are dealt to a rank's reader streams by their number
     "train.precision",
+    "train.order",
 )
 # Configuration keys under the sections above that choose how a step is computed, not what
 # it computes: a run may continue under another (on a GPU after a CPU, with other kernels).
 IMPLEMENTATION_KEYS = ("model.kernels",)
 # The reader's position means nothing for other data or another batch size: a fine-tuning
 # run that changes one of these reads the checkpoint's epoch from its start.
-REREAD_KEYS = frozenset({DATASET_KEY, "train.batch_size"})
+REREAD_KEYS = frozenset({DATASET_KEY, TRAIN_DATA_KEY, "train.batch_size"})
 # What an explicit ``train.resume`` path (fine-tuning) may not change: the weights and the
 # optimizer state would not fit.
 SHAPE_KEYS = ("model", "features", "train.optimizer")
@@ -72,15 +75,18 @@ class ResumePoint:
     origin: str | None = None  # the checkpoint the run directory's run was fine-tuned from
     verify_seconds: float = 0.0  # finding and verifying it
 
-    def lineage(self, digest: str) -> dict:
-        """What every checkpoint of this run records of where it came from."""
+    def lineage(self, data: DataIdentity) -> dict:
+        """What every checkpoint of this run records of where it came from and what it
+        trains on."""
         changed = self.changed
         if not changed and self.own and self.info is not None:
             changed = self.info.manifest.get("changed_on_resume", {})
-        return {"origin": self.origin, "changed_on_resume": changed, "dataset_digest": digest}
+        return {"origin": self.origin, "changed_on_resume": changed, **data.record()}
 
 
-def resume_point(config: RunConfig, run_dir: Path, spec: FeatureSpec, digest: str) -> ResumePoint:
+def resume_point(
+    config: RunConfig, run_dir: Path, spec: FeatureSpec, digest: DataIdentity
+) -> ResumePoint:
     """The checkpoint to continue from (``train.resume``).
 
     "auto" continues the run directory's newest intact checkpoint, which must come from
@@ -126,7 +132,7 @@ def _refuse_differences(
     info: CheckpointInfo,
     config: RunConfig,
     spec: FeatureSpec,
-    digest: str,
+    digest: DataIdentity,
     keys: tuple[str, ...],
     what: str,
 ) -> None:
@@ -137,6 +143,7 @@ def _refuse_differences(
     )
     if keys is SHAPE_KEYS:
         changed.pop(DATASET_KEY, None)
+        changed.pop(TRAIN_DATA_KEY, None)
     recorded = info.manifest.get("spec")
     if recorded is not None and recorded != json.loads(json.dumps(spec.to_dict())):
         changed.setdefault("feature spec (the tables the dataset gives)", None)
@@ -201,11 +208,12 @@ def refuse_rank_change(
     )
 
 
-def finished(info: CheckpointInfo, config: RunConfig) -> bool:
-    """Whether the checkpoint already stands where this configuration would stop."""
+def finished(info: CheckpointInfo, config: RunConfig, passes: int) -> bool:
+    """Whether the checkpoint already stands where this configuration would stop, after
+    ``passes`` passes (``pass_count``)."""
     progress = info.manifest["progress"]
     max_steps = config.train.max_steps or math.inf
-    return progress["epoch"] >= config.train.epochs or progress["step"] >= max_steps
+    return progress["epoch"] >= passes or progress["step"] >= max_steps
 
 
 def finished_result(info: CheckpointInfo, run_dir: Path, env: DistEnv) -> TrainResult:

@@ -34,8 +34,16 @@ from dlrmflow.train.model.device import BatchStager, resolve_device, use_device
 from dlrmflow.train.model.disk_tier import TIERED_DIR, tier_storage
 from dlrmflow.train.model.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
-from dlrmflow.train.run.checkpoint import CHECKPOINTS_DIR, dataset_digest
-from dlrmflow.train.run.data import IdMapper, fit_features, load_ids, make_train_loader
+from dlrmflow.train.run.checkpoint import CHECKPOINTS_DIR, DataIdentity
+from dlrmflow.train.run.data import (
+    IdMapper,
+    day_windows,
+    fit_features,
+    load_ids,
+    make_train_loader,
+    pass_count,
+    train_paths,
+)
 from dlrmflow.train.run.loop import NonFiniteLoss, TrainLoop, dense_optimizer, kernels_used
 from dlrmflow.train.run.progress import METRICS_FILE, RESULT_FILE, TrainResult
 from dlrmflow.train.run.rank import (
@@ -92,8 +100,11 @@ def _features(
 ) -> tuple[FeatureSpec, IdMapper]:
     """The feature spec and ID mapping: fitted by rank 0 (a vocabulary is written to the run
     dir once), then loaded by the other ranks, so every rank maps IDs identically."""
+    # A run continued in day order keeps its vocabulary: refitted on the grown window it
+    # would map the IDs it trained on to other rows.
+    keep = config.train.order == "days" and config.train.resume == "auto"
     if env.rank == 0:
-        fitted = fit_features(config, manifest, run_dir)
+        fitted = fit_features(config, manifest, run_dir, keep=keep and _continues(run_dir))
     if env.distributed:
         dist.barrier()
     if env.rank == 0:
@@ -103,6 +114,10 @@ def _features(
         spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
         return spec, vocab
     return fit_features(config, manifest, run_dir)
+
+
+def _continues(run_dir: Path) -> bool:
+    return any((run_dir / CHECKPOINTS_DIR).glob("step_*"))
 
 
 def _build_model(
@@ -226,7 +241,8 @@ def _train(
     data_warnings = check_dataset(config.data.url, manifest)
     for warning in data_warnings if rank0 else []:
         warnings.warn(warning, stacklevel=2)
-    digest = dataset_digest(manifest)
+    train_days, _ = day_windows(config, manifest)
+    digest = DataIdentity.of(manifest, train_days)
     if rank0 and config.train.resume == "never":
         start_afresh(run_dir)
     if rank0 and run_kind(run_dir) is None:  # in an end-to-end run's, it stays one
@@ -235,20 +251,21 @@ def _train(
     verify_start = time.perf_counter()
     resume = resume_point(config, run_dir, spec, digest)
     resume.verify_seconds = time.perf_counter() - verify_start
-    if resume.own and not resume.changed and finished(resume.info, config):
+    passes = pass_count(config, train_days)
+    if resume.own and not resume.changed and finished(resume.info, config, passes):
         result = finished_result(resume.info, run_dir, env)
         result.checkpoint_verify_s = resume.verify_seconds
         if env.distributed:
             dist.barrier()
         return result
-    epoch_rows = sum(f.rows for f in manifest.files if f.day != manifest.test_day)
+    epoch_rows = sum(f.rows for f in manifest.files if f.day in train_days)
     refuse_rank_change(resume, env.world_size, epoch_rows, config)
     # Local reader threads, or the reader servers of ``distributed.readers``: same batches.
     loader = make_train_loader(
         config,
         spec,
         ids,
-        manifest.day_paths(config.data.url, manifest.train_days()),
+        train_paths(config, manifest),
         rank=env.rank,
         world_size=env.world_size,
         pin_memory=device.type == "cuda",
