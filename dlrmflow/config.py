@@ -62,6 +62,17 @@ DeviceType = Literal["auto", "cpu", "cuda"]
 KernelsType = Literal["auto", "torch", "compiled", "triton"]
 
 
+def flat_keys(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested configuration (or any nested mapping) by dotted key: ``{"train.lr": 0.05}``."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            flat.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

@@ -6,6 +6,8 @@ each a day (``5``), a range of days with both ends included (``0-22``), or a for
 to the days the dataset has when the run starts: ``all``, ``first N``, ``last N`` (``last``
 alone is the last day) and ``all_but_last N`` (``all_but_last``: every day but the last).
 Relative forms let one configuration follow a dataset that grows by a day at a time.
+``data.eval_days: none`` holds no day out: every day may be trained on (a model line
+scores each version on the next day instead).
 
 The syntax is checked with the configuration (``parse_window``); the days themselves only
 against a dataset's manifest (``select_days``), where a day it does not have, a window
@@ -41,8 +43,13 @@ class _Term:
     last: int = 0
 
 
+NONE = "none"  # data.eval_days: no day held out
+
+
 def parse_window(value: str | Sequence[int]) -> list[_Term]:
     """The terms of a window, or a ``WindowError`` saying what a window looks like."""
+    if value == NONE:
+        return []
     if not isinstance(value, str):
         days = list(value)
         if not days:
@@ -120,6 +127,8 @@ def held_out_days(
     """The days window ``evaluate`` selects (by default the manifest's ``test_day``); a
     day among ``trained`` (those a model trained on) is a ``WindowError``: its score
     would say nothing of unseen data."""
+    if evaluate == NONE:
+        return []
     if evaluate is None:
         if test_day not in available:
             raise WindowError(

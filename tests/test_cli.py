@@ -21,6 +21,7 @@ def test_every_command_has_help():
         ["generate"],
         ["convert"],
         ["train"],
+        ["line"],
         ["evaluate"],
         ["demo"],
         ["config"],

@@ -81,3 +81,10 @@ def test_the_configuration_checks_a_windows_form_and_reads_one_day_as_a_list():
 def test_days_are_described_as_ranges():
     assert describe([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert describe([]) == "none"
+
+
+def test_none_holds_no_day_out_and_trains_on_every_day():
+    assert windows(None, "none", DAYS, 5) == (DAYS, [])
+    assert held_out_days("none", DAYS, 5) == []
+    with pytest.raises(WindowError, match="data.train_days: 'none' selects no day"):
+        select_days("none", DAYS, "data.train_days")

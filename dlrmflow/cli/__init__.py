@@ -18,7 +18,7 @@ import sys
 
 import typer
 
-from dlrmflow.cli import bench, data, run, serving
+from dlrmflow.cli import bench, data, line, run, serving
 from dlrmflow.config import env_overrides
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 
@@ -37,6 +37,7 @@ for _name, _command in (
     ("generate", data.generate),
     ("convert", data.convert),
     ("train", run.train),
+    ("line", line.line),
     ("plan", run.plan),
     ("evaluate", run.evaluate),
     ("export", run.export),

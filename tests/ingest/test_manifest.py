@@ -160,7 +160,7 @@ def test_test_day_file_listed_under_a_training_day(data: Path) -> None:
     manifest = edit_manifest(data, relabel)
     with pytest.raises(DataError, match=r"day=2/part-[0-9a-f]+\.parquet: listed 2 times"):
         check(data, manifest)
-    with pytest.raises(DataError, match=r"listed under day 1 and under the test day 2"):
+    with pytest.raises(DataError, match=r"listed under day 1 and under the held-out day 2"):
         manifest.day_paths(str(data), manifest.train_days())
     assert manifest.day_paths(str(data), [2]) == [str(day_file(data, 2))]
 

@@ -241,7 +241,7 @@ def test_no_stage_imports_a_stage_above_it():
 # The train stage's folders, each importing only those before it: the model knows nothing
 # of how it is planned, a plan nothing of the run that executes it, a run nothing of how
 # its processes were launched.
-TRAIN_FOLDERS = ("model", "planner", "run", "launch")
+TRAIN_FOLDERS = ("model", "planner", "run", "launch", "line")
 
 
 def _train_folder(module: str) -> str | None:

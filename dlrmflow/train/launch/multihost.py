@@ -46,7 +46,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from dlrmflow.config import ConfigError, DistributedConfig
+from dlrmflow.config import ConfigError, DistributedConfig, flat_keys
 from dlrmflow.errors import DlrmflowError
 
 BACKEND = "dlrmflow"  # torchrun's --rdzv_backend for the checked c10d rendezvous
@@ -202,18 +202,8 @@ def job_identity(script_args: list[str]) -> dict[str, Any]:
     if "--config" not in script_args:
         return {"args": script_args}
     with open(script_args[script_args.index("--config") + 1]) as f:
-        flat = _flatten(json.load(f))
+        flat = flat_keys(json.load(f))
     return {key: value for key, value in flat.items() if key not in PER_HOST_KEYS}
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 _job: dict[str, Any] = {}  # this agent's job_identity (one torchrun agent per process)

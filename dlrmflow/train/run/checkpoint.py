@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from dlrmflow.config import RunConfig, build_config
+from dlrmflow.config import RunConfig, build_config, flat_keys
 from dlrmflow.days import describe
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
@@ -351,17 +351,6 @@ def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
 def differences(
     manifest: dict[str, Any],
     config: RunConfig,
@@ -374,8 +363,8 @@ def differences(
     not in ``ignore`` that differs, plus ``TRAIN_DATA_KEY`` when the checkpoint trained on
     other days or other files of them (``DATASET_KEY``, another dataset, for a checkpoint
     written before day windows)."""
-    old = _flatten(build_config(manifest["config"]).model_dump(mode="json"))
-    new = _flatten(config.model_dump(mode="json"))
+    old = flat_keys(build_config(manifest["config"]).model_dump(mode="json"))
+    new = flat_keys(config.model_dump(mode="json"))
 
     def wanted(key: str) -> bool:
         return key not in ignore and any(key == k or key.startswith(k + ".") for k in keys)

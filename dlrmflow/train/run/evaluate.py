@@ -33,7 +33,7 @@ from dlrmflow.config import (
     given_keys,
     resolve_config,
 )
-from dlrmflow.days import Window, describe, held_out_days
+from dlrmflow.days import EVAL_KEY, Window, WindowError, describe, held_out_days
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
@@ -185,6 +185,8 @@ def test_loader(
     check_dataset(url, manifest, training=False)  # a missing or empty test day, named
     if days is None:
         days = eval_window(config, manifest)
+    if not days:
+        raise WindowError(f"{EVAL_KEY}: none holds no day out: name the days to evaluate on")
     _, loader = batch_loader(
         manifest.day_paths(url, days, held_out=[]),
         spec,

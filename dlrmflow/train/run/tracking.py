@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlparse
 
-from dlrmflow.config import ConfigError, RunConfig
+from dlrmflow.config import ConfigError, RunConfig, flat_keys
 from dlrmflow.outputs import write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
@@ -61,17 +61,8 @@ def require_tracker(name: str) -> None:
 def config_params(config: RunConfig) -> dict[str, str]:
     """The configuration as flat ``section.key`` parameters, values written as in --set
     (strings as they are, everything else as JSON: ``0.05``, ``null``, ``[64, 16]``)."""
-    params: dict[str, str] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, Mapping):
-                walk(value, f"{prefix}{key}.")
-            else:
-                params[f"{prefix}{key}"] = value if isinstance(value, str) else json.dumps(value)
-
-    walk(config.model_dump(mode="json"), "")
-    return params
+    flat = flat_keys(config.model_dump(mode="json"))
+    return {key: v if isinstance(v, str) else json.dumps(v) for key, v in flat.items()}
 
 
 def scalars(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

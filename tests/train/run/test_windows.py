@@ -50,6 +50,8 @@ def test_a_window_run_stays_whole_when_the_dataset_grows_and_scores_the_new_day(
     assert next_day["eval_days"] == [4] and next_day["rows"] == GROWING["rows_per_day"]
     with pytest.raises(WindowError, match="data.eval_days: day 1: the model trained on it"):
         evaluate(config.run_dir, eval_days="1-3")
+    with pytest.raises(WindowError, match="data.eval_days: none holds no day out"):
+        evaluate(config.run_dir, eval_days="none")
     assert json.loads((Path(config.run_dir) / EVAL_FILE).read_text())["eval_days"] == [4]
 
 

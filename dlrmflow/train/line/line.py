@@ -1,0 +1,273 @@
+"""A model line: a directory of successive model versions, one for each day trained.
+
+In production a recommendation model is not trained once: each day's logs arrive, the
+model serving is scored on them, continued on them, and the result is the next version.
+A line does that on a dataset that grows by a day (``dlrmflow generate`` with one day
+more, ``convert`` of the new day)::
+
+    LINE/config.json           the line's configuration (fixed when the line starts)
+    LINE/run/                  its one run directory, trained in day order
+    LINE/versions/NNNN/        a version: version.json (its lineage) and checkpoint/
+    LINE/history.jsonl         each day's next-day validation, one record a day
+    LINE/history.png           those metrics against the day
+
+Every version continues the previous one's weights and optimizer state and trains exactly
+on the days it has not seen, in day order (``train.order: days``): the run directory's
+window grows by the new days and its checkpoint at the end of the last day continues, so
+a line trained a day at a time ends bitwise where one run over the same days ends.
+Before a version trains on day d, the newest version is scored on day d (trained on days
+up to d-1, tested on d): AUC, log loss, NE and calibration go into ``history.jsonl``.
+Re-running trains nothing; a kill anywhere resumes where the run stood (its checkpoints),
+and a version is written only once its day is trained. A configuration that would make
+the run another one (``RUN_KEYS``) is refused in one line naming the keys, as
+``resume: auto`` refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dlrmflow.config import RunConfig, build_config, flat_keys
+from dlrmflow.days import NONE
+from dlrmflow.errors import DlrmflowError
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.outputs import write_atomic
+from dlrmflow.train.launch.job import launch_evaluation, launch_training
+from dlrmflow.train.run.checkpoint import read_checkpoint
+from dlrmflow.train.run.resume import RUN_KEYS
+from dlrmflow.train.run.rundir import run_dir_lock
+
+LINE_FILE = "config.json"
+RUN_DIR = "run"
+VERSIONS_DIR = "versions"
+VERSION_FILE = "version.json"
+HISTORY_FILE = "history.jsonl"
+HISTORY_PLOT = "history.png"
+# What next-day validation records of each evaluation.
+METRICS = ("auc", "logloss", "ne", "calibration", "positive_rate", "rows")
+
+
+class LineError(DlrmflowError):
+    """A line that cannot go on: another configuration, no day to train, a broken layout."""
+
+
+@dataclass(frozen=True)
+class Version:
+    """One version of a line: the model after training through ``day``."""
+
+    number: int
+    day: int  # the day this version trained on (its last)
+    parent: int | None  # the version it continued
+    days: list[int]  # every day its weights have seen, in the order seen
+    steps: int  # the run's steps at its end
+    rows: int
+    final_loss: float
+    config_digest: str
+    day_digests: list[str]  # each day's files, as its checkpoint records them
+    validation: dict[str, Any] | None  # the parent scored on ``day`` before training on it
+
+    @property
+    def name(self) -> str:
+        return f"{self.number:04d}"
+
+
+def line_config(line_dir: Path, config: RunConfig | None) -> RunConfig:
+    """The line's configuration: ``config`` when the line starts (written to
+    ``config.json``), the recorded one afterwards. A ``config`` given to a started line
+    must be the same run: a ``RUN_KEYS`` key or the dataset that differs is refused."""
+    path = line_dir / LINE_FILE
+    if path.is_file():
+        recorded = build_config(json.loads(path.read_text()))
+        if config is not None:
+            _refuse_another_run(path, recorded, config)
+        return _as_line(line_dir, recorded)
+    if config is None:
+        raise LineError(f"{line_dir}: no {LINE_FILE}; start the line with a configuration")
+    line_dir.mkdir(parents=True, exist_ok=True)
+    line = _as_line(line_dir, config)
+    write_atomic(path, json.dumps(line.model_dump(mode="json"), indent=1) + "\n")
+    return line
+
+
+def _as_line(line_dir: Path, config: RunConfig) -> RunConfig:
+    """``config`` as the line's run: its run directory, day order, resumed, no held-out
+    day (each new day validates the model instead)."""
+    line = config.model_copy(deep=True)
+    line.run_dir = str(line_dir / RUN_DIR)
+    line.train.order = "days"
+    line.train.epochs = 1
+    line.train.resume = "auto"
+    line.data.train_days = None
+    line.data.eval_days = NONE
+    return line
+
+
+def _refuse_another_run(path: Path, recorded: RunConfig, config: RunConfig) -> None:
+    old = flat_keys(recorded.model_dump(mode="json"))
+    new = flat_keys(config.model_dump(mode="json"))
+    keys = [*RUN_KEYS, "data.url"]
+    changed = sorted(
+        k
+        for k in old.keys() | new.keys()
+        if any(k == w or k.startswith(w + ".") for w in keys) and old.get(k) != new.get(k)
+    )
+    if changed:
+        shown = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        raise LineError(
+            f"{path}: the line was started with another configuration: {shown}; "
+            "start another line for it"
+        )
+
+
+def versions(line_dir: Path) -> list[Version]:
+    """The line's versions, oldest first."""
+    root = line_dir / VERSIONS_DIR
+    found = []
+    for path in sorted(root.glob("[0-9][0-9][0-9][0-9]")) if root.is_dir() else []:
+        record = path / VERSION_FILE
+        if record.is_file():
+            found.append(Version(**json.loads(record.read_text())))
+    return found
+
+
+def history(line_dir: Path) -> list[dict[str, Any]]:
+    """The next-day validation records, one per day, in day order."""
+    path = line_dir / HISTORY_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_line(
+    line_dir: str | Path,
+    config: RunConfig | None = None,
+    *,
+    through: int | None = None,
+    on_day: Callable[[Version], None] | None = None,
+) -> list[Version]:
+    """Train the line at ``line_dir`` on every day of its dataset it has not trained on
+    (up to ``through``), a version a day; return the versions made now (none when there
+    is no new day). ``config`` starts the line (or must match it, see ``line_config``)."""
+    line_dir = Path(line_dir)
+    with run_dir_lock(line_dir, "dlrmflow line"):
+        line = line_config(line_dir, config)
+        manifest = read_manifest(line.data.url)
+        days = sorted({f.day for f in manifest.files})
+        if through is not None:
+            if through not in days:
+                raise LineError(
+                    f"--through {through}: not a day of {line.data.url} (days {days[0]}-{days[-1]})"
+                )
+            days = [d for d in days if d <= through]
+        done = versions(line_dir)
+        seen = [d for v in done for d in [v.day]]
+        if seen and seen != days[: len(seen)]:
+            raise LineError(
+                f"{line_dir}: its versions trained days {seen}, which are not the first days "
+                f"of {line.data.url} ({days[: len(seen)]})"
+            )
+        made = []
+        for day in days[len(seen) :]:
+            parent = done[-1] if done else None
+            validation = _validate(line_dir, line, day) if parent is not None else None
+            version = _train_day(line_dir, line, days[0], day, parent, validation)
+            done.append(version)
+            made.append(version)
+            if on_day is not None:
+                on_day(version)
+        if made:
+            plot_history(line_dir)
+        return made
+
+
+def _validate(line_dir: Path, line: RunConfig, day: int) -> dict[str, Any]:
+    """The newest version scored on ``day`` (its checkpoint is the run's newest), once: a
+    day already in the history keeps its record."""
+    for record in history(line_dir):
+        if record["day"] == day:
+            return record
+    metrics = launch_evaluation(
+        line.run_dir,
+        line.distributed.nproc,
+        distributed=line.distributed,
+        device=line.train.device,
+        kernels=line.model.kernels,
+        eval_days=[day],
+    )
+    assert metrics is not None  # this host is node 0: the line runs there
+    record = {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
+    with open(line_dir / HISTORY_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return record
+
+
+def _train_day(
+    line_dir: Path,
+    line: RunConfig,
+    first: int,
+    day: int,
+    parent: Version | None,
+    validation: dict[str, Any] | None,
+) -> Version:
+    """Train the run through ``day`` and keep its checkpoint as the next version."""
+    config = line.model_copy(deep=True)
+    config.data.train_days = f"{first}-{day}"
+    result = launch_training(config)
+    assert result is not None
+    checkpoint = Path(result.checkpoint)
+    manifest = read_checkpoint(checkpoint).manifest
+    number = 0 if parent is None else parent.number + 1
+    version = Version(
+        number=number,
+        day=day,
+        parent=None if parent is None else parent.number,
+        days=list(manifest["train_days"]),
+        steps=result.steps,
+        rows=result.rows,
+        final_loss=result.final_loss,
+        config_digest=_config_digest(config),
+        day_digests=list(manifest["train_day_digests"]),
+        validation=validation,
+    )
+    target = line_dir / VERSIONS_DIR / version.name
+    partial = target.with_name(f".partial-{version.name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    # Hard links: the run prunes its checkpoints, the version keeps the files.
+    shutil.copytree(checkpoint, partial / "checkpoint", copy_function=os.link)
+    write_atomic(partial / VERSION_FILE, json.dumps(asdict(version), indent=1) + "\n")
+    partial.rename(target)
+    return version
+
+
+def _config_digest(config: RunConfig) -> str:
+    text = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def plot_history(line_dir: Path) -> Path | None:
+    """Each next-day metric against the day, to ``history.png`` (None without history)."""
+    records = history(line_dir)
+    if not records:
+        return None
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    days = [r["day"] for r in records]
+    for i, key in enumerate(("auc", "logloss", "ne", "calibration")):
+        axes = figure.add_subplot(2, 2, i + 1)
+        axes.plot(days, [r[key] for r in records], marker="o")
+        axes.set_xlabel("day")
+        axes.set_ylabel(f"next-day {key}")
+        axes.grid(alpha=0.3)
+    path = line_dir / HISTORY_PLOT
+    figure.savefig(path, dpi=100, format="png")
+    return path

@@ -1,0 +1,97 @@
+"""A model line: a version a day as days arrive, each validated on its day before training
+on it, ending bitwise where one run over the same days ends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlrmflow.config import DataConfig, RunConfig
+from dlrmflow.ingest.synthetic import generate_dataset
+from dlrmflow.train.line.line import LineError, history, train_line, versions
+from dlrmflow.train.run.checkpoint import load_checkpoint
+from dlrmflow.train.run.trainer import train
+from tests.conftest import TINY_DATA, run_cli, tiny_run_config
+
+DAYS = {**TINY_DATA, "rows_per_day": 2500, "row_group_size": 500, "drift": 0.2}
+
+
+def _grow(url: Path, days: int) -> str:
+    generate_dataset(DataConfig(url=str(url), **{**DAYS, "days": days}))
+    return str(url)
+
+
+def _config(data: str, run_dir: Path) -> RunConfig:
+    return tiny_run_config(data, run_dir, batch_size=400)
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    got, want = load_checkpoint(a).model.state_dict(), load_checkpoint(b).model.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -> None:
+    data = _grow(tmp_path / "data", 2)
+    line = tmp_path / "line"
+    first = train_line(line, _config(data, tmp_path / "ignored"))
+    assert [(v.number, v.day, v.parent) for v in first] == [(0, 0, None), (1, 1, 0)]
+    assert first[0].validation is None  # no model before the first day
+    assert first[1].validation["day"] == 1 and 0.5 < first[1].validation["auc"] < 1
+
+    assert train_line(line) == []  # no new day: nothing trained, nothing written
+    _grow(tmp_path / "data", 3)  # the next day lands
+    [third] = train_line(line)
+    assert (third.number, third.day, third.parent, third.days) == (2, 2, 1, [0, 1, 2])
+    assert [r["day"] for r in history(line)] == [1, 2]
+    assert (line / "history.png").is_file()
+
+    # One run over days 0-2 in day order ends where the line's versions end.
+    whole = _config(data, tmp_path / "whole")
+    whole.train.order, whole.data.train_days, whole.data.eval_days = "days", "0-2", "none"
+    train(whole)
+    _same_weights(line / "versions" / "0002" / "checkpoint", tmp_path / "whole")
+    recorded = json.loads((line / "versions" / "0002" / "version.json").read_text())
+    assert recorded["days"] == [0, 1, 2] and len(recorded["day_digests"]) == 3
+    # Each version keeps its own checkpoint, whatever the run directory pruned.
+    _same_weights(
+        line / "versions" / "0000" / "checkpoint", line / "versions" / "0000" / "checkpoint"
+    )
+    assert [v.number for v in versions(line)] == [0, 1, 2]
+
+
+def test_a_line_refuses_another_configuration_or_a_day_it_lacks(tmp_path: Path) -> None:
+    data = _grow(tmp_path / "data", 2)
+    line = tmp_path / "line"
+    train_line(line, _config(data, tmp_path / "x"), through=0)
+    other = _config(data, tmp_path / "x")
+    other.train.lr = 0.5
+    with pytest.raises(LineError, match="train.lr 0.05 -> 0.5"):
+        train_line(line, other)
+    with pytest.raises(LineError, match="--through 7: not a day"):
+        train_line(line, through=7)
+    with pytest.raises(LineError, match="no config.json"):
+        train_line(tmp_path / "new")
+
+
+def test_the_line_command_starts_continues_and_says_when_nothing_is_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    data = _grow(tmp_path / "data", 2)
+    line = str(tmp_path / "line")
+    sizes = [
+        "--set", "train.batch_size=400", "--set", "train.num_workers=0",
+        "--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16, 8]",
+    ]  # fmt: skip
+    code, out, err = run_cli(monkeypatch, capsys, "line", "--line", line, "--data", data, *sizes)
+    assert code == 0, err
+    assert [v["day"] for v in json.loads(out)["trained"]] == [0, 1]
+    code, out, err = run_cli(monkeypatch, capsys, "line", "--line", line)
+    assert code == 0 and json.loads(out)["trained"] == [] and "no new day" in err[-1]
+    code, out, err = run_cli(monkeypatch, capsys, "line", "--line", line, "--set", "train.lr=1")
+    assert code == 1 and len(err) == 1, err
+    assert err[0].endswith("another configuration: train.lr 0.05 -> 1.0; start another line for it")
