@@ -302,6 +302,31 @@ class EvalConfig(_Section):
     max_rows: Int | None = Field(None, ge=1, description="evaluate on at most this many rows")
 
 
+class GateConfig(_Section):
+    """When a model line's version replaces the one serving (``dlrmflow line``): both are
+    scored on the same day, one neither has trained on."""
+
+    ne_margin: Float = Field(
+        0.0,
+        ge=0,
+        description="promoted when its normalized entropy is at most the champion's times "
+        "1 + this (0: no worse)",
+    )
+    calibration_min: Float = Field(
+        0.8, gt=0, description="and its calibration (mean prediction / click rate) at least this"
+    )
+    calibration_max: Float = Field(1.25, gt=0, description="and at most this")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> GateConfig:
+        if self.calibration_min >= self.calibration_max:
+            raise ValueError(
+                f"calibration_min ({self.calibration_min}) must be below calibration_max "
+                f"({self.calibration_max})"
+            )
+        return self
+
+
 class OrchestrationConfig(_Section):
     """Where the flows' tasks run (ingest's per-day conversion and statistics tasks) and
     where their cached results are kept."""
@@ -334,6 +359,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
 
 

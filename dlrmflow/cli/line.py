@@ -22,9 +22,12 @@ def line(
 ) -> None:
     """Train a model line a day at a time: each day its dataset has gained, the newest
     version is scored on the day (next-day validation), continued on it, and kept as the
-    next version under LINE/versions/. The first call starts the line with its
-    configuration; later calls need none, and train nothing when no day is new."""
-    from dlrmflow.train.line.line import LINE_FILE, history, train_line, versions
+    next version under LINE/versions/; a version that passes the gate (gate.*) against the
+    champion on the next day is published under LINE/models/. The first call starts the
+    line with its configuration; later calls need none, and train nothing when no day is
+    new."""
+    from dlrmflow.train.line.gate import champion
+    from dlrmflow.train.line.line import LINE_FILE, history, train_line, verdicts, versions
 
     recorded = Path(line_dir) / LINE_FILE
     started = recorded.is_file()
@@ -43,5 +46,7 @@ def line(
             "trained": [asdict(v) for v in made],
             "versions": len(versions(Path(line_dir))),
             "history": history(Path(line_dir)),
+            "champion": champion(Path(line_dir)),
+            "verdicts": [asdict(v) for v in verdicts(Path(line_dir))],
         }
     )

@@ -10,13 +10,15 @@ more, ``convert`` of the new day)::
     LINE/versions/NNNN/        a version: version.json (its lineage) and checkpoint/
     LINE/history.jsonl         each day's next-day validation, one record a day
     LINE/history.png           those metrics against the day
+    LINE/models/NNNN/          a published version (see ``gate``); models/current: the champion
 
 Every version continues the previous one's weights and optimizer state and trains exactly
 on the days it has not seen, in day order (``train.order: days``): the run directory's
 window grows by the new days and its checkpoint at the end of the last day continues, so
 a line trained a day at a time ends bitwise where one run over the same days ends.
 Before a version trains on day d, the newest version is scored on day d (trained on days
-up to d-1, tested on d): AUC, log loss, NE and calibration go into ``history.jsonl``.
+up to d-1, tested on d): AUC, log loss, NE and calibration go into ``history.jsonl``,
+and the promotion gate judges it against the champion on that day (``gate``).
 Re-running trains nothing; a kill anywhere resumes where the run stood (its checkpoints),
 and a version is written only once its day is trained. A configuration that would make
 the run another one (``RUN_KEYS``) is refused in one line naming the keys, as
@@ -40,6 +42,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import launch_evaluation, launch_training
+from dlrmflow.train.line.gate import Verdict, champion, judge, publish
 from dlrmflow.train.run.checkpoint import read_checkpoint
 from dlrmflow.train.run.resume import RUN_KEYS
 from dlrmflow.train.run.rundir import run_dir_lock
@@ -48,6 +51,7 @@ LINE_FILE = "config.json"
 RUN_DIR = "run"
 VERSIONS_DIR = "versions"
 VERSION_FILE = "version.json"
+GATE_FILE = "gate.json"
 HISTORY_FILE = "history.jsonl"
 HISTORY_PLOT = "history.png"
 # What next-day validation records of each evaluation.
@@ -177,6 +181,8 @@ def train_line(
         for day in days[len(seen) :]:
             parent = done[-1] if done else None
             validation = _validate(line_dir, line, day) if parent is not None else None
+            if parent is not None and validation is not None:
+                _gate(line_dir, line, parent, day, validation)
             version = _train_day(line_dir, line, days[0], day, parent, validation)
             done.append(version)
             made.append(version)
@@ -187,22 +193,58 @@ def train_line(
         return made
 
 
-def _validate(line_dir: Path, line: RunConfig, day: int) -> dict[str, Any]:
-    """The newest version scored on ``day`` (its checkpoint is the run's newest), once: a
-    day already in the history keeps its record."""
-    for record in history(line_dir):
-        if record["day"] == day:
-            return record
+def _score(line: RunConfig, day: int, checkpoint: Path | None = None) -> dict[str, Any]:
+    """A version (the run's newest, or ``checkpoint``) scored on ``day``."""
     metrics = launch_evaluation(
         line.run_dir,
         line.distributed.nproc,
+        checkpoint=None if checkpoint is None else str(checkpoint),
         distributed=line.distributed,
         device=line.train.device,
         kernels=line.model.kernels,
         eval_days=[day],
     )
     assert metrics is not None  # this host is node 0: the line runs there
-    record = {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
+    return {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
+
+
+def _gate(
+    line_dir: Path, line: RunConfig, version: Version, day: int, metrics: dict[str, Any]
+) -> Verdict:
+    """Judge ``version`` against the champion on ``day`` (see ``gate``), once, and publish
+    it if it passes: its verdict is kept in ``versions/NNNN/gate.json``."""
+    path = line_dir / VERSIONS_DIR / version.name / GATE_FILE
+    if path.is_file():
+        verdict = Verdict(**json.loads(path.read_text()))
+    else:
+        serving = champion(line_dir)
+        against = None
+        if serving is not None:
+            served = line_dir / VERSIONS_DIR / f"{serving:04d}" / "checkpoint"
+            against = (serving, _score(line, day, served))
+        verdict = judge(version.number, day, metrics, against, line.gate)
+        write_atomic(path, json.dumps(asdict(verdict), indent=1) + "\n")
+    serving = champion(line_dir)
+    if verdict.promoted and (serving is None or serving < version.number):
+        checkpoint = line_dir / VERSIONS_DIR / version.name / "checkpoint"
+        publish(line_dir, checkpoint, asdict(version), verdict)
+    return verdict
+
+
+def verdicts(line_dir: Path) -> list[Verdict]:
+    """The gate's verdicts so far, oldest version first."""
+    root = line_dir / VERSIONS_DIR
+    found = sorted(root.glob(f"[0-9][0-9][0-9][0-9]/{GATE_FILE}")) if root.is_dir() else []
+    return [Verdict(**json.loads(path.read_text())) for path in found]
+
+
+def _validate(line_dir: Path, line: RunConfig, day: int) -> dict[str, Any]:
+    """The newest version scored on ``day`` (its checkpoint is the run's newest), once: a
+    day already in the history keeps its record."""
+    for record in history(line_dir):
+        if record["day"] == day:
+            return record
+    record = _score(line, day)
     with open(line_dir / HISTORY_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()

@@ -1,0 +1,107 @@
+"""The promotion gate of a model line, and publishing a version that passes it.
+
+A version can only be compared with the model serving (the champion) on data neither has
+trained on: the day after the version's last. So a version is judged when that day
+arrives, before the line trains on it: both are scored on it, and the version replaces
+the champion only if its normalized entropy is no worse than the champion's by more than
+``gate.ne_margin`` (relative) and its calibration lies within ``gate.calibration_min`` and
+``gate.calibration_max``. The first version, with no champion, needs the calibration
+bounds alone.
+
+A published version is ``LINE/models/NNNN/``: ``model.safetensors`` (the whole model by
+parameter name, as ``dlrmflow export`` writes it) and ``model.json`` (its days, parent,
+configuration digest, the verdict and both scores). ``LINE/models/current`` is a symbolic
+link to the champion's directory, replaced in one rename: a reader sees the old champion
+or the new one, never neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dlrmflow.config import GateConfig
+from dlrmflow.outputs import write_atomic
+from dlrmflow.train.run.export import export_model
+
+MODELS_DIR = "models"
+CURRENT = "current"
+MODEL_FILE = "model.safetensors"
+RECORD_FILE = "model.json"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a version replaces the champion on ``day``, and why (or why not)."""
+
+    version: int
+    day: int
+    champion: int | None
+    promoted: bool
+    reasons: list[str]
+    candidate_metrics: dict[str, Any]
+    champion_metrics: dict[str, Any] | None
+
+
+def judge(
+    version: int,
+    day: int,
+    candidate: dict[str, Any],
+    champion: tuple[int, dict[str, Any]] | None,
+    gate: GateConfig,
+) -> Verdict:
+    """The gate's verdict on ``candidate`` (a version's metrics on ``day``) against the
+    ``champion`` (its number and metrics on the same day), if there is one."""
+    reasons = []
+    calibration = candidate["calibration"]
+    if not gate.calibration_min <= calibration <= gate.calibration_max:
+        reasons.append(
+            f"calibration {calibration:.4f} outside [{gate.calibration_min}, "
+            f"{gate.calibration_max}] (gate.calibration_min, gate.calibration_max)"
+        )
+    if champion is not None:
+        limit = champion[1]["ne"] * (1 + gate.ne_margin)
+        if candidate["ne"] > limit:
+            reasons.append(
+                f"NE {candidate['ne']:.6f} above the champion's {champion[1]['ne']:.6f} "
+                f"x (1 + gate.ne_margin={gate.ne_margin}) = {limit:.6f}"
+            )
+    return Verdict(
+        version=version,
+        day=day,
+        champion=None if champion is None else champion[0],
+        promoted=not reasons,
+        reasons=reasons,
+        candidate_metrics=candidate,
+        champion_metrics=None if champion is None else champion[1],
+    )
+
+
+def champion(line_dir: Path) -> int | None:
+    """The version serving now (``models/current``), or None before the first promotion."""
+    link = line_dir / MODELS_DIR / CURRENT
+    if not link.is_symlink():
+        return None
+    return int(os.readlink(link))
+
+
+def publish(line_dir: Path, checkpoint: Path, record: dict[str, Any], verdict: Verdict) -> Path:
+    """Export the promoted version's model under ``models/NNNN/`` and make it current."""
+    name = f"{verdict.version:04d}"
+    target = line_dir / MODELS_DIR / name
+    target.mkdir(parents=True, exist_ok=True)
+    export_model(checkpoint, target / MODEL_FILE)
+    write_atomic(
+        target / RECORD_FILE,
+        json.dumps({**record, "verdict": asdict(verdict)}, indent=1) + "\n",
+    )
+    link = line_dir / MODELS_DIR / CURRENT
+    staged = link.with_name(f".{CURRENT}-{os.getpid()}")
+    if staged.is_symlink() or staged.exists():
+        staged.unlink()
+    os.symlink(name, staged)
+    os.replace(staged, link)  # one rename: the old champion or the new, never neither
+    return target
