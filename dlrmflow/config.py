@@ -13,7 +13,7 @@ import difflib
 import json
 import os
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
@@ -71,6 +71,24 @@ def flat_keys(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def changed_keys(
+    old: RunConfig, new: RunConfig, keys: Sequence[str], ignore: Sequence[str] = ()
+) -> dict[str, list[Any]]:
+    """``{key: [old's value, new's]}`` for every key under one of ``keys`` (a section such
+    as "model", or one key such as "train.lr") and not in ``ignore`` that differs."""
+    before = flat_keys(old.model_dump(mode="json"))
+    after = flat_keys(new.model_dump(mode="json"))
+
+    def wanted(key: str) -> bool:
+        return key not in ignore and any(key == k or key.startswith(k + ".") for k in keys)
+
+    return {
+        key: [before.get(key), after.get(key)]
+        for key in sorted(before.keys() | after.keys())
+        if wanted(key) and before.get(key) != after.get(key)
+    }
 
 
 class _Section(BaseModel):
@@ -361,6 +379,15 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+
+    @model_validator(mode="after")
+    def _check_day_order(self) -> RunConfig:
+        if self.train.order == "days" and self.distributed.readers:
+            raise ValueError(
+                "train.order=days: its days are read by local readers for now; leave "
+                "distributed.readers empty"
+            )
+        return self
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

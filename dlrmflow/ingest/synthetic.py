@@ -40,6 +40,7 @@ from dlrmflow.ingest.dayfile import (
     day_file_writer,
     discard_unlisted,
     file_name,
+    join,
     remove_temporaries,
 )
 from dlrmflow.ingest.manifest import (
@@ -244,7 +245,7 @@ def generate_dataset(
 def _kept_days(root: str, config: DataConfig) -> dict[int, DayFile]:
     """The days of the dataset at ``root`` that generating ``config`` would write again
     byte for byte: listed by its manifest under this day's file name, with their digest,
-    Bayes metrics and the size listed (a stat, not a read). None where there is no
+    Bayes metrics and the size listed (a stat, not a read); none where there is no
     readable manifest."""
     try:
         manifest = read_manifest(root)
@@ -258,7 +259,7 @@ def _kept_days(root: str, config: DataConfig) -> dict[int, DayFile]:
         if None in (f.digest, f.bytes, f.bayes_logloss) or f.rows != config.rows_per_day:
             continue  # from before identities or per-day metrics: written again
         try:
-            if fs.size(f"{root_path}/{f.path}") != f.bytes:
+            if fs.size(join(root_path, f.path)) != f.bytes:
                 continue
         except OSError:
             continue

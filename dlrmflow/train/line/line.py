@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dlrmflow.config import RunConfig, build_config, flat_keys
+from dlrmflow.config import RunConfig, build_config, changed_keys
 from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.manifest import read_manifest
@@ -85,13 +85,16 @@ class Version:
 def line_config(line_dir: Path, config: RunConfig | None) -> RunConfig:
     """The line's configuration: ``config`` when the line starts (written to
     ``config.json``), the recorded one afterwards. A ``config`` given to a started line
-    must be the same run: a ``RUN_KEYS`` key or the dataset that differs is refused."""
+    must be the same run (a ``RUN_KEYS`` key or the dataset that differs is refused), and
+    is this call's: how it runs (ranks, logging, checkpoints) may change."""
     path = line_dir / LINE_FILE
     if path.is_file():
         recorded = build_config(json.loads(path.read_text()))
-        if config is not None:
-            _refuse_another_run(path, recorded, config)
-        return _as_line(line_dir, recorded)
+        if config is None:
+            return _as_line(line_dir, recorded)
+        given = _as_line(line_dir, config)  # compared as the line runs it
+        _refuse_another_run(path, recorded, given)
+        return given
     if config is None:
         raise LineError(f"{line_dir}: no {LINE_FILE}; start the line with a configuration")
     line_dir.mkdir(parents=True, exist_ok=True)
@@ -114,16 +117,9 @@ def _as_line(line_dir: Path, config: RunConfig) -> RunConfig:
 
 
 def _refuse_another_run(path: Path, recorded: RunConfig, config: RunConfig) -> None:
-    old = flat_keys(recorded.model_dump(mode="json"))
-    new = flat_keys(config.model_dump(mode="json"))
-    keys = [*RUN_KEYS, "data.url"]
-    changed = sorted(
-        k
-        for k in old.keys() | new.keys()
-        if any(k == w or k.startswith(w + ".") for w in keys) and old.get(k) != new.get(k)
-    )
+    changed = changed_keys(recorded, config, [*RUN_KEYS, "data.url"])
     if changed:
-        shown = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise LineError(
             f"{path}: the line was started with another configuration: {shown}; "
             "start another line for it"
@@ -171,7 +167,7 @@ def train_line(
                 )
             days = [d for d in days if d <= through]
         done = versions(line_dir)
-        seen = [d for v in done for d in [v.day]]
+        seen = [v.day for v in done]
         if seen and seen != days[: len(seen)]:
             raise LineError(
                 f"{line_dir}: its versions trained days {seen}, which are not the first days "
@@ -180,8 +176,9 @@ def train_line(
         made = []
         for day in days[len(seen) :]:
             parent = done[-1] if done else None
-            validation = _validate(line_dir, line, day) if parent is not None else None
-            if parent is not None and validation is not None:
+            validation = None
+            if parent is not None:
+                validation = _validate(line_dir, line, day)
                 _gate(line_dir, line, parent, day, validation)
             version = _train_day(line_dir, line, days[0], day, parent, validation)
             done.append(version)

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from dlrmflow.config import RunConfig, build_config, flat_keys
+from dlrmflow.config import RunConfig, build_config, changed_keys
 from dlrmflow.days import describe
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
@@ -363,20 +363,11 @@ def differences(
     not in ``ignore`` that differs, plus ``TRAIN_DATA_KEY`` when the checkpoint trained on
     other days or other files of them (``DATASET_KEY``, another dataset, for a checkpoint
     written before day windows)."""
-    old = flat_keys(build_config(manifest["config"]).model_dump(mode="json"))
-    new = flat_keys(config.model_dump(mode="json"))
-
-    def wanted(key: str) -> bool:
-        return key not in ignore and any(key == k or key.startswith(k + ".") for k in keys)
-
-    changed = {
-        key: [old.get(key), new.get(key)]
-        for key in sorted(old.keys() | new.keys())
-        if wanted(key) and old.get(key) != new.get(key)
-    }
+    recorded = build_config(manifest["config"])
+    changed = changed_keys(recorded, config, keys, ignore)
     window = manifest.get("train_data_digest")
     if window is not None:
-        days_order = config.train.order == "days" and old.get("train.order") == "days"
+        days_order = config.train.order == "days" and recorded.train.order == "days"
         if window != data.train_data and not (days_order and data.continues(manifest)):
             days = manifest.get("train_days", [])
             if list(days) == list(data.days):
@@ -384,9 +375,9 @@ def differences(
             else:
                 changed[TRAIN_DATA_KEY] = [f"days {describe(days)}", f"days {describe(data.days)}"]
         return changed
-    recorded = manifest.get("dataset_digest")
-    if recorded is not None and recorded != data.dataset:
-        changed[DATASET_KEY] = [recorded[:12], data.dataset[:12]]
+    digest = manifest.get("dataset_digest")
+    if digest is not None and digest != data.dataset:
+        changed[DATASET_KEY] = [digest[:12], data.dataset[:12]]
     return changed
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlrmflow.config import ConfigError, RunConfig
+from dlrmflow.config import RunConfig
 from dlrmflow.days import windows
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
@@ -69,19 +69,15 @@ def fit_features(
         kept = run_dir / VOCAB_FILE if run_dir is not None else None
         if keep and kept is not None and kept.is_file():
             vocab = Vocabulary.load(str(kept))
-            spec = FeatureSpec.for_dataset(
-                manifest, config.features, config.model, vocab.table_rows
+        else:
+            vocab = build_vocabulary(
+                train_paths(config, manifest),
+                list(SPARSE),
+                min_count=config.features.min_count,
+                max_size=config.features.max_rows_per_table - 1,
             )
-            return spec, vocab
-        paths = train_paths(config, manifest)
-        vocab = build_vocabulary(
-            paths,
-            list(SPARSE),
-            min_count=config.features.min_count,
-            max_size=config.features.max_rows_per_table - 1,
-        )
-        if run_dir is not None:
-            vocab.save(str(run_dir / VOCAB_FILE))
+            if kept is not None:
+                vocab.save(str(kept))
         spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
         return spec, vocab
     spec = FeatureSpec.for_dataset(manifest, config.features, config.model)
@@ -236,11 +232,6 @@ def make_train_loader(
     serve under their own root. Either way the batches and states are the same.
     """
     train = config.train
-    if train.order == "days" and config.distributed.readers:
-        raise ConfigError(
-            "train.order=days: its days are read by local readers for now; leave "
-            "distributed.readers empty"
-        )
     if not config.distributed.readers:
         dataset, loader = batch_loader(
             paths,

@@ -34,7 +34,7 @@ from dlrmflow.train.model.device import BatchStager, resolve_device, use_device
 from dlrmflow.train.model.disk_tier import TIERED_DIR, tier_storage
 from dlrmflow.train.model.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
-from dlrmflow.train.run.checkpoint import CHECKPOINTS_DIR, DataIdentity
+from dlrmflow.train.run.checkpoint import CHECKPOINTS_DIR, DataIdentity, list_checkpoints
 from dlrmflow.train.run.data import (
     IdMapper,
     day_windows,
@@ -104,7 +104,9 @@ def _features(
     # would map the IDs it trained on to other rows.
     keep = config.train.order == "days" and config.train.resume == "auto"
     if env.rank == 0:
-        fitted = fit_features(config, manifest, run_dir, keep=keep and _continues(run_dir))
+        fitted = fit_features(
+            config, manifest, run_dir, keep=keep and bool(list_checkpoints(run_dir))
+        )
     if env.distributed:
         dist.barrier()
     if env.rank == 0:
@@ -114,10 +116,6 @@ def _features(
         spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
         return spec, vocab
     return fit_features(config, manifest, run_dir)
-
-
-def _continues(run_dir: Path) -> bool:
-    return any((run_dir / CHECKPOINTS_DIR).glob("step_*"))
 
 
 def _build_model(

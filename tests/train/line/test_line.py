@@ -72,6 +72,13 @@ def test_a_line_refuses_another_configuration_or_a_day_it_lacks(tmp_path: Path) 
     other.train.lr = 0.5
     with pytest.raises(LineError, match="train.lr 0.05 -> 0.5"):
         train_line(line, other)
+    # What is not the run's identity is this call's, not silently the first call's.
+    machinery = _config(data, tmp_path / "x")
+    machinery.train.log_every = 2
+    [second] = train_line(line, machinery)
+    logged = (line / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(r)["step"] for r in logged if '"loss"' in r]
+    assert second.steps == 14 and 8 in steps  # day 1's steps 8-14, logged every 2
     with pytest.raises(LineError, match="--through 7: not a day"):
         train_line(line, through=7)
     with pytest.raises(LineError, match="no config.json"):

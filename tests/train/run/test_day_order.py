@@ -82,6 +82,8 @@ def test_what_breaks_the_day_order_is_refused(four_days: str, tmp_path: Path) ->
         train(shuffled)
     with pytest.raises(ConfigError, match="train.order=days reads each training day once"):
         load_config(None, ["train.order=days", "train.epochs=2"])
+    with pytest.raises(ConfigError, match="train.order=days: .* leave distributed.readers empty"):
+        load_config(None, ["train.order=days", "distributed.readers=[reader1:8815]"])
 
 
 def test_a_vocabulary_run_keeps_the_vocabulary_it_started_with(
