@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TORCHREC_PKGS := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.2.0
 
-.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale clean
+.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -52,6 +52,12 @@ bench-ingest: $(VENV)/.installed
 # `dlrmflow bench docs --scale bench-results/scale.json` puts it in the docs.
 bench-scale: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench scale --json bench-results/scale.json
+
+# A model line against daily retraining and a frozen model on 12 drifting days (~? min);
+# then `dlrmflow bench docs --report docs/benchmarks.json --recurring
+# bench-results/recurring/recurring.json` puts it in the docs.
+bench-recurring: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow bench recurring --json bench-results/recurring/recurring.json
 
 bench-report: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench report --out bench-results/report

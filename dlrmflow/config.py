@@ -119,6 +119,12 @@ class DataConfig(_Section):
         "the next (each ID's effects decorrelate and this share of IDs is replaced by new "
         "ones each day); 0 keeps the days i.i.d.",
     )
+    landing: str | None = Field(
+        None,
+        description="a directory raw Criteo day files land in, a file a day: a model line "
+        "(dlrmflow line, the recurring flow) converts each new one into url before "
+        "training, day K being the K-th file in name order",
+    )
     train_days: str | list[Int] | None = Field(
         None,
         description="days to train on: days (5), ranges (0-22), all, first N, last N, "

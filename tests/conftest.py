@@ -18,6 +18,9 @@ os.environ.setdefault(
 from dlrmflow.config import DataConfig, RunConfig, build_config  # noqa: E402
 from dlrmflow.ingest.synthetic import generate_dataset  # noqa: E402
 
+# The session's Prefect server (``prefect_server``, ``prefect_api``), for any test.
+pytest_plugins = ["tests.prefect_server"]
+
 # Data kept in the repository for the tests (see its README).
 TEST_DATA = Path(__file__).resolve().parent / "data"
 
@@ -71,6 +74,19 @@ def tiny_run_config(data_url: str, run_dir: Path, **train: object) -> RunConfig:
             "eval": {"batch_size": 4096},
         }
     )
+
+
+def same_weights(a: Path, b: Path) -> None:
+    """The checkpoints at ``a`` and ``b`` (a checkpoint or a run directory's newest) hold
+    bitwise the same model."""
+    import torch
+
+    from dlrmflow.train.run.checkpoint import load_checkpoint
+
+    got, want = load_checkpoint(a).model.state_dict(), load_checkpoint(b).model.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
 
 
 @contextlib.contextmanager

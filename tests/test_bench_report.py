@@ -5,6 +5,7 @@ import json
 
 import matplotlib.image
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from dlrmflow.bench.machine import available_cores
 from dlrmflow.bench.report import PLOTS, run_report, torchrec_section
@@ -16,10 +17,17 @@ TORCHREC_INSTALLED = importlib.util.find_spec("torchrec") is not None
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    """One quick report for every test here (it runs each benchmark once: ~40 s)."""
+def report(tmp_path_factory, prefect_server):
+    """One quick report for every test here (it runs each benchmark once: ~40 s); its
+    flows report to the session's Prefect server (the Dask workers' too, through the
+    environment) rather than starting one of their own."""
     out = tmp_path_factory.mktemp("report")
-    return out, run_report(out, quick=True)
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        temporary_settings({PREFECT_API_URL: prefect_server}),
+    ):
+        patch.setenv("PREFECT_API_URL", prefect_server)
+        return out, run_report(out, quick=True)
 
 
 def test_report_writes_json_markdown_and_valid_plots(report):

@@ -123,7 +123,10 @@ def test_convert_the_real_sample_then_train_on_it(criteo_sample, tmp_path):
     )
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
-    assert info == {"url": out, "rows": 400, "days": 2, "bad_lines": 0, "quarantine": None}
+    assert info == {
+        "url": out, "rows": 400, "days": 2, "bad_lines": 0, "written_days": [0, 1],
+        "quarantine": None,
+    }  # fmt: skip
     run_dir = str(tmp_path / "run")
     sets = ["--set", "train.batch_size=64", "--set", "features.max_rows_per_table=500"]
     result = runner.invoke(app, ["train", "--run-dir", run_dir, "--data", out, *sets])

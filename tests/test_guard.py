@@ -12,7 +12,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from dlrmflow.guard import COMMAND_ENV, GRACE_S, carrying
+from tests.prefect_server import new_prefect_home
 
 DLRMFLOW = str(Path(sys.executable).parent / "dlrmflow")
 
@@ -87,8 +90,11 @@ def test_sigterm_ends_a_command_in_one_line_and_cleans_its_temporaries(tmp_path:
     assert not [p for p in out.rglob("*") if p.is_file()]  # no temporary, no day file
 
 
-def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(tmp_path: Path) -> None:
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(
+    tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
+    # Its own Prefect home, its database already migrated (as on a second demo).
+    env = {**os.environ, "PREFECT_HOME": str(new_prefect_home(tmp_path / "prefect", pytestconfig))}
     env.pop("PREFECT_API_URL", None)  # the demo's own local server
     command = subprocess.Popen(
         [DLRMFLOW, "demo", "--quick", "--run-dir", str(tmp_path / "run")],

@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from dlrmflow.bench import recurring
 from dlrmflow.bench import report as sections
 from dlrmflow.outputs import write_atomic
 
@@ -56,9 +57,11 @@ BASELINES = {
     "precision": "fp32, same config",
     "torchrec": "TorchRec's DLRM, same cores",
     "scale": "the same job all in memory",
+    "recurring": "retrained daily, or frozen",
 }
-# Benchmarks a report may lack: ``dlrmflow bench scale`` runs apart (``bench docs --scale``).
-OPTIONAL = {"scale"}
+# Benchmarks a report may lack: ``dlrmflow bench scale`` and ``bench recurring`` run apart
+# (``bench docs --scale``, ``--recurring``).
+OPTIONAL = {"scale", "recurring"}
 
 # Each benchmark in the report: its title, the module whose docstring says how it runs,
 # the report section that renders its results, and which ratios the README lists.
@@ -96,6 +99,13 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
         _every,
     ),
     ("scale", "Criteo scale", "dlrmflow.bench.scale", sections.scale_section, _every),
+    (
+        "recurring",
+        "Recurring training",
+        "dlrmflow.bench.recurring",
+        recurring.recurring_section,
+        _every,
+    ),
 ]
 
 
@@ -156,6 +166,8 @@ def results_table(record: dict) -> str:
     table = "\n".join([header, *rows])
     if "scale" in record:
         table += "\n\n" + scale_table(record["scale"])
+    if "recurring" in record:
+        table += "\n\n" + recurring.recurring_table(record["recurring"])
     return table
 
 
@@ -196,23 +208,40 @@ def replace_results(readme: str, table: str) -> str:
 
 
 def write_docs(
-    report: Path, docs_dir: Path, readme: Path, scale: Path | None = None
+    report: Path,
+    docs_dir: Path,
+    readme: Path,
+    scale: Path | None = None,
+    recurring_run: Path | None = None,
 ) -> dict[str, str]:
     """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents;
-    ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale"."""
+    ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale",
+    ``recurring_run`` (a ``dlrmflow bench recurring`` JSON, its plot beside it) under
+    "recurring"."""
     record = json.loads(Path(report).read_text())
-    if scale is not None:
-        record["scale"] = json.loads(Path(scale).read_text())
+    added = {"scale": scale, "recurring": recurring_run}
+    plots = {}
+    for key, path in added.items():
+        if path is not None:
+            record[key] = json.loads(Path(path).read_text())
+    if recurring_run is not None:
+        plots[recurring.PLOT] = Path(recurring_run).parent / recurring.PLOT
+        if not plots[recurring.PLOT].is_file():
+            raise FileNotFoundError(f"{plots[recurring.PLOT]}: the recurring benchmark's plot")
     for key, *_ in BENCHMARKS:
         if key not in record and key not in OPTIONAL:
             raise ValueError(f"{report}: no {key!r} benchmark in this report")
     target = Path(docs_dir) / "benchmarks.json"
-    if Path(report).resolve() != target.resolve() or scale is not None:
+    changed = any(path is not None for path in added.values())
+    if Path(report).resolve() != target.resolve() or changed:
         write_atomic(target, json.dumps(record, indent=2) + "\n")
         for plot in record.get("plots", []):  # the report's figures, beside its text
             source = Path(report).parent / plot
             if source.is_file():
-                write_atomic(Path(docs_dir) / plot, source.read_bytes())
+                plots.setdefault(plot, source)
+    for name, source in plots.items():
+        if source.resolve() != (Path(docs_dir) / name).resolve():
+            write_atomic(Path(docs_dir) / name, source.read_bytes())
     write_atomic(Path(docs_dir) / "benchmarks.md", benchmarks_markdown(record))
     write_atomic(readme, replace_results(Path(readme).read_text(), results_table(record)))
     return {

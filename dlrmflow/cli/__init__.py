@@ -38,6 +38,7 @@ for _name, _command in (
     ("convert", data.convert),
     ("train", run.train),
     ("line", line.line),
+    ("backfill", line.backfill),
     ("plan", run.plan),
     ("evaluate", run.evaluate),
     ("export", run.export),

@@ -153,11 +153,34 @@ def bench_docs(
     scale: Annotated[
         Path | None, typer.Option(help="A `dlrmflow bench scale` JSON to add to the report.")
     ] = None,
+    recurring: Annotated[
+        Path | None,
+        typer.Option(help="A `dlrmflow bench recurring` JSON (its plot beside it) to add."),
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
-    echo_json(write_docs(report, docs_dir, readme, scale))
+    echo_json(write_docs(report, docs_dir, readme, scale, recurring))
+
+
+@app.command("recurring")
+def bench_recurring(
+    json_out: JsonOpt = None,
+    quick: QuickOpt = False,
+    days: Annotated[int | None, typer.Option(min=3, help="Drifting days generated.")] = None,
+    rows_per_day: Annotated[int | None, typer.Option(min=1, help="Rows in each day.")] = None,
+    drift: Annotated[float | None, typer.Option(help="data.drift of the days (0-1).")] = None,
+) -> None:
+    """A model line continued daily against retraining from scratch daily and a model
+    frozen after day 0, on drifting days: next-day AUC and CPU-seconds per day. With
+    --json, the plot (recurring_auc.png) is written beside the JSON."""
+    from dlrmflow.bench.recurring import PLOT, plot_recurring, run_recurring_benchmark
+
+    result = run_recurring_benchmark(quick, days=days, rows_per_day=rows_per_day, drift=drift)
+    emit_benchmark(result, json_out)
+    if json_out is not None:
+        plot_recurring(result, json_out.parent / PLOT)
 
 
 @app.command("train")

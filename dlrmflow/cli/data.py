@@ -64,21 +64,37 @@ def generate(
 
 
 def convert(
-    input_: Annotated[
-        list[str], typer.Option("--input", "-i", help="Raw Criteo TSV day files (.gz ok).")
-    ],
     out: Annotated[str, typer.Option(help="Output dataset URL.")],
+    input_: Annotated[
+        list[str] | None,
+        typer.Option("--input", "-i", help="Raw Criteo TSV day files (.gz ok), day 0 first."),
+    ] = None,
+    input_dir: Annotated[
+        str | None,
+        typer.Option(help="A landing directory: its files are the days, in name order."),
+    ] = None,
     max_bad_fraction: Annotated[
         float, typer.Option(help="Fail when a file has more malformed lines than this.")
     ] = 0.001,
     row_group_size: Annotated[int, typer.Option(help="Rows per Parquet row group.")] = 65_536,
 ) -> None:
-    """Convert raw Criteo TSV days to Parquet, quarantining malformed lines."""
-    from dlrmflow.ingest.criteo import convert_criteo
+    """Convert raw Criteo TSV days to Parquet, quarantining malformed lines.
+
+    Days converted before from the same files are kept without reading them: converting
+    a landing directory again after a file lands writes only the new day."""
+    from dlrmflow.config import ConfigError
+    from dlrmflow.ingest.criteo import convert_criteo, landed_days
+
+    if (input_ is None) == (input_dir is None):
+        raise ConfigError("give the raw days as --input files or as one --input-dir")
+    if input_dir is not None:
+        input_ = landed_days(input_dir)
+        if not input_:
+            raise FileNotFoundError(f"{input_dir}: no raw day file in the landing directory")
 
     bar = Progress(None, "convert", unit="lines")
     result = convert_criteo(
-        input_,
+        list(input_ or []),
         out,
         max_bad_fraction=max_bad_fraction,
         row_group_size=row_group_size,
@@ -91,6 +107,7 @@ def convert(
             "rows": result.rows,
             "days": result.manifest.days,
             "bad_lines": result.bad_lines,
+            "written_days": result.written_days,
             "quarantine": result.quarantine,
         }
     )

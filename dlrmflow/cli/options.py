@@ -29,7 +29,17 @@ IntervalOpt = Annotated[
     float | None, typer.Option(help="Schedule the flow every this many seconds.")
 ]
 ScheduledFlowOpt = Annotated[
-    str, typer.Option(help="The flow the schedule runs: ingest, train, evaluate, end_to_end.")
+    str,
+    typer.Option(
+        help="The flow the schedule runs: ingest, train, evaluate, end_to_end or recurring "
+        "(a model line's day, see --line)."
+    ),
+]
+LineOpt = Annotated[
+    str,
+    typer.Option(
+        "--line", help="The recurring flow's model line directory (relative: in the run's cwd)."
+    ),
 ]
 SetOpt = Annotated[
     list[str] | None,

@@ -11,6 +11,7 @@ from dlrmflow.cli.options import (
     ConfigOpt,
     CronOpt,
     IntervalOpt,
+    LineOpt,
     ScheduledFlowOpt,
     SetOpt,
     echo_json,
@@ -26,6 +27,7 @@ def serve(
     interval: IntervalOpt = None,
     flow: ScheduledFlowOpt = "end_to_end",
     limit: Annotated[int, typer.Option(help="Flow runs executing at once.")] = 1,
+    line: LineOpt = "line",
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -34,7 +36,9 @@ def serve(
 
     if cron is not None and interval is not None:
         raise ConfigError("give --cron or --interval, not both")
-    serve_flows(resolve(config, set_), cron=cron, interval=interval, scheduled=flow, limit=limit)
+    serve_flows(
+        resolve(config, set_), cron=cron, interval=interval, scheduled=flow, limit=limit, line=line
+    )
 
 
 def deploy(
@@ -48,6 +52,7 @@ def deploy(
         str | None,
         typer.Option(help="Where workers start runs (relative paths resolve there); default: cwd."),
     ] = None,
+    line: LineOpt = "line",
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
@@ -66,6 +71,7 @@ def deploy(
         interval=interval,
         scheduled=flow,
         working_dir=working_dir,
+        line=line,
     )
     echo_json(result)
 

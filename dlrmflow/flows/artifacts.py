@@ -149,15 +149,19 @@ def plot_training_curve(records: list[dict[str, Any]], path: str | Path) -> Path
     return path
 
 
-def curve_markdown(png: Path) -> str:
+def image_markdown(title: str, png: Path) -> str:
     """Markdown that shows the PNG inline (base64, so no file server is needed) and names
     the file for anyone with access to the run directory."""
     data = base64.b64encode(png.read_bytes()).decode("ascii")
     return (
-        "# Training curve\n\n"
-        f"![training curve](data:image/png;base64,{data})\n\n"
+        f"# {title}\n\n"
+        f"![{title.lower()}](data:image/png;base64,{data})\n\n"
         f"File: `{png.resolve()}` ([open]({png.resolve().as_uri()}))\n"
     )
+
+
+def curve_markdown(png: Path) -> str:
+    return image_markdown("Training curve", png)
 
 
 def publish_stats(stats: DatasetStats) -> UUID:

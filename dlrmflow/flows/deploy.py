@@ -1,10 +1,10 @@
 """Deployments of the flows to a process work pool, run by ``prefect worker start`` processes.
 
 ``deploy_flows`` registers the deployments ``serve`` builds (``ingest/dlrmflow``,
-``train/dlrmflow``, ``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, the same parameters and
-schedule) with the Prefect server at ``PREFECT_API_URL``, in a process work pool it creates
-when missing, and returns. A worker on any host (``prefect worker start --pool NAME``) then
-runs each flow run in a subprocess of its own.
+``train/dlrmflow``, ``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, ``recurring/dlrmflow``,
+the same parameters and schedule) with the Prefect server at ``PREFECT_API_URL``, in a
+process work pool it creates when missing, and returns. A worker on any host (``prefect
+worker start --pool NAME``) then runs each flow run in a subprocess of its own.
 
 The deployments carry no code and no pull steps: their entrypoints are module paths
 (``dlrmflow.flows.end_to_end.end_to_end``), which the run imports from the Python
@@ -28,6 +28,7 @@ from prefect.settings import get_current_settings
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.flows.api import PrefectServerError
+from dlrmflow.flows.recurring import DEFAULT_LINE
 from dlrmflow.flows.serve import DEPLOYMENT_NAME, build_deployments
 
 POOL_TYPE = "process"
@@ -92,17 +93,19 @@ def deploy_flows(
     scheduled: str = "end_to_end",
     working_dir: str | None = None,
     name: str = DEPLOYMENT_NAME,
+    line: str = DEFAULT_LINE,
 ) -> dict[str, Any]:
-    """Register the four flows' deployments to the process work pool ``pool`` (created
+    """Register the flows' deployments to the process work pool ``pool`` (created
     when missing) on the server at ``PREFECT_API_URL``; returns the pool and the
     deployments' ids by ``flow/deployment`` name.
 
-    ``config`` (default: the defaults) is every deployment's default parameter; the flow
-    ``scheduled`` runs on ``cron`` or every ``interval`` seconds. A worker starts each run
-    in ``working_dir``, where a relative ``run_dir`` or ``data.url`` resolves: by default
-    the directory this is called from, as ``dlrmflow serve`` runs its flows in its own. It
-    must exist on the workers' hosts (a shared file system, or the same layout); Prefect's
-    own default, a temporary directory per run, would delete a relative run directory.
+    ``config`` (default: the defaults) is every deployment's default parameter, ``line`` the
+    recurring flow's model line; the flow ``scheduled`` runs on ``cron`` or every
+    ``interval`` seconds. A worker starts each run in ``working_dir``, where a relative
+    ``run_dir``, ``data.url`` or line resolves: by default the directory this is called
+    from, as ``dlrmflow serve`` runs its flows in its own. It must exist on the workers'
+    hosts (a shared file system, or the same layout); Prefect's own default, a temporary
+    directory per run, would delete a relative run directory.
     """
     url = api_url()
     folder = Path(working_dir if working_dir is not None else ".").absolute()
@@ -113,5 +116,6 @@ def deploy_flows(
         scheduled=scheduled,
         name=name,
         job_variables={"working_dir": str(folder)},
+        line=line,
     )
     return asyncio.run(_deploy(deployments, pool, url))

@@ -8,6 +8,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from dlrmflow.supervise import JobStopped
+from dlrmflow.train.line.line import LineError
 from dlrmflow.train.run.evaluate import NonFinitePredictions
 from dlrmflow.train.run.rundir import RunDirBusy
 from dlrmflow.train.run.trainer import IncompatibleCheckpoint, NonFiniteLoss
@@ -20,6 +21,7 @@ NOT_TRANSIENT = (
     IncompatibleCheckpoint,
     NonFiniteLoss,
     NonFinitePredictions,
+    LineError,  # another configuration, a layout the line did not write
     JobStopped,  # the user (or a scheduler's timeout) asked the command to stop
 )
 

@@ -30,6 +30,7 @@ import json
 import lzma
 import os
 import posixpath
+import re
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,14 @@ from dlrmflow.ingest.dayfile import (
     file_name,
     remove_temporaries,
 )
-from dlrmflow.ingest.manifest import DayFile, Manifest, join_url, listed_paths, publish_manifest
+from dlrmflow.ingest.manifest import (
+    DayFile,
+    Manifest,
+    join_url,
+    listed_paths,
+    publish_manifest,
+    read_manifest,
+)
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema, schema_to_json
 from dlrmflow.outputs import OutputError
@@ -105,6 +113,7 @@ class ConvertResult:
     bad_lines: int
     quarantine: str | None
     quarantine_files: list[str] = field(default_factory=list)
+    written_days: list[int] = field(default_factory=list)  # the rest were kept as they were
 
 
 @dataclass
@@ -122,6 +131,7 @@ class ConvertedDay:
     path: str
     digest: str
     bytes: int
+    kept: bool = False  # converted by an earlier run and left as it was
 
 
 @dataclass
@@ -264,7 +274,15 @@ def convert_day(
     progress: Callable[[int], None] | None = None,
 ) -> ConvertedDay:
     """Convert one raw input to ``day_file(out, day, url, row_group_size)`` (see
-    ``convert_criteo``; this day's output depends on nothing but ``url`` and the options)."""
+    ``convert_criteo``; this day's output depends on nothing but ``url`` and the options).
+
+    A day the dataset at ``out`` already lists as converted from this input (the same file
+    name, hence the same input size and modification time and options, and the file there
+    at its recorded size) is kept: its counts come from the manifest, and not a byte of the
+    input or the day file is read. So a dataset grows by a day at the cost of that day."""
+    kept = converted_before(url, day, out, row_group_size)
+    if kept is not None:
+        return kept
     return _convert_day(
         url,
         day,
@@ -275,6 +293,65 @@ def convert_day(
         block_size=block_size,
         progress=progress,
     )
+
+
+def converted_before(url: str, day: int, out: str, row_group_size: int) -> ConvertedDay | None:
+    """Day ``day`` as the manifest at ``out`` records it, if it was converted from ``url``
+    with these options and its file is still there at its recorded size; else None."""
+    try:
+        manifest = read_manifest(out)
+    except (OSError, ValueError):
+        return None
+    generator = manifest.generator or {}
+    inputs = generator.get("inputs", [])
+    path = f"day={day}/{day_file_name(url, row_group_size)}"
+    listed = [f for f in manifest.files if f.day == day and f.path == path]
+    if manifest.source != "criteo" or not listed or day >= len(inputs) or inputs[day] != url:
+        return None
+    record = listed[0]
+    fs, root = fsspec.core.url_to_fs(join_url(out, path))
+    try:
+        size = fs.size(root)
+    except FileNotFoundError:
+        return None
+    if record.digest is None or record.bytes is None or size != record.bytes:
+        return None
+    bad = int(generator["bad_lines"][day])
+    quarantine = join_url(out, QUARANTINE_DIR, f"{_input_name(url)}.jsonl") if bad else None
+    return ConvertedDay(
+        day,
+        int(generator["lines"][day]),
+        record.rows,
+        round(record.positive_rate * record.rows),
+        bad,
+        quarantine,
+        path,
+        record.digest,
+        record.bytes,
+        kept=True,
+    )
+
+
+def landed_days(directory: str) -> list[str]:
+    """The raw day files in ``directory`` (a landing folder that gains a file a day), in
+    day order: by name, with runs of digits compared as numbers (``day_2`` before
+    ``day_10``). Hidden files and names ending in a temporary suffix (``.tmp``,
+    ``.part``, ``.partial``) are not days yet: a file still being copied in is skipped."""
+    fs, root = fsspec.core.url_to_fs(directory)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{directory}: landing directory not found") from e
+    names = [posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"]
+    days = [n for n in names if not n.startswith(".") and not n.endswith(_NOT_LANDED)]
+    return [join_url(directory, n) for n in sorted(days, key=_natural)]
+
+
+_NOT_LANDED = (".tmp", ".part", ".partial")
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def finish_conversion(
@@ -320,6 +397,7 @@ def finish_conversion(
         bad_lines=sum(s.bad_lines for s in days),
         quarantine=join_url(out, QUARANTINE_DIR) if quarantine_files else None,
         quarantine_files=quarantine_files,
+        written_days=[s.day for s in days if not s.kept],
     )
 
 

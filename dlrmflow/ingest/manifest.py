@@ -132,7 +132,14 @@ class Manifest(BaseModel):
         return sorted({f.day for f in self.files if f.day != self.test_day})
 
 
-def check_dataset(url: str, manifest: Manifest, *, training: bool = True) -> list[str]:
+def check_dataset(
+    url: str,
+    manifest: Manifest,
+    *,
+    training: bool = True,
+    train_days: list[int] | None = None,
+    eval_days: list[int] | None = None,
+) -> list[str]:
     """Check the dataset at ``url`` against its ``manifest`` before any work starts.
 
     Reads the Parquet footer of every listed file (never the data, so it is cheap at any
@@ -150,25 +157,32 @@ def check_dataset(url: str, manifest: Manifest, *, training: bool = True) -> lis
 
     Returns warnings, one string each: a training day with no rows (training goes on
     with the others). ``training=False`` checks what evaluation needs: the manifest, and
-    of the files only the test day's, so a dataset of the test day alone passes, as does
-    one whose training files are gone.
+    of the files only the evaluated days', so a dataset of the test day alone passes, as
+    does one whose training files are gone.
+
+    A run that chose its windows (``data.train_days``, ``data.eval_days``) passes them:
+    then its training days and its evaluated days (none, or others than the test day)
+    are the ones checked, so a dataset of one day can be trained on.
     """
     where = join_url(url, MANIFEST_NAME)
-    _raise_any(where, _manifest_problems(manifest, training))
-    needed = [f for f in manifest.files if training or f.day == manifest.test_day]
+    _raise_any(where, _manifest_problems(manifest, training and train_days is None))
+    evaluated = [manifest.test_day] if eval_days is None else eval_days
+    needed = [f for f in manifest.files if training or f.day in evaluated]
     _raise_any(where, _file_problems(url, needed))
 
     rows_by_day: dict[int, int] = defaultdict(int)
     for f in manifest.files:
         rows_by_day[f.day] += f.rows
-    if rows_by_day[manifest.test_day] == 0:
-        raise DataError(
-            f"{where}: test day {manifest.test_day} has no rows "
-            f"({_files_of(url, manifest, manifest.test_day)}); there is nothing to evaluate on"
-        )
+    for day in evaluated:
+        if rows_by_day[day] == 0:
+            kind = "test day" if day == manifest.test_day else "evaluation day"
+            raise DataError(
+                f"{where}: {kind} {day} has no rows "
+                f"({_files_of(url, manifest, day)}); there is nothing to evaluate on"
+            )
     if not training:
         return []
-    train = manifest.train_days()
+    train = manifest.train_days() if train_days is None else train_days
     empty = [day for day in train if rows_by_day[day] == 0]
     if len(empty) == len(train):
         raise DataError(f"{where}: every training day ({_days(train)}) has no rows")
@@ -179,7 +193,8 @@ def check_dataset(url: str, manifest: Manifest, *, training: bool = True) -> lis
 
 
 def _manifest_problems(manifest: Manifest, training: bool) -> list[str]:
-    """What is inconsistent in the manifest itself (or, for ``training``, unusable)."""
+    """What is inconsistent in the manifest itself (or, for ``training`` on the days
+    outside the test day, unusable)."""
     problems = []
     paths = Counter(_normal(f.path) for f in manifest.files)
     for path, count in paths.items():

@@ -298,6 +298,10 @@ class StatsAccumulator:
         for name, totals in self.sparse.items():
             totals.merge(other.sparse[name])
 
+    def id_samples(self) -> dict[str, IdSample]:
+        """Each categorical feature's sample of distinct IDs (see ``IdSample``)."""
+        return {name: totals._skew().sample for name, totals in self.sparse.items()}
+
     def result(self, url: str, multi_hot: bool) -> DatasetStats:
         return DatasetStats(
             url=url,
@@ -526,6 +530,19 @@ class IdSample:
         self._raise_to(max(self.level, other.level))
         keep = _sampled(other.hashes, self.level)
         self._combine(other.hashes[keep], other.counts[keep])
+
+    def unseen_share(self, before: Sequence[IdSample]) -> float | None:
+        """The share of this sample's distinct IDs that none of the samples ``before`` has
+        (None when it has none): each side is taken at the coarsest level of all, where
+        every sample still holds every distinct ID of its data that the level keeps, so
+        membership is exact and the share is that of a uniform sample of the IDs."""
+        level = max([self.level, *(b.level for b in before)])
+        ids = self.hashes[_sampled(self.hashes, level)]
+        if len(ids) == 0:
+            return None
+        seen = [b.hashes[_sampled(b.hashes, level)] for b in before]
+        known = np.isin(ids, np.concatenate(seen)) if seen else np.zeros(len(ids), bool)
+        return float(1.0 - known.mean())
 
     def _combine(self, keys: np.ndarray, counts: np.ndarray) -> None:
         self.hashes, self.counts = _sum_by_key(

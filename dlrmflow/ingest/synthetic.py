@@ -271,9 +271,11 @@ def day_file_name(config: DataConfig, day: int) -> str:
     """The file name of day ``day`` of ``config``'s data: a hash of everything its bytes
     follow from (the parameters, the day, this generator's and the libraries' versions),
     never of other days, so the same day generated again lands on the same name."""
-    # What the bytes follow from: not where they go, how many days, nor which days a run
-    # reads (the windows).
-    parameters = config.model_dump(mode="json", exclude={"url", "days", "train_days", "eval_days"})
+    # What the bytes follow from: not where they go, how many days, which days a run reads
+    # (the windows), nor where raw days land.
+    parameters = config.model_dump(
+        mode="json", exclude={"url", "days", "train_days", "eval_days", "landing"}
+    )
     if config.drift == 0:
         del parameters["drift"]  # the i.i.d. days keep the names they had before drift
     versions = (GENERATOR_FORMAT, np.__version__, pa.__version__)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from dlrmflow.flows.api import PrefectServerError, unreachable_api
-from tests.flows.conftest import free_port
+from tests.prefect_server import free_port
 
 
 @pytest.fixture

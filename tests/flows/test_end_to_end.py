@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from dlrmflow.config import build_config
-from tests.flows.conftest import new_prefect_home, server_env
+from tests.prefect_server import new_prefect_home, server_env
 
 SUMMARY_KEYS = {
     "auc", "logloss", "ne", "calibration", "bayes_auc", "bayes_logloss", "rows_trained",

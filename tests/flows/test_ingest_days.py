@@ -20,8 +20,8 @@ from dlrmflow.flows.runners import task_runner
 from dlrmflow.flows.storage import RESULTS_DIR
 from dlrmflow.ingest.criteo import convert_criteo
 from dlrmflow.ingest.stats import dataset_stats, write_stats
-from tests.flows.conftest import stop_process_group
 from tests.flows.records import run_records
+from tests.prefect_server import stop_process_group
 
 pytest.importorskip("prefect_dask")
 

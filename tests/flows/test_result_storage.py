@@ -21,8 +21,8 @@ import fsspec
 from dlrmflow.config import OrchestrationConfig, build_config
 from dlrmflow.flows.ingest import ingest_flow, run_ingest
 from dlrmflow.flows.storage import RESULTS_DIR, result_location, result_storage
-from tests.flows.conftest import server_env
 from tests.flows.records import run_records
+from tests.prefect_server import server_env
 
 HOST_SCRIPT = """
 import json, sys

@@ -18,21 +18,26 @@ def test_one_deployment_per_flow_with_the_config_as_default():
         ("train", "dlrmflow"),
         ("evaluate", "dlrmflow"),
         ("end_to_end", "dlrmflow"),
+        ("recurring", "dlrmflow"),
     ]
     # Module paths: a run finds the flow wherever the package is installed.
     assert deployments[1].entrypoint == "dlrmflow.flows.train.train_flow"
     for deployment in deployments:
         assert build_config(deployment.parameters["config"]) == config
         assert deployment.schedules == []
+    assert deployments[4].parameters["line"] == "line"  # the recurring flow's model line
+    assert build_deployments(config, line="lines/ctr")[4].parameters["line"] == "lines/ctr"
 
 
 def test_the_schedule_goes_on_the_chosen_flow_only():
     cron = build_deployments(RunConfig(), cron="0 3 * * *")
-    assert [len(d.schedules) for d in cron] == [0, 0, 0, 1]
+    assert [len(d.schedules) for d in cron] == [0, 0, 0, 1, 0]
     assert cron[3].schedules[0].schedule.cron == "0 3 * * *"
 
     interval = build_deployments(RunConfig(), interval=90, scheduled="ingest")
-    assert [len(d.schedules) for d in interval] == [1, 0, 0, 0]
+    assert [len(d.schedules) for d in interval] == [1, 0, 0, 0, 0]
+    daily = build_deployments(RunConfig(), cron="0 3 * * *", scheduled="recurring")
+    assert [len(d.schedules) for d in daily] == [0, 0, 0, 0, 1]
     assert interval[0].schedules[0].schedule.interval == datetime.timedelta(seconds=90)
 
 

@@ -33,8 +33,8 @@ from dlrmflow.flows.artifacts import (
 from dlrmflow.flows.end_to_end import SUMMARY_KEY
 from dlrmflow.flows.train import PROGRESS_KEY
 from tests.conftest import TINY_DATA
-from tests.flows.conftest import server_env, stop_process_group
 from tests.flows.records import call_client, run_records
+from tests.prefect_server import server_env, stop_process_group
 
 SCHEDULE_INTERVAL_S = 2
 RUN_TIMEOUT_S = 180

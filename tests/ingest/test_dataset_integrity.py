@@ -302,6 +302,8 @@ def test_convert_on_a_full_disk_names_the_file_and_the_day(
     inputs = [arg for path in raw for arg in ("--input", str(path))]
     assert dlrmflow("convert", *inputs, "--out", str(out)).returncode == 0
     before = snapshot(out)
+    for path in raw:  # new versions of the raw days (unchanged ones would be kept unread)
+        os.utime(path, ns=(1, 1))
 
     def small_disk() -> None:  # files may not grow past 8 KiB: a write fails as on a full disk
         resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))

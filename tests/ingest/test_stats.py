@@ -321,3 +321,27 @@ def test_stats_written_before_skew_was_recorded_still_read(tmp_path):
     (root / "stats.json").write_text("{")
     with pytest.raises(DataError, match=r"old/stats\.json: not JSON"):
         read_stats(str(root))
+
+
+def _sample_of(ids: np.ndarray) -> IdSample:
+    sample = IdSample()
+    keys, counts = np.unique(_hash_ids(ids), return_counts=True)
+    sample.add_counts(keys, counts)
+    return sample
+
+
+def test_unseen_share_is_exact_for_small_features_and_sampled_for_large_ones() -> None:
+    small_a, small_b = np.arange(1000), np.arange(500, 1500)
+    assert _sample_of(small_b).unseen_share([_sample_of(small_a)]) == 0.5  # every ID kept
+    assert _sample_of(small_b).unseen_share([]) == 1.0
+    assert _sample_of(small_b).unseen_share([_sample_of(small_a), _sample_of(small_b)]) == 0.0
+
+    # 200k IDs a side, 30% new: each sample keeps 1-2k IDs chosen by hash, at two levels.
+    rng = np.random.default_rng(0)
+    old = rng.choice(10**9, 200_000, replace=False)
+    new = np.concatenate([old[:140_000], rng.choice(10**9, 60_000, replace=False) + 10**9])
+    before, today = _sample_of(old), _sample_of(new)
+    assert before.level > 0 and len(today.hashes) <= 2048
+    exact = 1 - np.isin(new, old).mean()
+    assert abs(today.unseen_share([before]) - exact) < 0.04, (today.unseen_share([before]), exact)
+    assert _sample_of(np.empty(0, np.int64)).unseen_share([before]) is None

@@ -17,7 +17,8 @@ on the days it has not seen, in day order (``train.order: days``): the run direc
 window grows by the new days and its checkpoint at the end of the last day continues, so
 a line trained a day at a time ends bitwise where one run over the same days ends.
 Before a version trains on day d, the newest version is scored on day d (trained on days
-up to d-1, tested on d): AUC, log loss, NE and calibration go into ``history.jsonl``,
+up to d-1, tested on d): AUC, log loss, NE, calibration and the share of the day's IDs
+never trained on (``unseen``) go into ``history.jsonl``,
 and the promotion gate judges it against the champion on that day (``gate``).
 Re-running trains nothing; a kill anywhere resumes where the run stood (its checkpoints),
 and a version is written only once its day is trained. A configuration that would make
@@ -31,7 +32,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +41,13 @@ from typing import Any
 from dlrmflow.config import RunConfig, build_config, changed_keys
 from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.ingest.criteo import convert_criteo, landed_days
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import launch_evaluation, launch_training
 from dlrmflow.train.line.gate import Verdict, champion, judge, publish
+from dlrmflow.train.line.registry import log_version, mark_champion
+from dlrmflow.train.line.unseen import unseen_ids
 from dlrmflow.train.run.checkpoint import read_checkpoint
 from dlrmflow.train.run.resume import RUN_KEYS
 from dlrmflow.train.run.rundir import run_dir_lock
@@ -145,6 +150,73 @@ def history(line_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+class Line:
+    """A line opened for training (see ``open_line``): its configuration, the days it has
+    still to train on, and ``advance``, which makes the next version."""
+
+    def __init__(self, line_dir: Path, config: RunConfig) -> None:
+        self.dir = line_dir
+        self.config = config
+        self.versions = versions(line_dir)
+
+    def land(self) -> list[int]:
+        """Convert the raw days that landed in ``data.landing`` since the last call into
+        the dataset (none without a landing directory); the days written."""
+        landing = self.config.data.landing
+        if landing is None:
+            return []
+        files = landed_days(landing)
+        if not files:
+            raise LineError(f"{landing}: no raw day file in the landing directory (data.landing)")
+        result = convert_criteo(
+            files, self.config.data.url, row_group_size=self.config.data.row_group_size
+        )
+        return result.written_days
+
+    def pending(self, through: int | None = None) -> list[int]:
+        """The dataset's days the line has not trained on (through ``through``), in order."""
+        url = self.config.data.url
+        days = sorted({f.day for f in read_manifest(url).files})
+        if through is not None:
+            if through not in days:
+                raise LineError(
+                    f"--through {through}: not a day of {url} (days {days[0]}-{days[-1]})"
+                )
+            days = [d for d in days if d <= through]
+        seen = [v.day for v in self.versions]
+        if seen and seen != days[: len(seen)]:
+            raise LineError(
+                f"{self.dir}: its versions trained days {seen}, which are not the first days "
+                f"of {url} ({days[: len(seen)]})"
+            )
+        return days[len(seen) :]
+
+    def advance(self, day: int) -> Version:
+        """Score the newest version on ``day`` (next-day validation), judge it against
+        the champion there (the gate), then train on ``day``: the next version."""
+        parent = self.versions[-1] if self.versions else None
+        first = self.versions[0].day if self.versions else day  # the run's window starts there
+        validation = None
+        if parent is not None:
+            validation = _validate(self.dir, self.config, day, parent.days)
+            _gate(self.dir, self.config, parent, day, validation)
+        version = _train_day(self.dir, self.config, first, day, parent, validation)
+        self.versions.append(version)
+        return version
+
+
+@contextmanager
+def open_line(line_dir: str | Path, config: RunConfig | None = None) -> Iterator[Line]:
+    """The line at ``line_dir``, locked against a second writer while open. ``config``
+    starts the line (or must match it, see ``line_config``)."""
+    line_dir = Path(line_dir)
+    with run_dir_lock(line_dir, "dlrmflow line"):
+        opened = Line(line_dir, line_config(line_dir, config))
+        for version in opened.versions:  # one a killed call wrote but did not log
+            log_version(opened.config, line_dir, line_dir / VERSIONS_DIR / version.name)
+        yield opened
+
+
 def train_line(
     line_dir: str | Path,
     config: RunConfig | None = None,
@@ -152,41 +224,19 @@ def train_line(
     through: int | None = None,
     on_day: Callable[[Version], None] | None = None,
 ) -> list[Version]:
-    """Train the line at ``line_dir`` on every day of its dataset it has not trained on
-    (up to ``through``), a version a day; return the versions made now (none when there
-    is no new day). ``config`` starts the line (or must match it, see ``line_config``)."""
-    line_dir = Path(line_dir)
-    with run_dir_lock(line_dir, "dlrmflow line"):
-        line = line_config(line_dir, config)
-        manifest = read_manifest(line.data.url)
-        days = sorted({f.day for f in manifest.files})
-        if through is not None:
-            if through not in days:
-                raise LineError(
-                    f"--through {through}: not a day of {line.data.url} (days {days[0]}-{days[-1]})"
-                )
-            days = [d for d in days if d <= through]
-        done = versions(line_dir)
-        seen = [v.day for v in done]
-        if seen and seen != days[: len(seen)]:
-            raise LineError(
-                f"{line_dir}: its versions trained days {seen}, which are not the first days "
-                f"of {line.data.url} ({days[: len(seen)]})"
-            )
+    """Convert what landed (``data.landing``), then train the line at ``line_dir`` on
+    every day of its dataset it has not trained on (up to ``through``), a version a day;
+    return the versions made now (none when there is no new day). ``config`` starts the
+    line (or must match it, see ``line_config``)."""
+    with open_line(line_dir, config) as line:
+        line.land()
         made = []
-        for day in days[len(seen) :]:
-            parent = done[-1] if done else None
-            validation = None
-            if parent is not None:
-                validation = _validate(line_dir, line, day)
-                _gate(line_dir, line, parent, day, validation)
-            version = _train_day(line_dir, line, days[0], day, parent, validation)
-            done.append(version)
-            made.append(version)
+        for day in line.pending(through):
+            made.append(line.advance(day))
             if on_day is not None:
-                on_day(version)
+                on_day(made[-1])
         if made:
-            plot_history(line_dir)
+            plot_history(line.dir)
         return made
 
 
@@ -225,6 +275,7 @@ def _gate(
     if verdict.promoted and (serving is None or serving < version.number):
         checkpoint = line_dir / VERSIONS_DIR / version.name / "checkpoint"
         publish(line_dir, checkpoint, asdict(version), verdict)
+        mark_champion(line, line_dir / VERSIONS_DIR / version.name)
     return verdict
 
 
@@ -235,13 +286,14 @@ def verdicts(line_dir: Path) -> list[Verdict]:
     return [Verdict(**json.loads(path.read_text())) for path in found]
 
 
-def _validate(line_dir: Path, line: RunConfig, day: int) -> dict[str, Any]:
-    """The newest version scored on ``day`` (its checkpoint is the run's newest), once: a
-    day already in the history keeps its record."""
+def _validate(line_dir: Path, line: RunConfig, day: int, trained: list[int]) -> dict[str, Any]:
+    """The newest version (which trained on ``trained``; its checkpoint is the run's
+    newest) scored on ``day``, with the share of the day's IDs it never saw (``unseen``),
+    once: a day already in the history keeps its record."""
     for record in history(line_dir):
         if record["day"] == day:
             return record
-    record = _score(line, day)
+    record = {**_score(line, day), "unseen_ids": unseen_ids(line_dir, line.data.url, day, trained)}
     with open(line_dir / HISTORY_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
@@ -284,6 +336,7 @@ def _train_day(
     shutil.copytree(checkpoint, partial / "checkpoint", copy_function=os.link)
     write_atomic(partial / VERSION_FILE, json.dumps(asdict(version), indent=1) + "\n")
     partial.rename(target)
+    log_version(line, line_dir, target)
     return version
 
 
@@ -299,11 +352,11 @@ def plot_history(line_dir: Path) -> Path | None:
         return None
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 5), layout="constrained")
-    days = [r["day"] for r in records]
-    for i, key in enumerate(("auc", "logloss", "ne", "calibration")):
-        axes = figure.add_subplot(2, 2, i + 1)
-        axes.plot(days, [r[key] for r in records], marker="o")
+    figure = Figure(figsize=(11, 5), layout="constrained")
+    for i, key in enumerate(("auc", "logloss", "unseen_ids", "ne", "calibration")):
+        axes = figure.add_subplot(2, 3, i + 1)
+        shown = [r for r in records if r.get(key) is not None]
+        axes.plot([r["day"] for r in shown], [r[key] for r in shown], marker="o")
         axes.set_xlabel("day")
         axes.set_ylabel(f"next-day {key}")
         axes.grid(alpha=0.3)

@@ -182,11 +182,11 @@ def test_loader(
     has read it already."""
     url = data_url or config.data.url
     manifest = read_manifest(url) if manifest is None else manifest
-    check_dataset(url, manifest, training=False)  # a missing or empty test day, named
     if days is None:
         days = eval_window(config, manifest)
     if not days:
         raise WindowError(f"{EVAL_KEY}: none holds no day out: name the days to evaluate on")
+    check_dataset(url, manifest, training=False, eval_days=days)  # a missing or empty day
     _, loader = batch_loader(
         manifest.day_paths(url, days, held_out=[]),
         spec,

@@ -158,6 +158,30 @@ class TensorBoardTracker(Tracker):
         self._writer.close()
 
 
+def mlflow_client(tracking_uri: str) -> Any:
+    """An ``MlflowClient`` of ``tracking_uri``, offline: no usage telemetry leaves the
+    machine unless the user asks for it (as the Prefect settings do with DO_NOT_TRACK)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    if urlparse(tracking_uri).scheme in ("", "file"):
+        # MLflow 3 keeps its file store only for those who opt in; choosing a local
+        # path or file: URI (the default) is that choice.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def experiment_id_of(client: Any, experiment: str) -> str:
+    """The id of the MLflow experiment named ``experiment``, created when missing."""
+    found = client.get_experiment_by_name(experiment)
+    return found.experiment_id if found is not None else client.create_experiment(experiment)
+
+
+def tracking_uri_of(config: RunConfig, run_dir: Path) -> str:
+    """``train.tracking_uri``, or the file store ``RUN_DIR/mlruns``."""
+    return config.train.tracking_uri or (run_dir / MLRUNS_DIR).resolve().as_uri()
+
+
 class MlflowTracker(Tracker):
     """One MLflow run: ``run_id`` continues that run (a resumed training run), None starts
     one in ``experiment`` named after the run directory."""
@@ -165,17 +189,9 @@ class MlflowTracker(Tracker):
     def __init__(
         self, tracking_uri: str, experiment: str, run_dir: Path, run_id: str | None
     ) -> None:
-        # Training runs offline by default: no usage telemetry leaves the machine unless
-        # the user asks for it (as the Prefect settings do with DO_NOT_TRACK).
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
 
-        if urlparse(tracking_uri).scheme in ("", "file"):
-            # MLflow 3 keeps its file store only for those who opt in; choosing a local
-            # path or file: URI (the default) is that choice.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._client = mlflow_client(tracking_uri)
         self._known: dict[str, str] = {}  # the params a continued run already has
         if run_id is not None:
             try:
@@ -192,10 +208,7 @@ class MlflowTracker(Tracker):
                 "starting a new MLflow run",
                 stacklevel=3,
             )
-        found = self._client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id if found is not None else self._client.create_experiment(experiment)
-        )
+        experiment_id = experiment_id_of(self._client, experiment)
         self.run_id = self._client.create_run(
             experiment_id,
             run_name=run_dir.resolve().name,
@@ -270,7 +283,7 @@ def open_tracker(
             run_dir / TENSORBOARD_DIR, None if resume_step is None else resume_step + 1
         )
     if name == "mlflow":
-        uri = config.train.tracking_uri or (run_dir / MLRUNS_DIR).resolve().as_uri()
+        uri = tracking_uri_of(config, run_dir)
         previous = None if resume_step is None else _recorded_run_id(run_dir)
         tracker = MlflowTracker(uri, config.train.experiment, run_dir, previous)
         if tracker.run_id != previous:

@@ -236,10 +236,16 @@ def _train(
         require_tracker(config.train.tracker)  # a missing package fails before any work
     seed_everything(config.train.seed, compute_threads(config, env))
     manifest = read_manifest(config.data.url)
-    data_warnings = check_dataset(config.data.url, manifest)
+    train_days, eval_days = day_windows(config, manifest)
+    chosen = config.data.train_days is not None or config.data.eval_days is not None
+    data_warnings = check_dataset(
+        config.data.url,
+        manifest,
+        train_days=train_days if chosen else None,
+        eval_days=eval_days if chosen else None,
+    )
     for warning in data_warnings if rank0 else []:
         warnings.warn(warning, stacklevel=2)
-    train_days, _ = day_windows(config, manifest)
     digest = DataIdentity.of(manifest, train_days)
     if rank0 and config.train.resume == "never":
         start_afresh(run_dir)

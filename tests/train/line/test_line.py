@@ -7,14 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.line.line import LineError, history, train_line, versions
-from dlrmflow.train.run.checkpoint import load_checkpoint
+from dlrmflow.train.run.checkpoint import read_checkpoint
 from dlrmflow.train.run.trainer import train
-from tests.conftest import TINY_DATA, run_cli, tiny_run_config
+from tests.conftest import TINY_DATA, run_cli, same_weights, tiny_run_config
 
 DAYS = {**TINY_DATA, "rows_per_day": 2500, "row_group_size": 500, "drift": 0.2}
 
@@ -26,13 +25,6 @@ def _grow(url: Path, days: int) -> str:
 
 def _config(data: str, run_dir: Path) -> RunConfig:
     return tiny_run_config(data, run_dir, batch_size=400)
-
-
-def _same_weights(a: Path, b: Path) -> None:
-    got, want = load_checkpoint(a).model.state_dict(), load_checkpoint(b).model.state_dict()
-    assert got.keys() == want.keys()
-    for key in want:
-        assert torch.equal(got[key], want[key]), key
 
 
 def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -> None:
@@ -49,18 +41,22 @@ def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -
     assert (third.number, third.day, third.parent, third.days) == (2, 2, 1, [0, 1, 2])
     assert [r["day"] for r in history(line)] == [1, 2]
     assert (line / "history.png").is_file()
+    # Drift replaces a share of IDs a day: some of each day's IDs are new to the line.
+    unseen = [r["unseen_ids"] for r in history(line)]
+    assert all(0.02 < share < 0.6 for share in unseen), unseen
+    assert sorted(p.name for p in (line / "ids").iterdir()) == [f"day={d}.npz" for d in range(3)]
 
     # One run over days 0-2 in day order ends where the line's versions end.
     whole = _config(data, tmp_path / "whole")
     whole.train.order, whole.data.train_days, whole.data.eval_days = "days", "0-2", "none"
     train(whole)
-    _same_weights(line / "versions" / "0002" / "checkpoint", tmp_path / "whole")
+    same_weights(line / "versions" / "0002" / "checkpoint", tmp_path / "whole")
     recorded = json.loads((line / "versions" / "0002" / "version.json").read_text())
     assert recorded["days"] == [0, 1, 2] and len(recorded["day_digests"]) == 3
     # Each version keeps its own checkpoint, whatever the run directory pruned.
-    _same_weights(
-        line / "versions" / "0000" / "checkpoint", line / "versions" / "0000" / "checkpoint"
-    )
+    for number, days in ((0, [0]), (1, [0, 1])):
+        kept = read_checkpoint(line / "versions" / f"{number:04d}" / "checkpoint").manifest
+        assert kept["train_days"] == days
     assert [v.number for v in versions(line)] == [0, 1, 2]
 
 

@@ -1,5 +1,6 @@
-"""One real Prefect server for the flow tests: started once on a free port with its own
-PREFECT_HOME, and always stopped, also when a test fails or the session is interrupted.
+"""One real Prefect server for the tests (a plugin of tests/conftest.py): started once on a
+free port with its own PREFECT_HOME, and always stopped, also when a test fails or the
+session is interrupted.
 
 A real server rather than Prefect's test harness: the served-deployment tests need one that
 another process (the runner) can reach, and starting one costs no more than the harness.

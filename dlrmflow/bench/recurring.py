@@ -1,0 +1,270 @@
+"""Recurring training benchmark: a model line continued daily against retraining from scratch
+every day and against a model trained once and frozen, on drifting data.
+
+The synthetic generator writes ``days`` days with ``data.drift`` > 0: each day the click
+model moves (each ID's effects take an AR(1) step) and a share of IDs is replaced by new
+ones, as a live service's logs change. Every day d from 1 on, three models that have seen
+only days before d are scored on day d (next-day AUC, log loss and calibration):
+
+- ``continued``: a model line (``dlrmflow line``): on day d its newest version is scored
+  and then continued on day d alone (weights and optimizer state carried over, day order);
+- ``retrained``: a new model trained from scratch on every day before d (days 0..d-1, one
+  epoch, rows shuffled across days as ``dlrmflow train`` does), then scored;
+- ``frozen``: the model trained on day 0 alone, scored every day and never trained again.
+
+All three use the same model, optimizer, batch, seed, threads and process. The CPU-seconds
+of each day are the process's CPU time (every thread) spent on that day's work: for
+``continued`` the scoring and the day's training (and the gate's export of a promoted
+version), for ``retrained`` its training on all history and the scoring, for ``frozen``
+the scoring alone (its one training on day 0 is reported apart). The ratios (higher is
+better for the line): mean next-day AUC of the line ÷ that of each other way, and
+``retrained`` CPU-seconds per day ÷ the line's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dlrmflow.bench.machine import describe_machine
+from dlrmflow.config import RunConfig
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.ingest.synthetic import generate_dataset
+from dlrmflow.runtime.glibc_malloc import tune_allocator
+from dlrmflow.train.line.line import open_line
+from dlrmflow.train.run.evaluate import evaluate
+from dlrmflow.train.run.trainer import train
+
+BASELINE = (
+    "on the same drifting days, model, optimizer, batch, seed, threads and process: "
+    "retrained = from scratch each day on every day before it; frozen = trained on day 0 "
+    "only; ratios = the line's mean next-day AUC ÷ theirs, and retrained CPU-seconds a "
+    "day ÷ the line's (> 1: the line better or cheaper)"
+)
+WAYS = ("continued", "retrained", "frozen")
+METRICS = ("auc", "logloss", "calibration")
+DATA = {"days": 12, "rows_per_day": 50_000, "row_group_size": 25_000, "drift": 0.1}
+QUICK_DATA = {"days": 4, "rows_per_day": 3_000, "row_group_size": 1_500, "drift": 0.1}
+MODEL = {"embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
+QUICK_MODEL = {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]}
+
+
+def _config(data: dict[str, Any], run_dir: Path, quick: bool) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "run_dir": str(run_dir),
+            "data": data,
+            "model": QUICK_MODEL if quick else MODEL,
+            "train": {
+                "batch_size": 256 if quick else 1024,
+                "log_every": 10**9,
+                "checkpoint_every": 10**9,
+            },
+            # Every version is published: the gate's work is part of the line's day.
+            "gate": {"calibration_min": 1e-9, "calibration_max": 1e9, "ne_margin": 1e9},
+        }
+    )
+
+
+def _cpu() -> float:
+    return time.process_time()
+
+
+def _score(config: RunConfig, day: int) -> dict[str, float]:
+    metrics = evaluate(config.run_dir, eval_days=[day])
+    return {k: float(metrics[k]) for k in METRICS}
+
+
+def run_recurring_benchmark(
+    quick: bool = False,
+    *,
+    days: int | None = None,
+    rows_per_day: int | None = None,
+    drift: float | None = None,
+    work_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run the three ways over the same drifting days; the JSON record (see the module)."""
+    tune_allocator()
+    data = dict(QUICK_DATA if quick else DATA)
+    for key, value in (("days", days), ("rows_per_day", rows_per_day), ("drift", drift)):
+        if value is not None:
+            data[key] = value
+    if data["days"] < 3:
+        raise ValueError(f"days must be >= 3 (got {data['days']}): day 0 and two next days")
+    with tempfile.TemporaryDirectory(prefix="dlrmflow-recurring-") as scratch:
+        root = Path(work_dir) if work_dir is not None else Path(scratch)
+        data["url"] = str(root / "data")
+        base = _config(data, root / "unused", quick)
+        generate_dataset(base.data)
+        manifest = read_manifest(base.data.url)
+        bayes = {f.day: f.bayes_auc for f in manifest.files}
+        per_day: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
+        started = time.perf_counter()
+
+        # continued: a model line, a version a day.
+        line_config = base.model_copy(deep=True)
+        with open_line(root / "line", line_config) as line:
+            for day in line.pending():
+                cpu = _cpu()
+                version = line.advance(day)
+                if version.validation is not None:
+                    scores = {k: version.validation[k] for k in METRICS}
+                    per_day["continued"].append({"day": day, **scores, "cpu_s": _cpu() - cpu})
+                else:
+                    first_day_cpu = _cpu() - cpu
+
+        # frozen: day 0 alone, then scored each day.
+        frozen = base.model_copy(deep=True)
+        frozen.run_dir = str(root / "frozen")
+        frozen.data.train_days, frozen.data.eval_days = "0", "none"
+        cpu = _cpu()
+        train(frozen)
+        frozen_train_cpu = _cpu() - cpu
+        for day in range(1, data["days"]):
+            cpu = _cpu()
+            scores = _score(frozen, day)
+            per_day["frozen"].append({"day": day, **scores, "cpu_s": _cpu() - cpu})
+
+        # retrained: from scratch on every day before, each day.
+        for day in range(1, data["days"]):
+            cpu = _cpu()
+            fresh = base.model_copy(deep=True)
+            fresh.run_dir = str(root / f"retrained-{day}")
+            fresh.data.train_days, fresh.data.eval_days = f"0-{day - 1}", "none"
+            train(fresh)
+            scores = _score(fresh, day)
+            per_day["retrained"].append({"day": day, **scores, "cpu_s": _cpu() - cpu})
+
+    for way in WAYS:
+        for record in per_day[way]:
+            record["bayes_auc"] = bayes[record["day"]]
+    summary = {
+        way: {
+            "mean_next_day_auc": statistics.fmean(r["auc"] for r in per_day[way]),
+            "last_day_auc": per_day[way][-1]["auc"],
+            "mean_calibration": statistics.fmean(r["calibration"] for r in per_day[way]),
+            "cpu_s_per_day": statistics.fmean(r["cpu_s"] for r in per_day[way]),
+            "cpu_s_total": sum(r["cpu_s"] for r in per_day[way]),
+        }
+        for way in WAYS
+    }
+    line_auc, line_cpu = summary["continued"]["mean_next_day_auc"], summary["continued"]
+    ratios = {
+        "mean_next_day_auc_vs_retrained": line_auc / summary["retrained"]["mean_next_day_auc"],
+        "mean_next_day_auc_vs_frozen": line_auc / summary["frozen"]["mean_next_day_auc"],
+        "cpu_s_per_day_retrained_vs_continued": summary["retrained"]["cpu_s_per_day"]
+        / line_cpu["cpu_s_per_day"],
+    }
+    return {
+        "benchmark": "recurring",
+        "quick": quick,
+        "baseline": BASELINE,
+        "data": {k: v for k, v in data.items() if k != "url"},
+        "model": QUICK_MODEL if quick else MODEL,
+        "batch_size": base.train.batch_size,
+        "seconds": time.perf_counter() - started,
+        "first_day_cpu_s": first_day_cpu,
+        "frozen_train_cpu_s": frozen_train_cpu,
+        "days": per_day,
+        "summary": summary,
+        "ratios": ratios,
+        "machine": describe_machine(),
+    }
+
+
+def plot_recurring(record: dict[str, Any], path: Path) -> Path:
+    """Next-day AUC against the day for the three ways, with each day's Bayes AUC."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), layout="constrained")
+    axes = figure.add_subplot(1, 1, 1)
+    days = record["days"]
+    for way, marker in zip(WAYS, ("o", "s", "^"), strict=True):
+        axes.plot([r["day"] for r in days[way]], [r["auc"] for r in days[way]], marker=marker,
+                  label=way)  # fmt: skip
+    bayes = days["continued"]
+    axes.plot([r["day"] for r in bayes], [r["bayes_auc"] for r in bayes], linestyle="--",
+              color="grey", label="Bayes optimum")  # fmt: skip
+    axes.set_xlabel("day (scored before training on it)")
+    axes.set_ylabel("next-day AUC")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.savefig(path, dpi=100, format="png")
+    return Path(path)
+
+
+PLOT = "recurring_auc.png"
+
+
+def recurring_section(record: dict[str, Any]) -> str:
+    """The benchmark's results as markdown: the ways side by side, then day by day."""
+    from dlrmflow.bench.report import markdown_table
+
+    data, summary = record["data"], record["summary"]
+    ways = [
+        [way, s["mean_next_day_auc"], s["last_day_auc"], s["mean_calibration"],
+         s["cpu_s_per_day"], s["cpu_s_total"]]
+        for way, s in summary.items()
+    ]  # fmt: skip
+    days = record["days"]
+    by_day = [
+        [c["day"], c["bayes_auc"], c["auc"], r["auc"], f["auc"], c["cpu_s"], r["cpu_s"], f["cpu_s"]]
+        for c, r, f in zip(days["continued"], days["retrained"], days["frozen"], strict=True)
+    ]
+    ratios = ", ".join(f"`{k}` {v:.3f}" for k, v in record["ratios"].items())
+    return "\n\n".join(
+        [
+            "## Recurring training",
+            f"Baseline: {record['baseline']}. {data['days']} days of {data['rows_per_day']:,} "
+            f"rows drifting by {data['drift']} a day; model {record['model']}, batch "
+            f"{record['batch_size']}. Day 0 trains the line's first version "
+            f"({record['first_day_cpu_s']:.1f} CPU-s) and the frozen model "
+            f"({record['frozen_train_cpu_s']:.1f} CPU-s). Ratios: {ratios}.",
+            markdown_table(
+                [
+                    "way",
+                    "mean next-day AUC",
+                    "last day's AUC",
+                    "mean calibration",
+                    "CPU-s a day",
+                    "CPU-s in all",
+                ],
+                ways,
+            ),  # fmt: skip
+            markdown_table(
+                [
+                    "day",
+                    "Bayes AUC",
+                    "continued",
+                    "retrained",
+                    "frozen",
+                    "CPU-s continued",
+                    "CPU-s retrained",
+                    "CPU-s frozen",
+                ],
+                by_day,
+            ),  # fmt: skip
+            f"![next-day AUC against the day]({PLOT})",
+        ]
+    )
+
+
+def recurring_table(record: dict[str, Any]) -> str:
+    """The README's lines for the benchmark: each way's mean next-day AUC and cost."""
+    data = record["data"]
+    lines = [
+        f"Recurring training ({data['days']} drifting days of {data['rows_per_day']:,} rows; "
+        "next-day AUC = scored on each day before training on it):",
+        "",
+        "| way | mean next-day AUC | last day's AUC | CPU-s a day |",
+        "|---|---|---|---|",
+    ]
+    for way, s in record["summary"].items():
+        lines.append(
+            f"| {way} | {s['mean_next_day_auc']:.4f} | {s['last_day_auc']:.4f} "
+            f"| {s['cpu_s_per_day']:.1f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""The ``recurring`` flow: one scheduled run of a model line (``dlrmflow.train.line``).
+
+Each run ingests the raw days that landed since the last one (``data.landing``; without
+one, the dataset at ``data.url`` grows by other means, e.g. ``dlrmflow generate`` with a
+day more), then, for every day the line has not trained on, scores the newest version on
+it (next-day validation), judges that version against the champion there (the gate,
+publishing it when it passes) and continues it on the day: a version a day. A run that
+finds no new day trains nothing and says so.
+
+What a user watches in Prefect: a ``day-N`` task per day, the history of next-day metrics
+as a table and a plot, and the gate's verdicts. A run in which the gate held a version
+back ends ``Failed`` under the name ``HeldBack``, with the reasons as its message: the
+versions are kept and the line goes on (the next run continues it), but the model serving
+did not change, and that should not look like a normal day.
+
+``backfill`` runs the flow a day at a time through a given day, as a schedule would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, Failed, State
+
+from dlrmflow.config import RunConfig
+from dlrmflow.flows.artifacts import image_markdown
+from dlrmflow.flows.ingest import ingest_flow
+from dlrmflow.flows.policies import retry_unless_bad_input
+from dlrmflow.ingest.criteo import landed_days
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.train.line.gate import champion
+from dlrmflow.train.line.line import (
+    Line,
+    LineError,
+    history,
+    line_config,
+    open_line,
+    plot_history,
+    verdicts,
+    versions,
+)
+
+HISTORY_KEY = "dlrmflow-line-history"
+GATE_KEY = "dlrmflow-line-gate"
+HELD_BACK = "HeldBack"
+DEFAULT_LINE = "line"
+
+
+class HeldBack(LineError):
+    """The gate kept a version back: the model serving did not change."""
+
+
+@task(
+    name="day",
+    retries=2,
+    retry_delay_seconds=[30, 120],
+    retry_condition_fn=retry_unless_bad_input,
+    # A day is trained once: the line itself knows which days it has (a retry resumes).
+    cache_policy=NO_CACHE,
+)
+def day_task(line: Line, day: int) -> dict[str, Any]:
+    """Validate the newest version on ``day``, judge it, and train the next one on it."""
+    logger = get_run_logger()
+    version = line.advance(day)
+    if version.validation is not None:
+        v = version.validation
+        logger.info(
+            "day %d: the version before scored AUC %.4f, NE %.4f, calibration %.3f",
+            day, v["auc"], v["ne"], v["calibration"],
+        )  # fmt: skip
+    logger.info(
+        "day %d: version %s trained (%d steps, %d rows, final loss %.4f)",
+        day, version.name, version.steps, version.rows, version.final_loss,
+    )  # fmt: skip
+    return asdict(version)
+
+
+@flow(name="recurring", validate_parameters=True)
+def recurring_flow(
+    line: str = DEFAULT_LINE,
+    config: RunConfig | None = None,
+    through: int | None = None,
+    max_days: int | None = None,
+) -> State:
+    """Bring the line at ``line`` up to date: ingest what landed, then a version for each
+    new day (at most ``max_days``, through day ``through``). ``config`` starts the line
+    and afterwards must be the same run (see ``line_config``). Completed when every
+    version judged in this run was promoted (or there was nothing to judge); ``Failed``
+    named ``HeldBack`` when the gate kept one back."""
+    logger = get_run_logger()
+    line_dir = Path(line)
+    if max_days is not None and max_days < 1:
+        raise ValueError(f"max_days must be >= 1 (got {max_days})")
+    with open_line(line_dir, config) as opened:
+        landing = opened.config.data.landing
+        if landing is not None:
+            ingest_flow(opened.config, raw_inputs=landed_days(landing))
+        judged_before = len(verdicts(line_dir))
+        days = opened.pending(through)
+        todo = days if max_days is None else days[:max_days]
+        if not todo:
+            trained = [v.day for v in opened.versions]
+            seen = f"days {trained[0]}-{trained[-1]}" if trained else "no day"
+            message = f"no new day in {opened.config.data.url} (the line has trained {seen})"
+            logger.info(message)
+            return Completed(message=message, data=_summary(line_dir, [], days))
+        made = [day_task.with_options(name=f"day-{day}")(opened, day) for day in todo]
+        plot_history(line_dir)
+    summary = _summary(line_dir, made, days[len(todo) :])
+    judged = verdicts(line_dir)[judged_before:]
+    _publish(line_dir, judged)
+    held = [v for v in judged if not v.promoted]
+    if held:
+        message = "; ".join(
+            f"version {v.version:04d} held back on day {v.day}: {'; '.join(v.reasons)}"
+            for v in held
+        )
+        logger.warning(message)
+        return Failed(name=HELD_BACK, message=message, data=HeldBack(message))
+    return Completed(
+        message=f"trained day(s) {', '.join(str(d['day']) for d in made)}", data=summary
+    )
+
+
+def _summary(line_dir: Path, made: list[dict[str, Any]], left: list[int]) -> dict[str, Any]:
+    return {
+        "line": str(line_dir),
+        "trained": made,
+        "left": left,
+        "versions": len(versions(line_dir)),
+        "champion": champion(line_dir),
+    }
+
+
+def _publish(line_dir: Path, judged: list[Any]) -> None:
+    """The next-day history (a table and its plot) and this run's verdicts."""
+    records = history(line_dir)
+    if records:
+        create_table_artifact(
+            key=HISTORY_KEY,
+            table=[{k: r.get(k) for k in ("day", "auc", "logloss", "ne", "calibration",
+                                          "unseen_ids", "rows")} for r in records],
+            description=f"Next-day validation of the line {line_dir}: each day, the model "
+            "trained on the days before it",
+        )  # fmt: skip
+        plot = line_dir / "history.png"
+        if plot.is_file():
+            create_markdown_artifact(
+                key=f"{HISTORY_KEY}-plot",
+                markdown=image_markdown("Next-day metrics", plot),
+                description=f"Next-day metrics of the line {line_dir} against the day",
+            )
+    if judged:
+        lines = [f"# Promotion gate of {line_dir}", ""]
+        for v in judged:
+            if v.promoted:
+                lines.append(f"- version {v.version:04d} **promoted** on day {v.day}")
+            else:
+                lines.append(f"- version {v.version:04d} **held back** on day {v.day}:")
+                lines.extend(f"  - {reason}" for reason in v.reasons)
+        serving = champion(line_dir)
+        lines += ["", f"Serving: {'none' if serving is None else f'version {serving:04d}'}"]
+        create_markdown_artifact(
+            key=GATE_KEY,
+            markdown="\n".join(lines) + "\n",
+            description=f"The gate's verdicts in this run of {line_dir}",
+        )
+
+
+def backfill(
+    line: str | Path,
+    config: RunConfig | None = None,
+    *,
+    through: int | None = None,
+) -> list[State]:
+    """Run the recurring flow a day at a time until the line has trained through
+    ``through`` (default: the dataset's last day), as a daily schedule would have: one
+    flow run per day, each resumable; days already trained are not run again. Returns
+    each run's final state (a ``HeldBack`` run does not stop the backfill; any other
+    failure raises its error)."""
+    states: list[State] = []
+    while True:
+        before = len(versions(Path(line)))
+        state = recurring_flow(str(line), config, through, max_days=1, return_state=True)
+        states.append(state)
+        result = state.result(raise_on_failure=False)
+        if isinstance(result, BaseException) and not isinstance(result, HeldBack):
+            raise result
+        if len(versions(Path(line))) == before or not _untrained(Path(line), through):
+            return states
+
+
+def _untrained(line_dir: Path, through: int | None) -> list[int]:
+    """The days of the line's dataset (through ``through``) it has not trained on."""
+    config = line_config(line_dir, None)
+    trained = {v.day for v in versions(line_dir)}
+    days = {f.day for f in read_manifest(config.data.url).files}
+    return sorted(d for d in days - trained if through is None or d <= through)
