@@ -1,10 +1,11 @@
 """The flows deployed to a process work pool and run by a real worker, as the README says:
 
-``dlrmflow deploy --pool P`` (a subprocess, against the session's real Prefect server), then
-``prefect worker start --pool P`` (the venv's, so dlrmflow is importable), then a run of
-``end_to_end/dlrmflow`` created through the server; the worker runs it and the test reads
-the run, its subflows and artifacts back. The config's paths are relative: they resolve in
-the directory ``deploy`` ran in, which the worker starts its runs in.
+``dlrmflow deploy --pool P --flow recurring --cron ...`` (a subprocess, against the
+session's real Prefect server), then ``prefect worker start --pool P`` (the venv's, so
+dlrmflow is importable), then runs of ``recurring/dlrmflow`` created through the server,
+a raw day landing before each; the worker runs them and the test reads the runs, their
+subflows, tasks and artifacts back. The config's paths are relative: they resolve in the
+directory ``deploy`` ran in, which the worker starts its runs in.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from dlrmflow.cli import main
-from dlrmflow.flows.end_to_end import SUMMARY_KEY
+from dlrmflow.config import build_config
+from dlrmflow.flows.recurring import GATE_KEY
 from dlrmflow.flows.serve import FLOWS
-from tests.conftest import TINY_DATA
-from tests.flows.conftest import free_port, server_env, stop_process_group
+from dlrmflow.train.run.trainer import train
+from tests.conftest import TINY_DATA, same_weights
 from tests.flows.records import call_client, run_records
+from tests.flows.test_recurring import land
+from tests.prefect_server import free_port, server_env, stop_process_group
 
 POOL = "dlrmflow-test"
 BIN = Path(sys.executable).parent
-RUN_TIMEOUT_S = 150
+RUN_TIMEOUT_S = 150  # a run, not the test
 CONFIG = {
     "run_dir": "run",
     "data": {"url": "data", **TINY_DATA, "rows_per_day": 2000},
@@ -77,12 +81,18 @@ def _wait_final(run_id, worker: subprocess.Popen, log: Path):
     pytest.fail(f"run not finished after {RUN_TIMEOUT_S} s; worker log:\n{log.read_text()[-5000:]}")
 
 
-def test_deployed_flows_run_on_a_process_worker(workspace):
+def test_deployed_flows_run_on_a_process_worker(workspace, criteo_sample: Path):
+    """Every flow deployed, and the recurring flow, the one on the daily schedule, run by
+    the worker: three runs, a raw day landing before each, make three versions that end
+    where one run over the days ends; a fourth run with no new day changes nothing. (The
+    end-to-end flow's subflows and artifacts are checked on a served deployment in
+    test_server.py.)"""
     root, env = workspace
     (root / "run.json").write_text(json.dumps(CONFIG))
     deployed = subprocess.run(
-        [BIN / "dlrmflow", "deploy", "--pool", POOL, "--cron", "0 3 * * *",
-         "--config", "run.json", "--set", "train.max_steps=4"],
+        [BIN / "dlrmflow", "deploy", "--pool", POOL, "--flow", "recurring",
+         "--cron", "0 3 * * *", "--line", "ctr-line", "--config", "run.json",
+         "--set", "train.max_steps=4"],
         cwd=root, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert deployed.returncode == 0, deployed.stderr
@@ -96,10 +106,11 @@ def test_deployed_flows_run_on_a_process_worker(workspace):
     assert deployment.entrypoint == "dlrmflow.flows.end_to_end.end_to_end"
     assert deployment.pull_steps == []  # the code comes from the worker's installed package
     assert deployment.job_variables == {"working_dir": str(root)}
-    assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
+    assert deployment.schedules == []
     assert deployment.parameters["config"]["train"]["max_steps"] == 4
-    train = call_client("read_deployment_by_name", "train/dlrmflow")
-    assert train.work_pool_name == POOL and train.schedules == []
+    daily = call_client("read_deployment_by_name", "recurring/dlrmflow")
+    assert daily.work_pool_name == POOL and daily.parameters["line"] == "ctr-line"
+    assert [s.schedule.cron for s in daily.schedules] == ["0 3 * * *"]
 
     log = root / "worker.log"
     with log.open("w") as out:
@@ -108,19 +119,48 @@ def test_deployed_flows_run_on_a_process_worker(workspace):
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
-        started = call_client("create_flow_run_from_deployment", deployment.id)
-        run = _wait_final(started.id, worker, log)
+        daily_runs = []
+        line_run = {"line": "ctr-line", "config": _line_config()}
+        for day in range(4):
+            if day < 3:
+                land(root / "landing", criteo_sample, day)  # the day lands before its run
+            else:
+                written = _files(root / "ctr-line")
+            started = call_client("create_flow_run_from_deployment", daily.id, parameters=line_run)
+            daily_runs.append(_wait_final(started.id, worker, log))
     finally:
         # A worker stops on the second signal: SIGTERM, then SIGINT.
         stop_process_group(worker, 3, (signal.SIGTERM, signal.SIGINT, signal.SIGKILL))
-    assert run.state.is_completed(), f"{run.state.message}\n{log.read_text()[-5000:]}"
 
-    records = run_records(run.id)
-    assert len(records.subflows) == 3 and all(s.state.is_completed() for s in records.subflows)
-    summary = json.loads((root / "run" / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["rows_trained"] == 4 * 512
-    assert f"| auc | {summary['auc']:.4f} |" in records.artifact(SUMMARY_KEY).data
-    assert (root / "data" / "manifest.json").is_file()
+    assert all(r.state.is_completed() for r in daily_runs), [r.state for r in daily_runs]
+    assert [r.state.message for r in daily_runs[:3]] == [f"trained day(s) {d}" for d in range(3)]
+    assert daily_runs[3].state.message.startswith("no new day in days")
+    third = run_records(daily_runs[2].id)
+    assert len(third.tasks("day-2")) == 1 and third.subflows[0].state.is_completed()
+    assert "version 0001 **promoted** on day 2" in third.artifact(GATE_KEY).data
+    assert _files(root / "ctr-line") == written  # the fourth run changed nothing
+    whole = build_config({**_line_config(), "run_dir": str(root / "whole")})
+    whole.data.url = str(root / "days")
+    whole.train.order, whole.data.train_days, whole.data.eval_days = "days", "0-2", "none"
+    train(whole)
+    for version, days in ((0, [0]), (1, [0, 1]), (2, [0, 1, 2])):
+        kept = root / "ctr-line" / "versions" / f"{version:04d}"
+        assert json.loads((kept / "version.json").read_text())["days"] == days
+    same_weights(root / "ctr-line" / "versions" / "0002" / "checkpoint", root / "whole")
+
+
+def _line_config() -> dict:
+    """The daily flow's line: raw days landing in ``landing``, converted into ``days``."""
+    return {
+        **CONFIG,
+        "data": {**CONFIG["data"], "url": "days", "landing": "landing"},
+        "train": {**CONFIG["train"], "batch_size": 16, "max_steps": None},
+        "gate": {"calibration_min": 0.1, "calibration_max": 10.0},
+    }
+
+
+def _files(root: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
 
 def test_deploy_without_a_server_is_one_line(capsys, monkeypatch):

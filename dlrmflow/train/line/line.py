@@ -341,7 +341,8 @@ def _train_day(
 
 
 def _config_digest(config: RunConfig) -> str:
-    text = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+    """What the version was trained with, wherever its line lives (not ``run_dir``)."""
+    text = json.dumps(config.model_dump(mode="json", exclude={"run_dir"}), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

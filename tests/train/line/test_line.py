@@ -4,6 +4,12 @@ on it, ending bitwise where one run over the same days ends."""
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +17,7 @@ import pytest
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.line.line import LineError, history, train_line, versions
-from dlrmflow.train.run.checkpoint import read_checkpoint
+from dlrmflow.train.run.checkpoint import list_checkpoints, read_checkpoint
 from dlrmflow.train.run.trainer import train
 from tests.conftest import TINY_DATA, run_cli, same_weights, tiny_run_config
 
@@ -98,3 +104,41 @@ def test_the_line_command_starts_continues_and_says_when_nothing_is_new(
     code, out, err = run_cli(monkeypatch, capsys, "line", "--line", line, "--set", "train.lr=1")
     assert code == 1 and len(err) == 1, err
     assert err[0].endswith("another configuration: train.lr 0.05 -> 1.0; start another line for it")
+
+
+def test_a_line_killed_anywhere_resumes_to_where_the_whole_line_ends(tmp_path: Path) -> None:
+    data = _grow(tmp_path / "data", 3)
+    config = _config(data, tmp_path / "x")
+    config.train.checkpoint_every = 2
+    whole = tmp_path / "whole"
+    train_line(whole, config)
+    steps = versions(whole)[-1].steps
+    # A different kill point on each run of the suite, printed and replayable:
+    # DLRMFLOW_TEST_SEED=<seed> pytest -k line_killed
+    seed = int(os.environ.get("DLRMFLOW_TEST_SEED", random.SystemRandom().randrange(10**6)))
+    kill_after = random.Random(seed).choice(range(2, steps, 2))
+    print(f"kill point: after step {kill_after} (DLRMFLOW_TEST_SEED={seed})")
+
+    killed = tmp_path / "killed"
+    (tmp_path / "line.json").write_text(config.model_dump_json())
+    command = [Path(sys.executable).parent / "dlrmflow", "line", "--line", str(killed),
+               "--config", str(tmp_path / "line.json")]  # fmt: skip
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and job.poll() is None:
+        done = (
+            [c.step for c in list_checkpoints(killed / "run")] if (killed / "run").is_dir() else []
+        )
+        if done and max(done) >= kill_after:
+            break
+        time.sleep(0.01)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    assert job.returncode == -signal.SIGKILL, "the line finished before it could be killed"
+
+    train_line(killed)  # its recorded configuration; resumes where the kill left it
+    assert versions(killed) == versions(whole), f"DLRMFLOW_TEST_SEED={seed}"
+    assert history(killed) == history(whole)
+    for version in versions(whole):
+        kept = Path("versions") / version.name / "checkpoint"
+        same_weights(killed / kept, whole / kept)
