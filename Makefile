@@ -53,7 +53,7 @@ bench-ingest: $(VENV)/.installed
 bench-scale: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench scale --json bench-results/scale.json
 
-# A model line against daily retraining and a frozen model on 12 drifting days (~? min);
+# A model line against daily retraining and a frozen model on 12 drifting days (~5 min);
 # then `dlrmflow bench docs --report docs/benchmarks.json --recurring
 # bench-results/recurring/recurring.json` puts it in the docs.
 bench-recurring: $(VENV)/.installed

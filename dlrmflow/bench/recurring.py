@@ -46,7 +46,7 @@ BASELINE = (
 )
 WAYS = ("continued", "retrained", "frozen")
 METRICS = ("auc", "logloss", "calibration")
-DATA = {"days": 12, "rows_per_day": 50_000, "row_group_size": 25_000, "drift": 0.1}
+DATA = {"days": 12, "rows_per_day": 200_000, "row_group_size": 50_000, "drift": 0.1}
 QUICK_DATA = {"days": 4, "rows_per_day": 3_000, "row_group_size": 1_500, "drift": 0.1}
 MODEL = {"embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
 QUICK_MODEL = {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]}
@@ -222,7 +222,9 @@ def recurring_section(record: dict[str, Any]) -> str:
             f"rows drifting by {data['drift']} a day; model {record['model']}, batch "
             f"{record['batch_size']}. Day 0 trains the line's first version "
             f"({record['first_day_cpu_s']:.1f} CPU-s) and the frozen model "
-            f"({record['frozen_train_cpu_s']:.1f} CPU-s). Ratios: {ratios}.",
+            f"({record['frozen_train_cpu_s']:.1f} CPU-s). Ratios: {ratios}. Run apart from "
+            f"the report (`make bench-recurring`), on {record['machine']['cpu']} with "
+            f"{record['machine']['cpu_count']} CPUs, in {record['seconds'] / 60:.1f} min.",
             markdown_table(
                 [
                     "way",

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
 
 from dlrmflow.config import DataConfig
 from dlrmflow.ingest.criteo import convert_criteo, landed_days
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
-from tests.conftest import TINY_DATA
+from tests.conftest import TINY_DATA, run_cli
 
 SMALL = {**TINY_DATA, "rows_per_day": 2000, "row_group_size": 1000}
 
@@ -100,19 +100,24 @@ def _landing(root: Path, sample: Path, names: list[str], first: int = 0) -> Path
     return root
 
 
-def _convert(out: Path, *args: str) -> dict:
-    command = [str(Path(sys.executable).parent / "dlrmflow"), "convert", "--out", str(out)]
-    done = subprocess.run([*command, *args], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+def _convert(cli, out: Path, *args: str) -> dict:
+    code, stdout, err = cli("convert", "--out", str(out), *args)
+    assert code == 0, err
+    return json.loads(stdout)
 
 
-def test_a_converted_dataset_grows_by_the_day_that_landed(criteo_sample: Path, tmp_path: Path):
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """``dlrmflow ARGS`` in this process: (exit code, stdout, stderr's lines)."""
+    return lambda *args: run_cli(monkeypatch, capsys, *args)
+
+
+def test_a_converted_dataset_grows_by_the_day_that_landed(criteo_sample: Path, tmp_path: Path, cli):
     """A landing directory converted again after a file lands writes only the new day; the
     result is the dataset converted whole, and a changed or lost day is converted again."""
     landing = _landing(tmp_path / "landing", criteo_sample, ["day_2.tsv", "day_10.tsv"])
     out = tmp_path / "data"
-    first = _convert(out, "--input-dir", str(landing))
+    first = _convert(cli, out, "--input-dir", str(landing))
     assert first["written_days"] == [0, 1] and first["rows"] == 80
     assert read_manifest(str(out)).generator["inputs"] == [
         str(landing / "day_2.tsv"),
@@ -122,22 +127,21 @@ def test_a_converted_dataset_grows_by_the_day_that_landed(criteo_sample: Path, t
 
     _landing(landing, criteo_sample, ["day_11.tsv"], first=2)
     (landing / "day_12.tsv.part").write_text("still being copied\n")  # not landed yet
-    grown = _convert(out, "--input-dir", str(landing))
+    grown = _convert(cli, out, "--input-dir", str(landing))
     assert grown["written_days"] == [2] and grown["days"] == 3 and grown["rows"] == 120
     after = _files(out)
     assert {k: after[k] for k in before} == before  # days 0-1 never rewritten
 
     whole = tmp_path / "whole"
-    _convert(
-        whole, *[a for d in ("day_2", "day_10", "day_11") for a in ("-i", f"{landing}/{d}.tsv")]
-    )
+    inputs = [a for d in ("day_2", "day_10", "day_11") for a in ("-i", f"{landing}/{d}.tsv")]
+    _convert(cli, whole, *inputs)
     grown_manifest, whole_manifest = read_manifest(str(out)), read_manifest(str(whole))
     assert grown_manifest.model_dump() == whole_manifest.model_dump()
 
     # A day whose raw file changed, or whose Parquet file is gone, is converted again.
     os.utime(landing / "day_10.tsv", ns=(1, 1))
     (out / sorted(after)[0]).unlink()
-    again = _convert(out, "--input-dir", str(landing))
+    again = _convert(cli, out, "--input-dir", str(landing))
     assert again["written_days"] == [0, 1]
     assert read_manifest(str(out)).files[2] == grown_manifest.files[2]
 
@@ -160,19 +164,12 @@ def test_kept_days_are_not_read(criteo_sample: Path, tmp_path: Path, monkeypatch
     assert result.written_days == [2] and result.rows == 120
 
 
-def test_convert_needs_inputs_or_a_landing_directory(tmp_path: Path):
-    command = [
-        str(Path(sys.executable).parent / "dlrmflow"),
-        "convert",
-        "--out",
-        str(tmp_path / "o"),
-    ]
+def test_convert_needs_inputs_or_a_landing_directory(tmp_path: Path, cli):
     (tmp_path / "empty").mkdir()
     for args, message in (
         ([], "give the raw days as --input files or as one --input-dir"),
         (["--input-dir", str(tmp_path / "empty")], "no raw day file in the landing directory"),
         (["--input-dir", str(tmp_path / "nowhere")], "landing directory not found"),
     ):
-        done = subprocess.run([*command, *args], capture_output=True, text=True, check=False)
-        assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-        assert message in done.stderr, done.stderr
+        code, _, err = cli("convert", "--out", str(tmp_path / "o"), *args)
+        assert code == 1 and len(err) == 1 and message in err[0], err

@@ -236,14 +236,14 @@ def _train(
         require_tracker(config.train.tracker)  # a missing package fails before any work
     seed_everything(config.train.seed, compute_threads(config, env))
     manifest = read_manifest(config.data.url)
-    train_days, eval_days = day_windows(config, manifest)
-    chosen = config.data.train_days is not None or config.data.eval_days is not None
-    data_warnings = check_dataset(
-        config.data.url,
-        manifest,
-        train_days=train_days if chosen else None,
-        eval_days=eval_days if chosen else None,
-    )
+    if config.data.train_days is None and config.data.eval_days is None:
+        data_warnings = check_dataset(config.data.url, manifest)  # the test day held out
+        train_days, _ = day_windows(config, manifest)
+    else:  # the run's own windows decide what must have rows
+        train_days, eval_days = day_windows(config, manifest)
+        data_warnings = check_dataset(
+            config.data.url, manifest, train_days=train_days, eval_days=eval_days
+        )
     for warning in data_warnings if rank0 else []:
         warnings.warn(warning, stacklevel=2)
     digest = DataIdentity.of(manifest, train_days)

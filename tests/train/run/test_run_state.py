@@ -83,9 +83,9 @@ def test_killed_at_every_checkpoint_and_resumed_ends_as_the_uninterrupted_run(
     # The checkpoint at the epoch's last step stands at the start of the next epoch.
     boundary = next(c for c in list_checkpoints(whole) if c.step == STEPS_PER_EPOCH)
     assert boundary.manifest["progress"]["epoch"] == 1
-    # At 2 ranks (a job each, the slow part) one checkpoint of each kind: inside an epoch,
-    # at an epoch's end, at the run's end; at 1 rank every one.
-    for step in steps if nproc == 1 else [3, STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]:
+    # At 2 ranks (a job each, the slow part) a checkpoint inside an epoch and one at an
+    # epoch's end, where the ranks' reader positions matter; at 1 rank every one.
+    for step in steps if nproc == 1 else [3, STEPS_PER_EPOCH]:
         run_dir = _killed_after(whole, step, tmp_path / f"killed_at_{step}")
         result = launch_training(_config(tiny_dataset, run_dir, nproc))
         assert result.resumed_from_step == step, step
