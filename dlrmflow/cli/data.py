@@ -89,8 +89,6 @@ def convert(
         raise ConfigError("give the raw days as --input files or as one --input-dir")
     if input_dir is not None:
         input_ = landed_days(input_dir)
-        if not input_:
-            raise FileNotFoundError(f"{input_dir}: no raw day file in the landing directory")
 
     bar = Progress(None, "convert", unit="lines")
     result = convert_criteo(

@@ -32,7 +32,6 @@ from dlrmflow.flows.artifacts import image_markdown
 from dlrmflow.flows.ingest import ingest_flow
 from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.ingest.criteo import landed_days
-from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.train.line.gate import champion
 from dlrmflow.train.line.line import (
     Line,
@@ -110,10 +109,10 @@ def recurring_flow(
             logger.info(message)
             return Completed(message=message, data=_summary(line_dir, [], days))
         made = [day_task.with_options(name=f"day-{day}")(opened, day) for day in todo]
-        plot_history(line_dir)
+        plot = plot_history(line_dir)
     summary = _summary(line_dir, made, days[len(todo) :])
     judged = verdicts(line_dir)[judged_before:]
-    _publish(line_dir, judged)
+    _publish(line_dir, plot, judged)
     held = [v for v in judged if not v.promoted]
     if held:
         message = "; ".join(
@@ -137,8 +136,9 @@ def _summary(line_dir: Path, made: list[dict[str, Any]], left: list[int]) -> dic
     }
 
 
-def _publish(line_dir: Path, judged: list[Any]) -> None:
-    """The next-day history (a table and its plot) and this run's verdicts."""
+def _publish(line_dir: Path, plot: Path | None, judged: list[Any]) -> None:
+    """The next-day history (a table and its plot, ``plot_history``'s) and this run's
+    verdicts."""
     records = history(line_dir)
     if records:
         create_table_artifact(
@@ -148,8 +148,7 @@ def _publish(line_dir: Path, judged: list[Any]) -> None:
             description=f"Next-day validation of the line {line_dir}: each day, the model "
             "trained on the days before it",
         )  # fmt: skip
-        plot = line_dir / "history.png"
-        if plot.is_file():
+        if plot is not None:
             create_markdown_artifact(
                 key=f"{HISTORY_KEY}-plot",
                 markdown=image_markdown("Next-day metrics", plot),
@@ -196,8 +195,6 @@ def backfill(
 
 
 def _untrained(line_dir: Path, through: int | None) -> list[int]:
-    """The days of the line's dataset (through ``through``) it has not trained on."""
-    config = line_config(line_dir, None)
-    trained = {v.day for v in versions(line_dir)}
-    days = {f.day for f in read_manifest(config.data.url).files}
-    return sorted(d for d in days - trained if through is None or d <= through)
+    """The days of the line's dataset (through ``through``) it has not trained on: read
+    only, so the line need not be locked."""
+    return Line(line_dir, line_config(line_dir, None)).pending(through)

@@ -336,7 +336,9 @@ def landed_days(directory: str) -> list[str]:
     """The raw day files in ``directory`` (a landing folder that gains a file a day), in
     day order: by name, with runs of digits compared as numbers (``day_2`` before
     ``day_10``). Hidden files and names ending in a temporary suffix (``.tmp``,
-    ``.part``, ``.partial``) are not days yet: a file still being copied in is skipped."""
+    ``.part``, ``.partial``) are not days yet: a file still being copied in is skipped.
+    A folder without a day is a FileNotFoundError naming it, as a missing one is: no
+    caller has anything to convert then."""
     fs, root = fsspec.core.url_to_fs(directory)
     try:
         entries = fs.ls(root, detail=True)
@@ -344,6 +346,8 @@ def landed_days(directory: str) -> list[str]:
         raise FileNotFoundError(f"{directory}: landing directory not found") from e
     names = [posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"]
     days = [n for n in names if not n.startswith(".") and not n.endswith(_NOT_LANDED)]
+    if not days:
+        raise FileNotFoundError(f"{directory}: no raw day file in the landing directory")
     return [join_url(directory, n) for n in sorted(days, key=_natural)]
 
 

@@ -107,3 +107,16 @@ def test_backfill_runs_the_flow_a_day_at_a_time(
 def test_max_days_must_be_positive(prefect_api, tmp_path: Path):
     state = recurring_flow(str(tmp_path / "line"), None, max_days=0, return_state=True)
     assert state.is_failed() and "max_days must be >= 1 (got 0)" in state.message
+
+
+def test_an_empty_landing_folder_fails_naming_it_and_writes_no_dataset(prefect_api, tmp_path: Path):
+    # An empty list of raw inputs once sent the ingest flow to the synthetic generator.
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "day_0.tsv.part").write_text("still being copied\n")
+    state = recurring_flow(
+        str(tmp_path / "line"), line_config(tmp_path, landing), return_state=True
+    )
+    assert state.is_failed()
+    assert f"{landing}: no raw day file in the landing directory" in state.message
+    assert not (tmp_path / "data").exists()

@@ -165,11 +165,10 @@ class Line:
         landing = self.config.data.landing
         if landing is None:
             return []
-        files = landed_days(landing)
-        if not files:
-            raise LineError(f"{landing}: no raw day file in the landing directory (data.landing)")
         result = convert_criteo(
-            files, self.config.data.url, row_group_size=self.config.data.row_group_size
+            landed_days(landing),
+            self.config.data.url,
+            row_group_size=self.config.data.row_group_size,
         )
         return result.written_days
 
