@@ -166,8 +166,6 @@ def results_table(record: dict) -> str:
     table = "\n".join([header, *rows])
     if "scale" in record:
         table += "\n\n" + scale_table(record["scale"])
-    if "recurring" in record:
-        table += "\n\n" + recurring.recurring_table(record["recurring"])
     return table
 
 

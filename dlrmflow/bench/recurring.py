@@ -254,21 +254,3 @@ def recurring_section(record: dict[str, Any]) -> str:
             f"![next-day AUC against the day]({PLOT})",
         ]
     )
-
-
-def recurring_table(record: dict[str, Any]) -> str:
-    """The README's lines for the benchmark: each way's mean next-day AUC and cost."""
-    data = record["data"]
-    lines = [
-        f"Recurring training ({data['days']} drifting days of {data['rows_per_day']:,} rows; "
-        "next-day AUC = scored on each day before training on it):",
-        "",
-        "| way | mean next-day AUC | last day's AUC | CPU-s a day |",
-        "|---|---|---|---|",
-    ]
-    for way, s in record["summary"].items():
-        lines.append(
-            f"| {way} | {s['mean_next_day_auc']:.4f} | {s['last_day_auc']:.4f} "
-            f"| {s['cpu_s_per_day']:.1f} |"
-        )
-    return "\n".join(lines)
