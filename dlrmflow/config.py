@@ -192,6 +192,25 @@ class ModelConfig(_Section):
         return self
 
 
+class LrScheduleConfig(_Section):
+    """How the dense and the embedding learning rates move over training: a linear
+    warm-up over the run's first steps, then constant, or a decay to ``floor`` over each
+    pass (an epoch, or a day in day order) that restarts with the next. A pass's steps are
+    counted from the manifest's rows and the global batch."""
+
+    warmup_steps: Int = Field(0, ge=0, description="steps rising linearly to the full rates")
+    decay: Literal["constant", "linear", "polynomial"] = Field(
+        "constant", description="how the rates fall after decay_start (constant: they do not)"
+    )
+    decay_start: Float = Field(
+        0.0, ge=0, lt=1, description="the share of the horizon before the rates start to fall"
+    )
+    power: Float = Field(2.0, gt=0, description="polynomial: the exponent of the decay")
+    floor: Float = Field(
+        0.0, ge=0, le=1, description="the rates at the horizon's end, as a share of the full ones"
+    )
+
+
 class TrainConfig(_Section):
     """The training loop and its data loading."""
 
@@ -201,6 +220,7 @@ class TrainConfig(_Section):
     optimizer: Literal["adagrad", "sgd"] = "adagrad"
     lr: Float = Field(0.05, gt=0)
     embedding_lr: Float | None = Field(None, gt=0, description="defaults to lr")
+    lr_schedule: LrScheduleConfig = Field(default_factory=LrScheduleConfig)
     seed: Int = 0
     log_every: Int = Field(50, ge=1, description="steps between metrics.jsonl records")
     num_workers: Int = Field(
@@ -523,24 +543,25 @@ def _env_name(key: str) -> str:
     return ENV_PREFIX + ENV_SEPARATOR.join(key.split(".")).upper()
 
 
+def _section_keys(model: type[_Section], prefix: str = "") -> list[str]:
+    """Every dotted key of a section, its sub-sections (``train.lr_schedule``) and their
+    keys included."""
+    keys = []
+    for name, info in model.model_fields.items():
+        keys.append(prefix + name)
+        sub = info.annotation
+        if isinstance(sub, type) and issubclass(sub, _Section):
+            keys += _section_keys(sub, f"{prefix}{name}.")
+    return keys
+
+
 def _known_key(key: str) -> bool:
-    section, _, rest = key.partition(".")
-    if section not in RunConfig.model_fields:
-        return False
-    if not rest:
-        return True
-    model = RunConfig.model_fields[section].annotation
-    return isinstance(model, type) and issubclass(model, _Section) and rest in model.model_fields
+    return key in _section_keys(RunConfig)
 
 
 def _env_suggestion(name: str) -> str:
     """ ", did you mean DLRMFLOW_TRAIN__LR?" for the nearest variable that is a key."""
-    names = []
-    for section, info in RunConfig.model_fields.items():
-        names.append(_env_name(section))
-        model = info.annotation
-        if isinstance(model, type) and issubclass(model, _Section):
-            names += [_env_name(f"{section}.{key}") for key in model.model_fields]
+    names = [_env_name(key) for key in _section_keys(RunConfig)]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
     return f"; did you mean {close[0]}?" if close else ""
 

@@ -48,6 +48,18 @@ def pass_count(config: RunConfig, train_days: list[int]) -> int:
     return len(train_days) if config.train.order == "days" else config.train.epochs
 
 
+def pass_rows(config: RunConfig, manifest: Manifest, train_days: list[int]) -> list[int]:
+    """The rows each pass reads (``pass_count`` of them): each training day's in day order,
+    else all the training days' in every epoch."""
+    by_day = {day: 0 for day in train_days}
+    for f in manifest.files:
+        if f.day in by_day:
+            by_day[f.day] += f.rows
+    if config.train.order == "days":
+        return [by_day[day] for day in sorted(by_day)]
+    return [sum(by_day.values())] * config.train.epochs
+
+
 def train_paths(config: RunConfig, manifest: Manifest) -> list[str]:
     """The files of the training days, none of them also listed under a held-out day."""
     train, held_out = day_windows(config, manifest)

@@ -36,6 +36,7 @@ from dlrmflow.train.run.metrics import click_metrics
 from dlrmflow.train.run.progress import METRICS_FILE, RESULT_FILE, RunProgress, TrainResult
 from dlrmflow.train.run.rank import DistEnv, gather_peak_rss
 from dlrmflow.train.run.resume import REREAD_KEYS, ResumePoint, rewind_metrics
+from dlrmflow.train.run.schedule import LearningRates, LrSchedule
 from dlrmflow.train.run.steps import EpochInputs, StepRunner
 from dlrmflow.train.run.tracking import Tracker
 
@@ -92,6 +93,7 @@ class TrainLoop:
         on_record: Callable[[dict], None] | None,
         tracker: Tracker,
         device: torch.device,
+        schedule: LrSchedule,
     ) -> None:
         self.config = config
         self.env = env
@@ -107,6 +109,7 @@ class TrainLoop:
         self.device = device
         self.model = runner.model
         self.optimizer = dense_optimizer(runner.dense_parameters(), config)
+        self.rates = LearningRates(schedule, config, self.model, self.optimizer)
         # Summed, then divided by the global batch (all ranks' rows) and multiplied by the
         # world size that DDP and the embeddings' backward divide by: the gradient of the
         # mean loss over the global batch, however unevenly the ranks' batches are sized.
@@ -200,6 +203,8 @@ class TrainLoop:
     def _train_step(self, step: int, inputs: EpochInputs) -> tuple[float, int]:
         """Forward, loss, backward and update of the current batch: the step's loss over
         the global batch and this rank's rows."""
+        progress = self.progress
+        self.rates.set_for(step, progress.epoch, progress.pass_start)
         logits, batch, rows = inputs.forward()
         loss = self.loss_fn(logits, batch.labels) * (self.env.world_size / rows)
         value = self._global_loss(step, loss.item())
@@ -242,6 +247,7 @@ class TrainLoop:
             "epoch": progress.epoch,
             "rows": progress.rows,
             "loss": progress.loss,
+            "lr": self.rates.dense,
             "samples_per_s": window.rows / max(now - self.window_start, 1e-9),
             "elapsed_s": self.elapsed_before + now - self.start_time,
             "data_wait_s": self._data_wait(),

@@ -59,6 +59,9 @@ class RunProgress:
     rows: int = 0
     seconds: float = 0.0
     loss: float | None = None
+    # The step after which the pass (epoch, or day in day order) the next step reads began:
+    # a learning-rate schedule over each day counts from it.
+    pass_start: int = 0
     window: MetricsWindow = field(default_factory=MetricsWindow)
     # The wall time of the open window before this invocation (a resumed run's).
     window_seconds: float = 0.0
@@ -72,6 +75,7 @@ class RunProgress:
         self.rows += rows
         if epoch_ended:
             self.epoch += 1
+            self.pass_start = self.step
         self.window.add(loss, rows)
 
     def to_dict(self, window_seconds: float) -> dict[str, Any]:
@@ -82,6 +86,7 @@ class RunProgress:
             "rows": self.rows,
             "seconds": self.seconds,
             "loss": self.loss,
+            "pass_start": self.pass_start,
             **self.extra,
             "window": self.window.to_dict(window_seconds),
         }
@@ -91,11 +96,14 @@ class RunProgress:
         """A manifest's ``progress``. ``with_window=False`` leaves the window empty: a run
         fine-tuned from another's checkpoint continues its counts, not its metrics. A
         manifest from before windows were stored has none open."""
-        known = {"step", "epoch", "rows", "seconds", "loss", "window"}
+        known = {"step", "epoch", "rows", "seconds", "loss", "pass_start", "window"}
         progress = cls(
             **{k: data[k] for k in ("step", "epoch", "rows", "seconds", "loss") if k in data},
             extra={k: v for k, v in data.items() if k not in known},
         )
+        # A manifest from before schedules has none: its runs had constant rates, and the
+        # checkpoints that end a pass (a line's versions) stand at the next one's start.
+        progress.pass_start = data.get("pass_start", progress.step)
         window = data.get("window")
         if with_window and window:
             progress.window = MetricsWindow(window["loss"], window["steps"], window["rows"])

@@ -46,6 +46,7 @@ RUN_KEYS = (
     "train.optimizer",
     "train.lr",
     "train.embedding_lr",
+    "train.lr_schedule",
     "train.batch_size",
     "train.seed",
     "train.shuffle",

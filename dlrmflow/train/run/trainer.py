@@ -42,6 +42,7 @@ from dlrmflow.train.run.data import (
     load_ids,
     make_train_loader,
     pass_count,
+    pass_rows,
     train_paths,
 )
 from dlrmflow.train.run.loop import NonFiniteLoss, TrainLoop, dense_optimizer, kernels_used
@@ -61,6 +62,7 @@ from dlrmflow.train.run.resume import (
     start_afresh,
 )
 from dlrmflow.train.run.rundir import rank0_lock
+from dlrmflow.train.run.schedule import LrSchedule
 from dlrmflow.train.run.steps import StepRunner
 from dlrmflow.train.run.tracking import config_params, open_tracker, require_tracker
 
@@ -294,6 +296,7 @@ def _train(
                 progress,
                 tracker,
                 device,
+                LrSchedule.of(config, pass_rows(config, manifest, train_days), env.world_size),
             )
             return loop.run()
     finally:

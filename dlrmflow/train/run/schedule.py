@@ -1,0 +1,101 @@
+"""The learning-rate schedule (``train.lr_schedule``): the share of the full rates each step
+trains at, for the dense optimizer and the embeddings' fused optimizers alike.
+
+A constant rate leaves the end of training as noisy as its middle: the last steps move the
+output's bias and the top MLP by as much as any before them, and the model's mean
+prediction lands wherever that noise leaves it (5-12% off the click rate on the demo's
+data). Decaying the rates to a floor anneals it. The share is a function of the run's
+position only (its step, and the step its day began after), which checkpoints store, so a
+resumed run continues the schedule exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from dlrmflow.config import LrScheduleConfig, RunConfig
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
+
+
+def horizon_steps(rows: int, global_batch: int) -> int:
+    """The steps a pass over ``rows`` rows takes at ``global_batch`` rows a step (at least
+    one): the horizon a decay spans. Ranks whose shares end mid-batch may take a step or two
+    more; the rates then stay at the floor."""
+    return max(1, math.ceil(rows / global_batch))
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """``train.lr_schedule`` over a run's passes (epochs, or days in day order).
+
+    Each pass is a horizon of its own: the decay spans it and restarts with the next (the
+    warm-up only at the run's first steps). So a pass's rates depend on nothing after it:
+    a run continued for more epochs, or a line for a new day, trains its earlier passes
+    exactly as before, and ``train.max_steps`` only stops a run early. ``horizons``: the
+    steps each pass takes.
+    """
+
+    config: LrScheduleConfig
+    horizons: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: RunConfig, pass_rows: Sequence[int], world_size: int) -> LrSchedule:
+        """The schedule of a run whose passes hold ``pass_rows`` rows each."""
+        batch = config.train.batch_size * world_size
+        return cls(config.train.lr_schedule, tuple(horizon_steps(r, batch) for r in pass_rows))
+
+    def factor(self, step: int, pass_index: int = 0, pass_start: int = 0) -> float:
+        """The share of the full rates that step ``step`` (counted from 1) trains at, in
+        pass ``pass_index``, which began after step ``pass_start``."""
+        cfg = self.config
+        warm = min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+        if cfg.decay == "constant":
+            return warm
+        length = self.horizons[min(pass_index, len(self.horizons) - 1)]
+        position = step - 1 - pass_start  # steps of the pass before this one
+        decay_from = cfg.decay_start * length
+        if position < decay_from:
+            return warm
+        done = min(1.0, (position - decay_from) / max(length - decay_from, 1.0))
+        if cfg.decay == "linear":
+            share = 1.0 - (1.0 - cfg.floor) * done
+        else:
+            share = cfg.floor + (1.0 - cfg.floor) * (1.0 - done) ** cfg.power
+        return warm * share
+
+
+class LearningRates:
+    """Sets a model's rates for each step: its dense optimizer's and every fused embedding
+    optimizer's (in memory, sharded, replicated or on disk), from one schedule."""
+
+    def __init__(
+        self, schedule: LrSchedule, config: RunConfig, model: nn.Module, dense_optimizer
+    ) -> None:
+        self.schedule = schedule
+        self.dense_lr = config.train.lr
+        self.embedding_lr = config.train.embedding_lr or config.train.lr
+        self.optimizer = dense_optimizer
+        self.bags = [
+            m
+            for m in model.modules()
+            if isinstance(m, TableBatchedEmbeddingBag | TieredEmbeddingBag)
+        ]
+        self.share = 1.0
+
+    def set_for(self, step: int, pass_index: int, pass_start: int) -> None:
+        """Set the rates step ``step`` trains at."""
+        self.share = self.schedule.factor(step, pass_index, pass_start)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.dense_lr * self.share
+        for bag in self.bags:
+            bag.set_learning_rate(self.embedding_lr * self.share)
+
+    @property
+    def dense(self) -> float:
+        """The dense rate the last step trained at."""
+        return self.dense_lr * self.share
