@@ -22,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from dlrmflow.ingest.stats import DatasetStats
 from dlrmflow.train.model.plan import ShardingPlan
+from dlrmflow.train.run.reliability import RELIABILITY_FILE
 from dlrmflow.train.run.trainer import METRICS_FILE
 
 STATS_KEY = "dlrmflow-data-stats"
@@ -29,6 +30,7 @@ PLAN_KEY = "dlrmflow-sharding-plan"
 TRAIN_METRICS_KEY = "dlrmflow-train-metrics"
 EVAL_METRICS_KEY = "dlrmflow-eval-metrics"
 CURVE_KEY = "dlrmflow-training-curve"
+RELIABILITY_KEY = "dlrmflow-reliability"
 PLAN_FILE = "plan.json"
 CURVE_FILE = "training_curve.png"
 
@@ -118,7 +120,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_training_curve(records: list[dict[str, Any]], path: str | Path) -> Path:
-    """Draw the loss (and the AUC of records that carry one) against the step into a PNG.
+    """Draw the loss against the step into a PNG, and below it the test-day AUC and
+    calibration of the records that carry them (``train.eval_every``).
 
     Uses matplotlib's Agg canvas through ``Figure`` rather than pyplot: no global figure
     state, so concurrent tasks cannot draw into each other's figures.
@@ -128,22 +131,27 @@ def plot_training_curve(records: list[dict[str, Any]], path: str | Path) -> Path
     trained = [r for r in records if "loss" in r]
     if not trained:
         raise ValueError(f"{path}: no training records to plot")
-    figure = Figure(figsize=(7, 3.5), layout="constrained")
-    loss_axes = figure.add_subplot()
+    evaluated = [r for r in records if "auc" in r]
+    figure = Figure(figsize=(7, 6 if evaluated else 3.5), layout="constrained")
+    loss_axes = figure.add_subplot(2 if evaluated else 1, 1, 1)
     loss_axes.plot([r["step"] for r in trained], [r["loss"] for r in trained], color="tab:blue")
     loss_axes.set_xlabel("step")
     loss_axes.set_ylabel("training loss", color="tab:blue")
     loss_axes.grid(alpha=0.3)
-    evaluated = [r for r in records if "auc" in r]
     if evaluated:
-        auc_axes = loss_axes.twinx()
-        auc_axes.plot(
-            [r["step"] for r in evaluated],
-            [r["auc"] for r in evaluated],
-            color="tab:orange",
-            marker="o",
-        )
+        steps = [r["step"] for r in evaluated]
+        auc_axes = figure.add_subplot(2, 1, 2, sharex=loss_axes)
+        auc_axes.plot(steps, [r["auc"] for r in evaluated], color="tab:orange", marker="o")
+        auc_axes.set_xlabel("step")
         auc_axes.set_ylabel("test AUC", color="tab:orange")
+        auc_axes.grid(alpha=0.3)
+        if all("calibration" in r for r in evaluated):
+            calibration_axes = auc_axes.twinx()
+            calibration_axes.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+            calibration_axes.plot(
+                steps, [r["calibration"] for r in evaluated], color="tab:green", marker="s"
+            )
+            calibration_axes.set_ylabel("test calibration", color="tab:green")
     path = Path(path)
     figure.savefig(path, dpi=100, format="png")
     return path
@@ -196,6 +204,40 @@ def publish_plan(run_dir: str | Path) -> UUID | None:
 
 def publish_metrics(metrics: dict[str, Any], *, key: str, description: str) -> UUID:
     return create_table_artifact(key=key, table=metrics_table(metrics), description=description)
+
+
+def reliability_markdown(table: list[dict[str, Any]], png: Path | None) -> str:
+    """The reliability table (predicted against observed click rate per bin) in markdown,
+    its plot inline when there is one."""
+    lines = [
+        "| bin | rows | predictions | mean predicted | observed |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {b['bin']} | {b['rows']} | {b['low']:.4f}-{b['high']:.4f} "
+            f"| {b['predicted']:.4f} | {b['observed']:.4f} |"
+            for b in table
+        ),
+    ]
+    text = "\n".join(lines) + "\n"
+    if png is not None and png.is_file():
+        return image_markdown("Reliability", png) + "\n" + text
+    return "# Reliability\n\n" + text
+
+
+def publish_evaluation(metrics: dict[str, Any], run_dir: str | Path, description: str) -> None:
+    """The test-day metrics as a table and the reliability table with its plot."""
+    table = metrics.get("reliability") or []
+    publish_metrics(
+        {k: v for k, v in metrics.items() if k != "reliability"},
+        key=EVAL_METRICS_KEY,
+        description=description,
+    )
+    if table:
+        create_markdown_artifact(
+            key=RELIABILITY_KEY,
+            markdown=reliability_markdown(table, Path(run_dir) / RELIABILITY_FILE),
+            description=f"Predicted against observed click rate by bin, {run_dir}",
+        )
 
 
 def publish_training_curve(run_dir: str | Path) -> Path | None:

@@ -54,6 +54,7 @@ def build_summary(
         "logloss": metrics["logloss"],
         "ne": metrics["ne"],
         "calibration": metrics["calibration"],
+        "calibration_error": metrics["calibration_error"],
         "bayes_auc": bayes_auc,
         "bayes_logloss": ingested["bayes_logloss"],
         "auc_gap_to_bayes": None if bayes_auc is None else bayes_auc - metrics["auc"],

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 
 from dlrmflow.config import RunConfig
-from dlrmflow.flows.artifacts import EVAL_METRICS_KEY, publish_metrics
+from dlrmflow.flows.artifacts import publish_evaluation
 from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.train.run.evaluate import check_run_dir, evaluate
 from dlrmflow.train.run.rundir import run_dir_lock
@@ -27,9 +27,10 @@ def evaluate_task(run_dir: str, data_url: str, max_rows: int | None) -> dict[str
     """Metrics of the checkpoint in ``run_dir`` on the test day of ``data_url``."""
     metrics = evaluate(run_dir, data_url=data_url, max_rows=max_rows)
     get_run_logger().info(
-        "test-day AUC %.4f, log loss %.4f over %d rows",
+        "test-day AUC %.4f, log loss %.4f, calibration %.4f over %d rows",
         metrics["auc"],
         metrics["logloss"],
+        metrics["calibration"],
         metrics["rows"],
     )
     return metrics
@@ -42,9 +43,7 @@ def evaluate_flow(config: RunConfig) -> dict[str, Any]:
     check_run_dir(config.run_dir)  # the lock would create a missing directory
     with run_dir_lock(config.run_dir, "evaluate flow"):
         metrics = evaluate_task(config.run_dir, config.data.url, config.eval.max_rows)
-    publish_metrics(
-        metrics,
-        key=EVAL_METRICS_KEY,
-        description=f"Test-day metrics of {config.run_dir} on {config.data.url}",
+    publish_evaluation(
+        metrics, config.run_dir, f"Test-day metrics of {config.run_dir} on {config.data.url}"
     )
     return metrics

@@ -89,6 +89,11 @@ def test_training_curve_png_with_and_without_auc(tmp_path):
     evaluations = [{"step": 25, "auc": 0.70, "logloss": 0.5}, {"step": 50, "auc": 0.74}]
     mixed = [{k: v for k, v in r.items() if k != "auc"} for r in records] + evaluations
     assert plot_training_curve(mixed, tmp_path / "d.png").read_bytes() == with_auc.read_bytes()
+    with Image.open(with_auc) as image:
+        assert image.size == (700, 600)  # the loss above, the test-day metrics below
+    evaluations[0]["calibration"], evaluations[1]["calibration"] = 1.2, 1.01
+    calibrated = plot_training_curve(mixed, tmp_path / "e.png")
+    assert calibrated.read_bytes() != with_auc.read_bytes()  # the calibration axis is drawn
 
     markdown = curve_markdown(with_auc)
     encoded = markdown.split("data:image/png;base64,")[1].split(")")[0]

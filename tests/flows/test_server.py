@@ -27,6 +27,7 @@ from dlrmflow.config import RunConfig, build_config
 from dlrmflow.flows.artifacts import (
     CURVE_KEY,
     EVAL_METRICS_KEY,
+    RELIABILITY_KEY,
     STATS_KEY,
     TRAIN_METRICS_KEY,
 )
@@ -140,6 +141,7 @@ def test_a_scheduled_deployment_run_is_recorded_with_tasks_and_artifacts(prefect
     # No sharding-plan table: a single-process run writes no plan.json.
     assert {a.key for a in records.artifacts} == {
         SUMMARY_KEY, STATS_KEY, PROGRESS_KEY, TRAIN_METRICS_KEY, CURVE_KEY, EVAL_METRICS_KEY,
+        RELIABILITY_KEY,
     }  # fmt: skip
     assert float(records.artifact(PROGRESS_KEY).data) == 100.0
     train_metrics = json.loads(records.artifact(TRAIN_METRICS_KEY).data)
@@ -147,6 +149,11 @@ def test_a_scheduled_deployment_run_is_recorded_with_tasks_and_artifacts(prefect
     assert "data:image/png;base64," in records.artifact(CURVE_KEY).data
     evaluated = json.loads(records.artifact(EVAL_METRICS_KEY).data)
     assert {"metric": "rows", "value": 2000} in evaluated
+    assert not any(row["metric"] == "reliability" for row in evaluated)  # its own artifact
+    reliability = records.artifact(RELIABILITY_KEY).data
+    assert "data:image/png;base64," in reliability
+    assert "| mean predicted | observed |" in reliability
+    assert (served.root / "run" / "reliability.png").is_file()
     assert len(json.loads(records.artifact(STATS_KEY).data)) == 1 + 13 + 26
 
 

@@ -59,6 +59,12 @@ from dlrmflow.train.run.rank import (
     gather_peak_rss,
     init_distributed,
 )
+from dlrmflow.train.run.reliability import (
+    RELIABILITY_FILE,
+    calibration_error,
+    plot_reliability,
+    reliability_table,
+)
 from dlrmflow.train.run.rundir import rank0_lock
 
 EVAL_FILE = "eval.json"
@@ -395,8 +401,11 @@ def _evaluate(
             f"{len(finite)} test rows; its weights are not usable"
         )
     metrics = click_metrics(*scored)
+    table = reliability_table(*scored)
     metrics.update(
         {
+            "calibration_error": calibration_error(table),
+            "reliability": table,
             **({"test_day": held_out[0]} if len(held_out) == 1 else {}),
             "eval_days": held_out,
             # What was scored: another dataset's test day (--data) is as valid a score.
@@ -411,4 +420,5 @@ def _evaluate(
         }
     )
     write_atomic(run_dir / EVAL_FILE, json.dumps(metrics, indent=2) + "\n")
+    plot_reliability(table, run_dir / RELIABILITY_FILE)
     return metrics

@@ -35,3 +35,25 @@ def test_degenerate_inputs_fail_clearly():
         click_metrics(torch.tensor([]), torch.tensor([]))
     with pytest.raises(ValueError, match="both positive and negative"):
         click_metrics(torch.tensor([0.2, 0.3]), torch.tensor([1, 1]))
+
+
+def test_reliability_bins_hold_equal_rows_and_show_where_a_model_is_off():
+    """Labels drawn at half the predicted rate: every bin observes half its prediction,
+    so the table shows the over-prediction bin by bin."""
+    from dlrmflow.train.run.reliability import calibration_error, reliability_table
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(150_000, generator=generator) * 0.6
+    labels = (torch.rand(150_000, generator=generator) < probs / 2).long()
+    table = reliability_table(probs, labels, bins=15)
+    assert [b["bin"] for b in table] == list(range(15))
+    assert all(b["rows"] == 10_000 for b in table)
+    assert all(a["high"] <= b["low"] for a, b in zip(table, table[1:], strict=False))
+    for b in table:
+        assert b["low"] <= b["predicted"] <= b["high"]
+        assert b["observed"] == pytest.approx(b["predicted"] / 2, abs=0.012)
+    assert calibration_error(table) == pytest.approx(float(probs.mean()) / 2, abs=0.003)
+    honest = (torch.rand(150_000, generator=generator) < probs).long()
+    assert calibration_error(reliability_table(probs, honest)) < 0.01
+    # Fewer rows than bins: no empty bin.
+    assert [b["rows"] for b in reliability_table(probs[:3], labels[:3], bins=15)] == [1, 1, 1]

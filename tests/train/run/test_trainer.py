@@ -27,7 +27,16 @@ def test_train_writes_metrics_and_checkpoint_then_evaluates(tiny_dataset, tmp_pa
     metrics = evaluate(tmp_path / "run")
     assert metrics["rows"] == 6000
     assert 0.6 < metrics["auc"] <= 1.0
-    assert json.loads((tmp_path / "run" / "eval.json").read_text())["auc"] == metrics["auc"]
+    written = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert written["auc"] == metrics["auc"]
+    # The reliability table: 15 bins of 400 rows, their rates in order, and its plot.
+    table = written["reliability"]
+    assert [b["rows"] for b in table] == [400] * 15
+    assert [b["predicted"] for b in table] == sorted(b["predicted"] for b in table)
+    mean = sum(b["predicted"] * b["rows"] for b in table) / 6000
+    assert mean / metrics["positive_rate"] == pytest.approx(metrics["calibration"])
+    assert written["calibration_error"] >= abs(mean - metrics["positive_rate"]) - 1e-12
+    assert (tmp_path / "run" / "reliability.png").read_bytes()[:4] == b"\x89PNG"
     ckpt = load_checkpoint(tmp_path / "run")
     assert ckpt.step == result.steps and ckpt.rows == result.rows
 
