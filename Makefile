@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TORCHREC_PKGS := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.2.0
 
-.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring clean
+.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -58,6 +58,9 @@ bench-scale: $(VENV)/.installed
 # bench-results/recurring/recurring.json` puts it in the docs.
 bench-recurring: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench recurring --json bench-results/recurring/recurring.json
+
+bench-schedule: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow bench schedule --json bench-results/schedule/schedule.json
 
 bench-report: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench report --out bench-results/report

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from dlrmflow.bench import recurring
+from dlrmflow.bench import recurring, schedule
 from dlrmflow.bench import report as sections
 from dlrmflow.outputs import write_atomic
 
@@ -26,6 +26,11 @@ RESULTS_END = "<!-- end of results -->"
 
 def _every(bench: dict, key: str) -> bool:
     return True
+
+
+def _never(bench: dict, key: str) -> bool:
+    """Ratios where lower is better stay out of the README's ours ÷ baseline table."""
+    return False
 
 
 def _kernels_headline(bench: dict, key: str) -> bool:
@@ -58,10 +63,11 @@ BASELINES = {
     "torchrec": "TorchRec's DLRM, same cores",
     "scale": "the same job all in memory",
     "recurring": "retrained daily, or frozen",
+    "schedule": "the constant rates of before",
 }
-# Benchmarks a report may lack: ``dlrmflow bench scale`` and ``bench recurring`` run apart
-# (``bench docs --scale``, ``--recurring``).
-OPTIONAL = {"scale", "recurring"}
+# Benchmarks a report may lack: ``dlrmflow bench scale``, ``bench recurring`` and ``bench
+# schedule`` run apart (``bench docs --scale``, ``--recurring``, ``--schedule``).
+OPTIONAL = {"scale", "recurring", "schedule"}
 
 # Each benchmark in the report: its title, the module whose docstring says how it runs,
 # the report section that renders its results, and which ratios the README lists.
@@ -105,6 +111,13 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
         "dlrmflow.bench.recurring",
         recurring.recurring_section,
         _every,
+    ),
+    (
+        "schedule",
+        "Learning-rate sweep",
+        "dlrmflow.bench.schedule",
+        schedule.schedule_section,
+        _never,
     ),
 ]
 
@@ -211,13 +224,14 @@ def write_docs(
     readme: Path,
     scale: Path | None = None,
     recurring_run: Path | None = None,
+    schedule_run: Path | None = None,
 ) -> dict[str, str]:
     """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents;
     ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale",
     ``recurring_run`` (a ``dlrmflow bench recurring`` JSON, its plot beside it) under
-    "recurring"."""
+    "recurring", ``schedule_run`` (a ``dlrmflow bench schedule`` JSON) under "schedule"."""
     record = json.loads(Path(report).read_text())
-    added = {"scale": scale, "recurring": recurring_run}
+    added = {"scale": scale, "recurring": recurring_run, "schedule": schedule_run}
     plots = {}
     for key, path in added.items():
         if path is not None:

@@ -157,11 +157,14 @@ def bench_docs(
         Path | None,
         typer.Option(help="A `dlrmflow bench recurring` JSON (its plot beside it) to add."),
     ] = None,
+    schedule: Annotated[
+        Path | None, typer.Option(help="A `dlrmflow bench schedule` JSON to add.")
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
-    echo_json(write_docs(report, docs_dir, readme, scale, recurring))
+    echo_json(write_docs(report, docs_dir, readme, scale, recurring, schedule))
 
 
 @app.command("recurring")
@@ -181,6 +184,15 @@ def bench_recurring(
     emit_benchmark(result, json_out)
     if json_out is not None:
         plot_recurring(result, json_out.parent / PLOT)
+
+
+@app.command("schedule")
+def bench_schedule(json_out: JsonOpt = None, quick: QuickOpt = False) -> None:
+    """The learning-rate sweep behind the defaults: candidate rates, schedules and batch
+    sizes trained on the demo's data, two seeds each, scored against the Bayes AUC."""
+    from dlrmflow.bench.schedule import run_schedule_sweep
+
+    emit_benchmark(run_schedule_sweep(quick), json_out)
 
 
 @app.command("train")
