@@ -200,26 +200,28 @@ class LrScheduleConfig(_Section):
 
     warmup_steps: Int = Field(0, ge=0, description="steps rising linearly to the full rates")
     decay: Literal["constant", "linear", "polynomial"] = Field(
-        "constant", description="how the rates fall after decay_start (constant: they do not)"
+        "linear", description="how the rates fall after decay_start (constant: they do not)"
     )
     decay_start: Float = Field(
-        0.0, ge=0, lt=1, description="the share of the horizon before the rates start to fall"
+        0.5, ge=0, lt=1, description="the share of each pass before the rates start to fall"
     )
     power: Float = Field(2.0, gt=0, description="polynomial: the exponent of the decay")
     floor: Float = Field(
-        0.0, ge=0, le=1, description="the rates at the horizon's end, as a share of the full ones"
+        0.0, ge=0, le=1, description="the rates at each pass's end, as a share of the full ones"
     )
 
 
 class TrainConfig(_Section):
     """The training loop and its data loading."""
 
-    batch_size: Int = Field(2048, ge=1)
+    batch_size: Int = Field(1024, ge=1)
     epochs: Int = Field(1, ge=1)
     max_steps: Int | None = Field(None, ge=1, description="stop after this many steps")
     optimizer: Literal["adagrad", "sgd"] = "adagrad"
-    lr: Float = Field(0.05, gt=0)
-    embedding_lr: Float | None = Field(None, gt=0, description="defaults to lr")
+    lr: Float = Field(0.02, gt=0, description="the dense layers' learning rate")
+    embedding_lr: Float | None = Field(
+        0.05, gt=0, description="the embeddings' learning rate (null: train.lr)"
+    )
     lr_schedule: LrScheduleConfig = Field(default_factory=LrScheduleConfig)
     seed: Int = 0
     log_every: Int = Field(50, ge=1, description="steps between metrics.jsonl records")
@@ -654,6 +656,26 @@ def build_config(data: dict[str, Any], origins: Mapping[str, Source] | None = No
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, origins)) from None
+
+
+# Keys added since configurations were first recorded (in checkpoints' manifests, a model
+# line's config.json), with the value that does what the versions before them did: a
+# recorded configuration lacking one ran that way, whatever today's default is.
+ADDED_KEYS: dict[str, Any] = {"train.lr_schedule": {"decay": "constant"}}
+
+
+def recorded_config(data: Mapping[str, Any]) -> RunConfig:
+    """The configuration a run recorded, read as the run it was: a key it lacks because it
+    was added since (``ADDED_KEYS``) takes the value matching how that run trained, not
+    today's default."""
+    data = json.loads(json.dumps(data))  # a deep copy, as plain JSON
+    for key, value in ADDED_KEYS.items():
+        *sections, name = key.split(".")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+        node.setdefault(name, value)
+    return build_config(data)
 
 
 def resolve_config(

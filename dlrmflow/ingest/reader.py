@@ -246,6 +246,34 @@ class ParquetBatchDataset:
         self._epoch = epoch
 
 
+def pass_steps(dataset: ParquetBatchDataset, epoch: int, num_workers: int) -> int:
+    """The steps a job takes over pass ``epoch`` of ``dataset`` with ``num_workers`` readers
+    a rank (0: one, in the consumer): the most batches any rank reads, since a rank whose
+    readers end first steps on with empty batches until every rank's have. Each reader cuts
+    its rows into full batches but the last (rows held over join the next row group's)."""
+    splits, key = dataset.pass_of(epoch)
+    readers = max(num_workers, 1)
+    size = dataset.batch_size
+    most = 0
+    for rank in range(dataset.world_size):
+        batches = 0
+        for worker in range(readers):
+            mine = assign_splits(
+                splits,
+                rank=rank,
+                world_size=dataset.world_size,
+                worker=worker,
+                num_workers=readers,
+                seed=dataset.seed,
+                epoch=key,
+                shuffle=dataset.shuffle,
+            )
+            rows = sum(s.num_rows for s in mine)
+            batches += rows // size if dataset.drop_last else -(-rows // size)
+        most = max(most, batches)
+    return most
+
+
 class SplitReader(BaseNode[Any]):
     """The batches of reader ``worker`` of ``num_workers`` on the dataset's rank.
 

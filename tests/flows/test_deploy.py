@@ -155,7 +155,7 @@ def _line_config() -> dict:
         **CONFIG,
         "data": {**CONFIG["data"], "url": "days", "landing": "landing"},
         "train": {**CONFIG["train"], "batch_size": 16, "max_steps": None},
-        "gate": {"calibration_min": 0.1, "calibration_max": 10.0},
+        "gate": {"calibration_min": 0.1, "calibration_max": 10.0, "ne_margin": 1.0},
     }
 
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dlrmflow.config import RunConfig, build_config, changed_keys
+from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.criteo import convert_criteo, landed_days
@@ -94,7 +94,7 @@ def line_config(line_dir: Path, config: RunConfig | None) -> RunConfig:
     is this call's: how it runs (ranks, logging, checkpoints) may change."""
     path = line_dir / LINE_FILE
     if path.is_file():
-        recorded = build_config(json.loads(path.read_text()))
+        recorded = recorded_config(json.loads(path.read_text()))
         if config is None:
             return _as_line(line_dir, recorded)
         given = _as_line(line_dir, config)  # compared as the line runs it

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from dlrmflow.config import RunConfig, build_config, changed_keys
+from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import describe
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
@@ -363,7 +363,7 @@ def differences(
     not in ``ignore`` that differs, plus ``TRAIN_DATA_KEY`` when the checkpoint trained on
     other days or other files of them (``DATASET_KEY``, another dataset, for a checkpoint
     written before day windows)."""
-    recorded = build_config(manifest["config"])
+    recorded = recorded_config(manifest["config"])
     changed = changed_keys(recorded, config, keys, ignore)
     window = manifest.get("train_data_digest")
     if window is not None:
@@ -598,7 +598,7 @@ def load_checkpoint(
     """
     info = find_checkpoint(path)
     try:
-        config = build_config(info.manifest["config"])
+        config = recorded_config(info.manifest["config"])
         config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
         # Tables beyond train.embedding_memory_bytes on disk only where their rows are

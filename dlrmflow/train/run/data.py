@@ -23,7 +23,13 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, features_digest
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.ingest.reader import ParquetBatchDataset, ReaderLoader, list_splits, make_loader
+from dlrmflow.ingest.reader import (
+    ParquetBatchDataset,
+    ReaderLoader,
+    list_splits,
+    make_loader,
+    pass_steps,
+)
 from dlrmflow.ingest.schema import SPARSE
 from dlrmflow.supervise import beat
 
@@ -48,16 +54,30 @@ def pass_count(config: RunConfig, train_days: list[int]) -> int:
     return len(train_days) if config.train.order == "days" else config.train.epochs
 
 
-def pass_rows(config: RunConfig, manifest: Manifest, train_days: list[int]) -> list[int]:
-    """The rows each pass reads (``pass_count`` of them): each training day's in day order,
-    else all the training days' in every epoch."""
+def pass_steps_of_run(
+    config: RunConfig,
+    manifest: Manifest,
+    train_days: list[int],
+    loader: TrainLoader,
+    world_size: int,
+) -> list[int]:
+    """The steps of each of the run's passes (``pass_count`` of them), as its readers will
+    cut them; for reader servers, counted from the manifest's rows and the global batch
+    (ranks whose shares end mid-batch may then take a step or two more)."""
     by_day = {day: 0 for day in train_days}
     for f in manifest.files:
         if f.day in by_day:
             by_day[f.day] += f.rows
     if config.train.order == "days":
-        return [by_day[day] for day in sorted(by_day)]
-    return [sum(by_day.values())] * config.train.epochs
+        rows = [by_day[day] for day in sorted(by_day)]
+    else:
+        rows = [sum(by_day.values())] * config.train.epochs
+    batch = config.train.batch_size * world_size
+    steps = []
+    for epoch, pass_rows in enumerate(rows):
+        exact = loader.pass_steps(epoch, config.train.num_workers)
+        steps.append(exact if exact is not None else -(-pass_rows // batch))
+    return steps
 
 
 def train_paths(config: RunConfig, manifest: Manifest) -> list[str]:
@@ -182,6 +202,13 @@ class TrainLoader:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next fresh pass reads (a loaded state keeps its own)."""
         self._dataset.set_epoch(epoch)
+
+    def pass_steps(self, epoch: int, num_workers: int) -> int | None:
+        """The steps the job takes over pass ``epoch`` (see ``reader.pass_steps``); None
+        for reader servers, whose splits this process does not list."""
+        if self._remote is not None:
+            return None
+        return pass_steps(self._dataset, epoch, num_workers)
 
     def __iter__(self) -> Iterator[Batch]:
         clock = time.perf_counter

@@ -29,8 +29,8 @@ from dlrmflow.config import (
     KernelsType,
     RunConfig,
     Source,
-    build_config,
     given_keys,
+    recorded_config,
     resolve_config,
 )
 from dlrmflow.days import EVAL_KEY, Window, WindowError, describe, held_out_days
@@ -314,7 +314,7 @@ def evaluate(
     if env.distributed:
         # Only the configuration, to join the job; every rank verifies its share below.
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir, verified=False)
-        init_distributed(build_config(info.manifest["config"]), env, where)
+        init_distributed(recorded_config(info.manifest["config"]), env, where)
     with rank0_lock(run_dir, "evaluate", env.rank, env.distributed):
         try:
             return _evaluate(
@@ -347,7 +347,7 @@ def _evaluate(
 ) -> dict[str, float]:
     if env.distributed:
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
-        config = build_config(info.manifest["config"])
+        config = recorded_config(info.manifest["config"])
         config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
         plan = plan_for_job(config, spec, env.world_size, env.local_world_size)

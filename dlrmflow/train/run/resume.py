@@ -159,9 +159,24 @@ def _refuse_differences(
         if what == "resume: auto"
         else "the checkpoint's weights do not fit this model"
     )
+    own_values = _as_it_began(changed)
+    if what == "resume: auto" and own_values:
+        # Most often a default changed since the run began, and its file leaves it to them.
+        hint += f", or continue it as it began with {own_values}"
     raise IncompatibleCheckpoint(
         f"checkpoint {info.path} differs from this configuration ({what}): {shown}; {hint}"
     )
+
+
+def _as_it_began(changed: dict[str, object]) -> str | None:
+    """``--set KEY=VALUE`` of the checkpoint's value for each changed key, when every one
+    is a configuration key (not the data or the feature spec)."""
+    sets = []
+    for key, pair in sorted(changed.items()):
+        if pair is None or key.split(".")[0] not in RunConfig.model_fields:
+            return None
+        sets.append(f"--set {key}={json.dumps(pair[0]) if pair[0] is not None else 'null'}")
+    return " ".join(sets) or None
 
 
 def refuse_rank_change(

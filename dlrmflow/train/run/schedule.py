@@ -11,7 +11,6 @@ resumed run continues the schedule exactly.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,13 +19,6 @@ from torch import nn
 from dlrmflow.config import LrScheduleConfig, RunConfig
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
-
-
-def horizon_steps(rows: int, global_batch: int) -> int:
-    """The steps a pass over ``rows`` rows takes at ``global_batch`` rows a step (at least
-    one): the horizon a decay spans. Ranks whose shares end mid-batch may take a step or two
-    more; the rates then stay at the floor."""
-    return max(1, math.ceil(rows / global_batch))
 
 
 @dataclass(frozen=True)
@@ -44,10 +36,9 @@ class LrSchedule:
     horizons: tuple[int, ...]
 
     @classmethod
-    def of(cls, config: RunConfig, pass_rows: Sequence[int], world_size: int) -> LrSchedule:
-        """The schedule of a run whose passes hold ``pass_rows`` rows each."""
-        batch = config.train.batch_size * world_size
-        return cls(config.train.lr_schedule, tuple(horizon_steps(r, batch) for r in pass_rows))
+    def of(cls, config: RunConfig, pass_steps: Sequence[int]) -> LrSchedule:
+        """The schedule of a run whose passes take ``pass_steps`` steps each."""
+        return cls(config.train.lr_schedule, tuple(max(1, steps) for steps in pass_steps))
 
     def factor(self, step: int, pass_index: int = 0, pass_start: int = 0) -> float:
         """The share of the full rates that step ``step`` (counted from 1) trains at, in

@@ -42,7 +42,7 @@ from dlrmflow.train.run.data import (
     load_ids,
     make_train_loader,
     pass_count,
-    pass_rows,
+    pass_steps_of_run,
     train_paths,
 )
 from dlrmflow.train.run.loop import NonFiniteLoss, TrainLoop, dense_optimizer, kernels_used
@@ -296,7 +296,10 @@ def _train(
                 progress,
                 tracker,
                 device,
-                LrSchedule.of(config, pass_rows(config, manifest, train_days), env.world_size),
+                LrSchedule.of(
+                    config,
+                    pass_steps_of_run(config, manifest, train_days, loader, env.world_size),
+                ),
             )
             return loop.run()
     finally:

@@ -14,7 +14,7 @@ import torch
 from dlrmflow.config import load_config
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.evaluate import evaluate
-from dlrmflow.train.run.trainer import train
+from dlrmflow.train.run.trainer import IncompatibleCheckpoint, train
 from tests.conftest import TEST_DATA
 
 LEGACY = TEST_DATA / "checkpoints"
@@ -40,15 +40,46 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _records(run_dir: Path) -> list[dict]:
-    timing = {"samples_per_s", "elapsed_s", "data_wait_s"}
+    # "lr": records written before schedules do not carry the rate.
+    timing = {"samples_per_s", "elapsed_s", "data_wait_s", "lr"}
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
 
 
+# What the defaults were when the legacy runs were written (their run.yaml leaves them to the
+# defaults): a run continues only as it began.
+LEGACY_DEFAULTS = {
+    "train.lr": 0.05,
+    "train.embedding_lr": "null",
+    "train.lr_schedule.decay": "constant",
+}
+
+
+def test_a_legacy_checkpoint_is_not_continued_under_defaults_changed_since(legacy: Path):
+    """Its manifest records the rates it trained with and no schedule (constant rates, as
+    every run before schedules): today's defaults would make it another run, so "auto"
+    refuses it naming each key, and nothing is written."""
+    before = sorted(p.name for p in (legacy / "run_1rank" / "checkpoints").iterdir())
+    with pytest.raises(IncompatibleCheckpoint) as refused:
+        train(_config(legacy, "run_1rank", **{"train.max_steps": 6}))
+    message = str(refused.value)
+    for change in (
+        "train.lr 0.05 -> 0.02",
+        "train.embedding_lr None -> 0.05",
+        "train.lr_schedule.decay 'constant' -> 'linear'",
+    ):
+        assert change in message, message
+    assert message.endswith(
+        "or continue it as it began with --set train.embedding_lr=null --set train.lr=0.05 "
+        '--set train.lr_schedule.decay="constant"'
+    ), message
+    assert sorted(p.name for p in (legacy / "run_1rank" / "checkpoints").iterdir()) == before
+
+
 def test_a_legacy_checkpoint_inside_an_epoch_resumes_bitwise(legacy: Path, tmp_path: Path):
-    resumed = train(_config(legacy, "run_1rank", **{"train.max_steps": 6}))
+    resumed = train(_config(legacy, "run_1rank", **{"train.max_steps": 6}, **LEGACY_DEFAULTS))
     assert resumed.resumed_from_step == 3 and resumed.steps == 6
-    fresh = train(_config(legacy, "fresh", **{"train.max_steps": 6}))
+    fresh = train(_config(legacy, "fresh", **{"train.max_steps": 6}, **LEGACY_DEFAULTS))
     assert resumed.final_loss == fresh.final_loss
     assert _records(legacy / "run_1rank") == _records(legacy / "fresh")
     got, want = _weights(legacy / "run_1rank"), _weights(legacy / "fresh")

@@ -15,9 +15,11 @@ def test_progress_round_trips_the_manifest_format() -> None:
         "rows": 6144,
         "seconds": 3.25,
         "loss": 0.5,
+        "pass_start": 10,
         "window": {"loss": 1.5, "steps": 3, "rows": 1536, "seconds": 0.75},
     }
     progress = RunProgress.from_dict(json.loads(json.dumps(stored)))
+    assert progress.pass_start == 10
     assert progress.window == MetricsWindow(1.5, 3, 1536)
     assert progress.window_seconds == 0.75
     written = progress.to_dict(window_seconds=0.75)
@@ -32,6 +34,7 @@ def test_a_fresh_run_and_a_fine_tuned_one_write_an_empty_window() -> None:
         "rows": 0,
         "seconds": 0.0,
         "loss": None,
+        "pass_start": 0,
         "window": {"loss": 0.0, "steps": 0, "rows": 0, "seconds": 0.0},
     }
     stored = {"step": 4, "epoch": 0, "rows": 2048, "seconds": 1.0, "loss": 0.6}
@@ -42,19 +45,25 @@ def test_a_fresh_run_and_a_fine_tuned_one_write_an_empty_window() -> None:
 
 def test_an_older_manifest_without_a_window_keeps_its_other_keys() -> None:
     """Checkpoints from before the window was stored (and with keys no longer read) resume
-    with no window open and write those keys back where they stood."""
+    with no window open and write those keys back where they stood. Without the step its
+    pass began after (before schedules), it stands at a pass's start, as a model line's
+    versions do; the next pass begins after the step that ends this one."""
     stored = {"step": 8, "epoch": 0, "rows": 4096, "dropped_rows": 0, "seconds": 2.0}
     stored["loss"] = 0.7
     progress = RunProgress.from_dict(stored)
     assert progress.window.steps == 0 and progress.window_seconds == 0.0
+    assert progress.pass_start == 8
+    progress.finish_step(512, 0.4, epoch_ended=False)
+    assert progress.pass_start == 8
     progress.finish_step(512, 0.4, epoch_ended=True)
-    assert (progress.step, progress.epoch, progress.rows) == (9, 1, 4608)
+    assert (progress.step, progress.epoch, progress.rows, progress.pass_start) == (10, 1, 5120, 10)
     assert list(progress.to_dict(window_seconds=0.1)) == [
         "step",
         "epoch",
         "rows",
         "seconds",
         "loss",
+        "pass_start",
         "dropped_rows",
         "window",
     ]

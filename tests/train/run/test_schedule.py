@@ -13,13 +13,16 @@ import torch
 from dlrmflow.config import ConfigError, LrScheduleConfig, load_config
 from dlrmflow.train.launch.job import launch_training
 from dlrmflow.train.run.checkpoint import list_checkpoints, load_checkpoint
-from dlrmflow.train.run.schedule import LrSchedule, horizon_steps
+from dlrmflow.train.run.schedule import LrSchedule
 from dlrmflow.train.run.trainer import train
 from tests.conftest import same_weights, tiny_run_config
 
 
 def _schedule(horizons: tuple[int, ...] = (100,), **cfg: object) -> LrSchedule:
-    return LrSchedule(LrScheduleConfig(**cfg), horizons)
+    """A schedule of constant rates from the pass's start unless ``cfg`` says otherwise."""
+    return LrSchedule(
+        LrScheduleConfig(**{"decay": "constant", "decay_start": 0.0, **cfg}), horizons
+    )
 
 
 def test_constant_is_one_after_a_linear_warm_up() -> None:
@@ -51,11 +54,6 @@ def test_each_pass_restarts_the_decay_over_its_own_steps() -> None:
     assert s.factor(15, pass_index=1, pass_start=10) == pytest.approx(1 - 4 / 8)
     # A pass past the listed ones (a run continued by more epochs) spans the last's steps.
     assert s.factor(21, pass_index=2, pass_start=18) == pytest.approx(1 - 2 / 8)
-
-
-def test_horizon_counts_the_global_batch() -> None:
-    assert horizon_steps(12_000, 1024) == 12 and horizon_steps(12_288, 1024) == 12
-    assert horizon_steps(0, 1024) == 1
 
 
 @pytest.mark.parametrize(
@@ -162,3 +160,21 @@ def test_a_resumed_run_continues_the_schedule_bitwise(tiny_dataset: str, tmp_pat
         assert [(r["step"], r["lr"], r["loss"]) for r in got] == [
             (r["step"], r["lr"], r["loss"]) for r in records
         ]
+
+
+def test_the_decay_spans_the_steps_the_readers_cut(tiny_dataset: str, tmp_path: Path) -> None:
+    """Two ranks of two readers each: the 6 row groups of 2,000 rows deal 2, 2, 1 and 1 to
+    the readers, so rank 0 reads 16 batches of 512 and rank 1 8, and the job steps 16 times
+    (12,000 rows over a 1,024-row global batch would make 12). The linear decay to 0 spans
+    all 16: its last step trains at 1/16 of the rate, not at none."""
+    cfg = tiny_run_config(
+        tiny_dataset, tmp_path / "run", num_workers=2, log_every=1,
+        lr_schedule={"decay": "linear", "decay_start": 0.0},
+    )  # fmt: skip
+    cfg.distributed.nproc = 2
+    result = launch_training(cfg)
+    assert result.steps == 16
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["lr"] for r in records] == pytest.approx(
+        [cfg.train.lr * (1 - k / 16) for k in range(16)]
+    )
