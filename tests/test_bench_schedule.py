@@ -55,5 +55,5 @@ def test_the_sweep_renders_into_the_docs_but_not_the_readmes_ratio_table(record:
     with_sweep = {**committed, "schedule": record}
     markdown = benchmarks_markdown(with_sweep)
     assert "## Learning-rate sweep" in markdown
-    assert "constant lr 0.05, batch 2048 (before)" in markdown
+    assert "constant, lr 0.05, batch 2048 (before)" in markdown
     assert results_table(with_sweep) == results_table({**committed, "schedule": {}})
