@@ -5,8 +5,8 @@ A constant rate leaves the end of training as noisy as its middle: the last step
 output's bias and the top MLP by as much as any before them, and the model's mean
 prediction lands wherever that noise leaves it (5-12% off the click rate on the demo's
 data). Decaying the rates to a floor anneals it. The share is a function of the run's
-position only (its step, and the step its day began after), which checkpoints store, so a
-resumed run continues the schedule exactly.
+position only (its step, its pass and the step the pass began after), which checkpoints
+store, so a resumed run continues the schedule exactly.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from dlrmflow.config import LrScheduleConfig, RunConfig
@@ -65,7 +66,11 @@ class LearningRates:
     optimizer's (in memory, sharded, replicated or on disk), from one schedule."""
 
     def __init__(
-        self, schedule: LrSchedule, config: RunConfig, model: nn.Module, dense_optimizer
+        self,
+        schedule: LrSchedule,
+        config: RunConfig,
+        model: nn.Module,
+        dense_optimizer: torch.optim.Optimizer,
     ) -> None:
         self.schedule = schedule
         self.dense_lr = config.train.lr
