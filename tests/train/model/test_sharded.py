@@ -155,20 +155,35 @@ def run_sharded(tmp_path: Path, world: int, cases: list) -> dict:
     )
     results = ranks[0].result
     for result in results.values():
-        result["state"] = load_single_process(result["checkpoint"])
+        result["state"], result["dense_sums"] = load_single_process(result["checkpoint"])
     return results
 
 
-def load_single_process(path: str) -> dict:
-    """A sharded run's checkpoint loaded into the one-process DLRM: weights and state."""
+def dense_sums(model: DLRM, optimizer: torch.optim.Adagrad) -> dict:
+    """The dense optimizer's sums of squared gradients, by parameter name."""
+    return {
+        f"{name}.sum_squares": optimizer.state[p]["sum"].clone()
+        for name, p in model.named_parameters()
+        if p in optimizer.state
+    }
+
+
+def load_single_process(path: str) -> tuple[dict, dict]:
+    """A sharded run's checkpoint loaded into the one-process DLRM: weights and embedding
+    state, and the dense optimizer's sums."""
     model = DLRM(SPEC, CONFIG.model, RowWiseAdagrad(lr=LR))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=LR)
     dcp.load(model_state(model, optimizer), checkpoint_id=path)
-    return model.state_dict()
+    return model.state_dict(), dense_sums(model, optimizer)
 
 
 def train_reference(world: int, multi_hot: bool, steps: int = STEPS) -> dict:
     """The one-process run on the global batches (``steps=0``: the initial weights)."""
+    return reference_run(world, multi_hot, steps)[0]
+
+
+def reference_run(world: int, multi_hot: bool, steps: int = STEPS) -> tuple[dict, dict]:
+    """``train_reference``'s weights and state, and its dense optimizer's sums."""
     torch.manual_seed(CONFIG.train.seed)
     model = DLRM(SPEC, CONFIG.model, RowWiseAdagrad(lr=LR), seed=CONFIG.train.seed)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=LR)
@@ -179,7 +194,7 @@ def train_reference(world: int, multi_hot: bool, steps: int = STEPS) -> dict:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return model.state_dict()
+    return model.state_dict(), dense_sums(model, optimizer)
 
 
 # Optimizer state (Adagrad's sums of squared gradients, ~1e-3 at most here) is compared
@@ -279,6 +294,19 @@ def test_world_size_two_matches_single_process(world2: dict) -> None:
     for sharding, _, multi_hot in CASES:
         got = world2[(sharding, "fp32", multi_hot)]["state"]
         assert_state_close(got, references[multi_hot], atol=2e-5)
+
+
+def test_dense_gradients_at_two_ranks_are_one_processs(world2: dict) -> None:
+    """Adagrad's steps barely change when every gradient is scaled by one constant, so equal
+    weights would not show a dense gradient (the output bias's among them) mis-scaled by
+    DDP or the loss; the sums of squared gradients do, and equal one process's."""
+    for multi_hot in (False, True):
+        _, want = reference_run(2, multi_hot)
+        dense = dict(DLRM(SPEC, CONFIG.model, RowWiseAdagrad(lr=LR)).named_parameters())
+        assert len(want) == len(dense) and any("bias" in key for key in want)
+        for sharding in SHARDING_TYPES:
+            got = world2[(sharding, "fp32", multi_hot)]["dense_sums"]
+            assert_state_close(got, want, atol=0.0, case=(sharding, multi_hot))
 
 
 def test_same_seed_gives_bitwise_identical_weights(world2: dict) -> None:
