@@ -187,6 +187,8 @@ class TrainLoop:
             repositioned = REREAD_KEYS & self.resume.changed.keys()
             if loader_state is not None and not repositioned:
                 self.loader.load_state_dict(loader_state)
+            if repositioned:  # its epoch is read again from the start: a pass begins
+                progress.restart_pass()
         if self.rank0:
             if own:
                 rewind_metrics(self.metrics_path, info.step, progress.window.steps > 0)
@@ -203,8 +205,7 @@ class TrainLoop:
     def _train_step(self, step: int, inputs: EpochInputs) -> tuple[float, int]:
         """Forward, loss, backward and update of the current batch: the step's loss over
         the global batch and this rank's rows."""
-        progress = self.progress
-        self.rates.set_for(step, progress.epoch, progress.pass_start)
+        self.rates.set_for(step, self.progress)
         logits, batch, rows = inputs.forward()
         loss = self.loss_fn(logits, batch.labels) * (self.env.world_size / rows)
         value = self._global_loss(step, loss.item())

@@ -59,9 +59,11 @@ class RunProgress:
     rows: int = 0
     seconds: float = 0.0
     loss: float | None = None
-    # The step after which the pass (epoch, or day in day order) the next step reads began:
-    # a learning-rate schedule over each day counts from it.
+    # The step after which the pass (epoch, or day in day order) the next step reads began,
+    # and the steps the learning-rate schedule spans in it, fixed as the pass began (None:
+    # not begun): a resumed run continues the schedule of its pass exactly.
     pass_start: int = 0
+    pass_steps: int | None = None
     window: MetricsWindow = field(default_factory=MetricsWindow)
     # The wall time of the open window before this invocation (a resumed run's).
     window_seconds: float = 0.0
@@ -75,8 +77,13 @@ class RunProgress:
         self.rows += rows
         if epoch_ended:
             self.epoch += 1
-            self.pass_start = self.step
+            self.restart_pass()
         self.window.add(loss, rows)
+
+    def restart_pass(self) -> None:
+        """The next step begins a pass (a new one, or the same epoch read again)."""
+        self.pass_start = self.step
+        self.pass_steps = None
 
     def to_dict(self, window_seconds: float) -> dict[str, Any]:
         """The manifest's ``progress``; ``window_seconds``: the open window's time so far."""
@@ -87,6 +94,7 @@ class RunProgress:
             "seconds": self.seconds,
             "loss": self.loss,
             "pass_start": self.pass_start,
+            "pass_steps": self.pass_steps,
             **self.extra,
             "window": self.window.to_dict(window_seconds),
         }
@@ -96,7 +104,7 @@ class RunProgress:
         """A manifest's ``progress``. ``with_window=False`` leaves the window empty: a run
         fine-tuned from another's checkpoint continues its counts, not its metrics. A
         manifest from before windows were stored has none open."""
-        known = {"step", "epoch", "rows", "seconds", "loss", "pass_start", "window"}
+        known = {"step", "epoch", "rows", "seconds", "loss", "pass_start", "pass_steps", "window"}
         progress = cls(
             **{k: data[k] for k in ("step", "epoch", "rows", "seconds", "loss") if k in data},
             extra={k: v for k, v in data.items() if k not in known},
@@ -104,6 +112,7 @@ class RunProgress:
         # A manifest from before schedules has none: its runs had constant rates, and the
         # checkpoints that end a pass (a line's versions) stand at the next one's start.
         progress.pass_start = data.get("pass_start", progress.step)
+        progress.pass_steps = data.get("pass_steps")
         window = data.get("window")
         if with_window and window:
             progress.window = MetricsWindow(window["loss"], window["steps"], window["rows"])

@@ -20,6 +20,7 @@ from torch import nn
 from dlrmflow.config import LrScheduleConfig, RunConfig
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
+from dlrmflow.train.run.progress import RunProgress
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,23 @@ class LrSchedule:
         """The schedule of a run whose passes take ``pass_steps`` steps each."""
         return cls(config.train.lr_schedule, tuple(max(1, steps) for steps in pass_steps))
 
-    def factor(self, step: int, pass_index: int = 0, pass_start: int = 0) -> float:
-        """The share of the full rates that step ``step`` (counted from 1) trains at, in
-        pass ``pass_index``, which began after step ``pass_start``."""
+    def horizon(self, pass_index: int) -> int:
+        """The steps the decay spans in pass ``pass_index`` (a pass past the listed ones, of
+        a run continued by more epochs, spans the last one's)."""
+        return self.horizons[min(pass_index, len(self.horizons) - 1)]
+
+    def factor(self, step: int, pass_start: int = 0, pass_steps: int = 1) -> float:
+        """The share of the full rates that step ``step`` (counted from 1) trains at, in a
+        pass of ``pass_steps`` steps that began after step ``pass_start``."""
         cfg = self.config
         warm = min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         if cfg.decay == "constant":
             return warm
-        length = self.horizons[min(pass_index, len(self.horizons) - 1)]
         position = step - 1 - pass_start  # steps of the pass before this one
-        decay_from = cfg.decay_start * length
+        decay_from = cfg.decay_start * pass_steps
         if position < decay_from:
             return warm
-        done = min(1.0, (position - decay_from) / max(length - decay_from, 1.0))
+        done = min(1.0, (position - decay_from) / max(pass_steps - decay_from, 1.0))
         if cfg.decay == "linear":
             share = 1.0 - (1.0 - cfg.floor) * done
         else:
@@ -83,9 +88,12 @@ class LearningRates:
         ]
         self.share = 1.0
 
-    def set_for(self, step: int, pass_index: int, pass_start: int) -> None:
-        """Set the rates step ``step`` trains at."""
-        self.share = self.schedule.factor(step, pass_index, pass_start)
+    def set_for(self, step: int, progress: RunProgress) -> None:
+        """Set the rates step ``step`` trains at, in the pass ``progress`` stands in (whose
+        steps are fixed, and recorded there, as it begins)."""
+        if progress.pass_steps is None:
+            progress.pass_steps = self.schedule.horizon(progress.epoch)
+        self.share = self.schedule.factor(step, progress.pass_start, progress.pass_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = self.dense_lr * self.share
         for bag in self.bags:

@@ -16,10 +16,11 @@ def test_progress_round_trips_the_manifest_format() -> None:
         "seconds": 3.25,
         "loss": 0.5,
         "pass_start": 10,
+        "pass_steps": 24,
         "window": {"loss": 1.5, "steps": 3, "rows": 1536, "seconds": 0.75},
     }
     progress = RunProgress.from_dict(json.loads(json.dumps(stored)))
-    assert progress.pass_start == 10
+    assert (progress.pass_start, progress.pass_steps) == (10, 24)
     assert progress.window == MetricsWindow(1.5, 3, 1536)
     assert progress.window_seconds == 0.75
     written = progress.to_dict(window_seconds=0.75)
@@ -35,6 +36,7 @@ def test_a_fresh_run_and_a_fine_tuned_one_write_an_empty_window() -> None:
         "seconds": 0.0,
         "loss": None,
         "pass_start": 0,
+        "pass_steps": None,
         "window": {"loss": 0.0, "steps": 0, "rows": 0, "seconds": 0.0},
     }
     stored = {"step": 4, "epoch": 0, "rows": 2048, "seconds": 1.0, "loss": 0.6}
@@ -52,11 +54,13 @@ def test_an_older_manifest_without_a_window_keeps_its_other_keys() -> None:
     stored["loss"] = 0.7
     progress = RunProgress.from_dict(stored)
     assert progress.window.steps == 0 and progress.window_seconds == 0.0
-    assert progress.pass_start == 8
+    assert (progress.pass_start, progress.pass_steps) == (8, None)
+    progress.pass_steps = 2  # as the schedule fixes it at the pass's first step
     progress.finish_step(512, 0.4, epoch_ended=False)
-    assert progress.pass_start == 8
+    assert (progress.pass_start, progress.pass_steps) == (8, 2)
     progress.finish_step(512, 0.4, epoch_ended=True)
     assert (progress.step, progress.epoch, progress.rows, progress.pass_start) == (10, 1, 5120, 10)
+    assert progress.pass_steps is None  # the next pass's steps are counted as it begins
     assert list(progress.to_dict(window_seconds=0.1)) == [
         "step",
         "epoch",
@@ -64,6 +68,7 @@ def test_an_older_manifest_without_a_window_keeps_its_other_keys() -> None:
         "seconds",
         "loss",
         "pass_start",
+        "pass_steps",
         "dropped_rows",
         "window",
     ]

@@ -33,27 +33,28 @@ def test_constant_is_one_after_a_linear_warm_up() -> None:
 
 def test_linear_decay_reaches_the_floor_at_the_passs_end() -> None:
     s = _schedule((10,), decay="linear", floor=0.1)
-    shares = [s.factor(step) for step in range(1, 11)]
+    shares = [s.factor(step, 0, 10) for step in range(1, 11)]
     assert shares[0] == 1.0
     assert shares == pytest.approx([1 - 0.9 * k / 10 for k in range(10)])
-    assert s.factor(11) == pytest.approx(0.1) and s.factor(50) == pytest.approx(0.1)
+    assert s.factor(11, 0, 10) == pytest.approx(0.1) and s.factor(50, 0, 10) == pytest.approx(0.1)
 
 
 def test_polynomial_decay_after_its_start_and_warm_up_multiply() -> None:
     s = _schedule((100,), decay="polynomial", decay_start=0.5, power=2.0, warmup_steps=10)
-    assert s.factor(5) == 0.5  # warming up, not yet decaying
-    assert s.factor(50) == 1.0  # the 49 steps before it are under half the pass
-    assert s.factor(76) == pytest.approx((1 - 25 / 50) ** 2)
-    assert s.factor(100) == pytest.approx((1 / 50) ** 2)
+    assert s.factor(5, 0, 100) == 0.5  # warming up, not yet decaying
+    assert s.factor(50, 0, 100) == 1.0  # the 49 steps before it are under half the pass
+    assert s.factor(76, 0, 100) == pytest.approx((1 - 25 / 50) ** 2)
+    assert s.factor(100, 0, 100) == pytest.approx((1 / 50) ** 2)
 
 
 def test_each_pass_restarts_the_decay_over_its_own_steps() -> None:
     """Day order: day 1 (8 steps) began after step 10 of day 0."""
     s = _schedule((10, 8), decay="linear")
-    assert s.factor(11, pass_index=1, pass_start=10) == 1.0
-    assert s.factor(15, pass_index=1, pass_start=10) == pytest.approx(1 - 4 / 8)
+    assert s.horizon(0) == 10 and s.horizon(1) == 8
+    assert s.factor(11, 10, 8) == 1.0
+    assert s.factor(15, 10, 8) == pytest.approx(1 - 4 / 8)
     # A pass past the listed ones (a run continued by more epochs) spans the last's steps.
-    assert s.factor(21, pass_index=2, pass_start=18) == pytest.approx(1 - 2 / 8)
+    assert s.horizon(2) == 8
 
 
 @pytest.mark.parametrize(
@@ -178,3 +179,48 @@ def test_the_decay_spans_the_steps_the_readers_cut(tiny_dataset: str, tmp_path: 
     assert [r["lr"] for r in records] == pytest.approx(
         [cfg.train.lr * (1 - k / 16) for k in range(16)]
     )
+
+
+def _lrs(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["lr"]) for r in map(json.loads, (run_dir / "metrics.jsonl").open())]
+
+
+def test_a_resumed_pass_keeps_the_steps_it_began_with(
+    tiny_dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps a pass's decay spans are fixed, and checkpointed, as the pass begins: a run
+    resumed inside it continues its schedule even where they would now be counted
+    otherwise (reader servers count them from the rows)."""
+    schedule = {"decay": "linear", "decay_start": 0.0}
+    whole = tiny_run_config(tiny_dataset, tmp_path / "whole", log_every=1, lr_schedule=schedule)
+    train(whole)
+    stopped = whole.model_copy(deep=True)
+    stopped.run_dir, stopped.train.max_steps = str(tmp_path / "stopped"), 10
+    train(stopped)
+    monkeypatch.setattr(
+        "dlrmflow.train.run.trainer.pass_steps_of_run", lambda *args, **kwargs: [99]
+    )
+    stopped.train.max_steps = None
+    assert train(stopped).resumed_from_step == 10
+    assert _lrs(tmp_path / "stopped") == _lrs(tmp_path / "whole")
+    same_weights(tmp_path / "stopped", tmp_path / "whole")
+
+
+def test_a_fine_tuning_that_reads_its_epoch_again_begins_a_pass(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Fine-tuned at another batch size from step 6 (of 24), the run reads the epoch from its
+    start, so the decay begins again: its first step at the full rate, its last at 1/47 of
+    it (12,000 rows in batches of 256 are 47 steps)."""
+    schedule = {"decay": "linear", "decay_start": 0.0}
+    first = tiny_run_config(tiny_dataset, tmp_path / "first", max_steps=6, lr_schedule=schedule)
+    train(first)
+    checkpoint = list_checkpoints(tmp_path / "first")[-1].path
+    tuned = tiny_run_config(
+        tiny_dataset, tmp_path / "tuned", batch_size=256, log_every=1,
+        resume=str(checkpoint), lr_schedule=schedule,
+    )  # fmt: skip
+    result = train(tuned)
+    assert result.resumed_from_step == 6 and result.steps == 6 + 47
+    lrs = [lr for _, lr in _lrs(tmp_path / "tuned")]
+    assert lrs == pytest.approx([tuned.train.lr * (1 - k / 47) for k in range(47)])
