@@ -155,9 +155,11 @@ def schedule_section(record: dict[str, Any]) -> str:
     lines = []
     for c in record["candidates"]:
         for r in c["runs"]:
+            # Four decimals: the candidates differ in the fourth.
             lines.append(
-                [c["name"], r["seed"], r["steps"], r["auc"], record["bayes_auc"] - r["auc"],
-                 r["calibration"], r["logloss"], r["train_cpu_s"]]
+                [c["name"], r["seed"], r["steps"], f"{r['auc']:.4f}",
+                 f"{record['bayes_auc'] - r['auc']:.4f}", f"{r['calibration']:.3f}",
+                 f"{r['logloss']:.4f}", f"{r['train_cpu_s']:.1f}"]
             )  # fmt: skip
     d = record["defaults"]
     schedule = d["lr_schedule"]
