@@ -214,11 +214,11 @@ class LrScheduleConfig(_Section):
 class TrainConfig(_Section):
     """The training loop and its data loading."""
 
-    batch_size: Int = Field(1024, ge=1)
+    batch_size: Int = Field(2048, ge=1)
     epochs: Int = Field(1, ge=1)
     max_steps: Int | None = Field(None, ge=1, description="stop after this many steps")
     optimizer: Literal["adagrad", "sgd"] = "adagrad"
-    lr: Float = Field(0.02, gt=0, description="the dense layers' learning rate")
+    lr: Float = Field(0.01, gt=0, description="the dense layers' learning rate")
     embedding_lr: Float | None = Field(
         0.05, gt=0, description="the embeddings' learning rate (null: train.lr)"
     )

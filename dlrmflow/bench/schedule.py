@@ -46,15 +46,15 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("constant, lr 0.05, batch 2048 (before)", CONSTANT),
     ("decay, lr 0.05, batch 2048", {**CONSTANT, **DECAY}),
     (
-        "constant, dense 0.02, embeddings 0.05, batch 1024",
+        "constant, dense 0.01, embeddings 0.05, batch 2048",
         {"train.lr_schedule.decay": "constant", "train.lr_schedule.decay_start": 0.0},
     ),
+    ("decay, dense 0.02, embeddings 0.05, batch 2048", {"train.lr": 0.02}),
     (
-        "decay, dense 0.01, embeddings 0.05, batch 2048",
-        {"train.lr": 0.01, "train.batch_size": 2048},
+        "decay, dense 0.02, embeddings 0.05, batch 1024",
+        {"train.lr": 0.02, "train.batch_size": 1024},
     ),
-    ("decay, dense 0.01, embeddings 0.05, batch 1024", {"train.lr": 0.01}),
-    ("decay, dense 0.01, embeddings 0.05, batch 512", {"train.lr": 0.01, "train.batch_size": 512}),
+    ("decay, dense 0.01, embeddings 0.05, batch 512", {"train.batch_size": 512}),
     ("defaults", {}),
 ]
 SEEDS = (0, 1)

@@ -72,7 +72,7 @@ def test_a_line_refuses_another_configuration_or_a_day_it_lacks(tmp_path: Path) 
     train_line(line, _config(data, tmp_path / "x"), through=0)
     other = _config(data, tmp_path / "x")
     other.train.lr = 0.5
-    with pytest.raises(LineError, match="train.lr 0.02 -> 0.5"):
+    with pytest.raises(LineError, match="train.lr 0.01 -> 0.5"):
         train_line(line, other)
     # What is not the run's identity is this call's, not silently the first call's.
     machinery = _config(data, tmp_path / "x")
@@ -103,7 +103,7 @@ def test_the_line_command_starts_continues_and_says_when_nothing_is_new(
     assert code == 0 and json.loads(out)["trained"] == [] and "no new day" in err[-1]
     code, out, err = run_cli(monkeypatch, capsys, "line", "--line", line, "--set", "train.lr=1")
     assert code == 1 and len(err) == 1, err
-    assert err[0].endswith("another configuration: train.lr 0.02 -> 1.0; start another line for it")
+    assert err[0].endswith("another configuration: train.lr 0.01 -> 1.0; start another line for it")
 
 
 def test_a_line_killed_anywhere_resumes_to_where_the_whole_line_ends(tmp_path: Path) -> None:

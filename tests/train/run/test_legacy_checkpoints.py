@@ -64,7 +64,7 @@ def test_a_legacy_checkpoint_is_not_continued_under_defaults_changed_since(legac
         train(_config(legacy, "run_1rank", **{"train.max_steps": 6}))
     message = str(refused.value)
     for change in (
-        "train.lr 0.05 -> 0.02",
+        "train.lr 0.05 -> 0.01",
         "train.embedding_lr None -> 0.05",
         "train.lr_schedule.decay 'constant' -> 'linear'",
     ):
