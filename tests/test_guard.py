@@ -31,9 +31,18 @@ def _token_of(pid: int) -> str | None:
 
 
 def _children(pid: int) -> list[int]:
+    """The children of ``pid``'s threads; a thread that ends while they are read (the
+    command's threads come and go) has none."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # it has ended: the caller's next check says so
+        return found
+    for task in tasks:
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
     return found
 
 
