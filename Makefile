@@ -9,10 +9,13 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 RUN_DIR ?= runs/demo
 PYTEST_ARGS ?=
 # TorchRec for `dlrmflow bench report`'s side-by-side comparison: a set that runs with the
-# CPU torch above. Installed without dependencies, since torchrec's metadata would pull the
+# torch above. Installed without dependencies, since torchrec's metadata would pull the
 # GPU build of FBGEMM and an old torchmetrics.
-TORCHREC_PKGS := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
+TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.2.0
+# FBGEMM (model.kernels=fbgemm, and TorchRec's kernels): the release built for the torch
+# above. Its CUDA build where a GPU is present, else its CPU build.
+FBGEMM_VERSION ?= 1.8.0
 
 .PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule clean
 
@@ -27,6 +30,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	  $(PIP) install torch==$(TORCH_VERSION); fi
 	$(PIP) install -c constraints.txt -e '.[dev]'
 	$(PIP) install --no-deps $(TORCHREC_PKGS)
+	@# Where no FBGEMM build matches the installed torch, one line says so and auto uses Triton.
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PIP) install --no-deps fbgemm-gpu==$(FBGEMM_VERSION) \
+	  || echo "warning: no fbgemm-gpu $(FBGEMM_VERSION) build for this torch; model.kernels=auto uses Triton"; \
+	else $(PIP) install --no-deps fbgemm-gpu-cpu==$(FBGEMM_VERSION); fi
+	$(PY) scripts/fbgemm_status.py
 	touch $@
 
 demo: $(VENV)/.installed
@@ -35,8 +44,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# On a machine with a GPU: the gpu tests, the demo on cuda:0 and the kernel benchmark on the
-# GPU, in ~10 minutes, into one JSON (gpu-results/gpu_check.json).
+# On a machine with a GPU: the gpu tests, the demo on cuda:0 under each TBE backend and the
+# kernel benchmark on the GPU, in ~13 minutes, into one JSON (gpu-results/gpu_check.json).
 gpu-check: $(VENV)/.installed
 	$(PY) scripts/gpu_check.py --out gpu-results/gpu_check.json
 

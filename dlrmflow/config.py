@@ -59,7 +59,7 @@ ShardingType = Literal["data_parallel", "table_wise", "row_wise", "column_wise",
 # (``model.kernels``): named so that commands taking them as flags (``dlrmflow evaluate``)
 # check and list the same values.
 DeviceType = Literal["auto", "cpu", "cuda"]
-KernelsType = Literal["auto", "torch", "compiled", "triton"]
+KernelsType = Literal["auto", "torch", "compiled", "triton", "fbgemm"]
 
 
 def flat_keys(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -177,9 +177,10 @@ class ModelConfig(_Section):
     dcn_low_rank: Int = Field(32, ge=1)
     kernels: KernelsType = Field(
         "auto",
-        description="TBE and interaction kernels: auto (Triton on CUDA when installed, the "
-        "compiled CPU kernels on CPU), plain torch ops, compiled (CPU) or triton (CPU tensors "
-        "need TRITON_INTERPRET=1)",
+        description="TBE and interaction kernels: auto (on CUDA FBGEMM's where fbgemm_gpu's "
+        "CUDA build works, else Triton's; the compiled kernels on the CPU), plain torch ops, "
+        "compiled (CPU), triton (CPU tensors need TRITON_INTERPRET=1) or fbgemm (fbgemm_gpu's "
+        "CPU or CUDA build; the interaction runs auto's)",
     )
 
     @model_validator(mode="after")

@@ -1,10 +1,12 @@
 """The GPU check (``make gpu-check``): everything that needs a CUDA device, in one go.
 
-Run on a machine with a GPU after ``make`` has installed the CUDA build of torch. In turn:
-the tests marked ``gpu`` and the Triton kernel tests (compiled for the GPU, against their
-CPU twins); the demo trained on ``cuda:0`` in one rank and evaluated; the kernel benchmark
-with CUDA tensors (Triton TBE and interaction against plain torch on the GPU). Each step
-has a time limit, so the whole check ends within ~10 minutes; its results go to one JSON
+Run on a machine with a GPU after ``make`` has installed the CUDA builds of torch and
+FBGEMM. In turn: the tests marked ``gpu`` and the Triton kernel tests (compiled for the
+GPU, against their CPU twins); the demo trained on ``cuda:0`` in one rank and evaluated,
+once under each TBE backend (FBGEMM's, Triton's, torch's ops; a backend that cannot run
+here is recorded as skipped, with the reason); the kernel benchmark with CUDA tensors
+(Triton TBE and interaction against plain torch and FBGEMM's TBE on the GPU). Each step
+has a time limit, so the whole check ends within ~13 minutes; its results go to one JSON
 file (``--out``), and the exit code is 1 when any step failed. On a machine without CUDA
 it stops at once, saying so.
 """
@@ -24,21 +26,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DLRMFLOW = [sys.executable, "-m", "dlrmflow"]
 # Seconds per step: together under the 10 minutes the check may take.
-LIMITS = {"tests": 240, "demo": 240, "kernels": 120}
+LIMITS = {"tests": 240, "demo": 150, "kernels": 180}
+BACKENDS = ("fbgemm", "triton", "torch")
 
 
-def _run(name: str, command: list[str], out: Path) -> dict:
-    """One step: its exit code, time, and the tail of its output (kept in a log file)."""
+def _run(name: str, command: list[str], out: Path, limit: str | None = None) -> dict:
+    """One step: its exit code, time, and the tail of its output (kept in a log file).
+    ``limit``: the ``LIMITS`` entry it runs under (default: its name's)."""
     began = time.perf_counter()
     log = out.parent / f"{name}.log"
+    seconds = LIMITS[limit or name]
     try:
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=LIMITS[name]
-        )
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
         code, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         code = 124
-        text = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {LIMITS[name]} s"
+        text = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {seconds} s"
         text = text if isinstance(text, str) else text.decode(errors="replace")
     log.write_text(text)
     return {
@@ -79,7 +82,24 @@ def _machine() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    from dlrmflow.kernels import fbgemm_tbe
+
+    refusal = fbgemm_tbe.refusal("cuda")
+    info["fbgemm"] = fbgemm_tbe.describe() if refusal is None else f"not usable: {refusal}"
     return info
+
+
+def _backend_refusal(backend: str) -> str | None:
+    """Why ``backend`` cannot train on this machine's GPU (None: it can)."""
+    import torch
+
+    from dlrmflow.kernels.backends import KernelUnavailable, check_kernels
+
+    try:
+        check_kernels(backend, torch.device("cuda", 0))
+    except KernelUnavailable as e:
+        return str(e)
+    return None
 
 
 def main() -> int:
@@ -104,17 +124,24 @@ def main() -> int:
     )  # fmt: skip
     steps["tests"]["counts"] = _test_counts(junit)
 
-    demo_dir = out.parent / "demo"
-    steps["demo"] = _run(
-        "demo",
-        [*DLRMFLOW, "demo", "--run-dir", str(demo_dir),
-         "--set", "distributed.nproc=1", "--set", "train.device=cuda"],
-        out,
-    )  # fmt: skip
-    for name in ("summary.json", "train_result.json", "eval.json"):
-        path = demo_dir / name
-        if path.is_file():
-            steps["demo"][name.removesuffix(".json")] = json.loads(path.read_text())
+    for backend in BACKENDS:
+        step = f"demo_{backend}"
+        refusal = _backend_refusal(backend)
+        if refusal is not None:
+            steps[step] = {"ok": True, "skipped": refusal, "seconds": 0.0}
+            continue
+        demo_dir = out.parent / step
+        steps[step] = _run(
+            step,
+            [*DLRMFLOW, "demo", "--run-dir", str(demo_dir), "--set", "distributed.nproc=1",
+             "--set", "train.device=cuda", "--set", f"model.kernels={backend}"],
+            out,
+            limit="demo",
+        )  # fmt: skip
+        for name in ("summary.json", "train_result.json", "eval.json"):
+            path = demo_dir / name
+            if path.is_file():
+                steps[step][name.removesuffix(".json")] = json.loads(path.read_text())
 
     kernels_json = out.parent / "kernels.json"
     steps["kernels"] = _run(
@@ -127,11 +154,14 @@ def main() -> int:
         bench = json.loads(kernels_json.read_text())
         steps["kernels"]["ratios"] = bench.get("ratios")
         steps["kernels"]["ours_kernels"] = bench.get("ours_kernels")
+        steps["kernels"]["fbgemm_ratios"] = bench.get("fbgemm_ratios")
+        steps["kernels"]["fbgemm"] = bench.get("fbgemm")
 
     report["ok"] = all(step["ok"] for step in steps.values())
     out.write_text(json.dumps(report, indent=1) + "\n")
     for name, step in steps.items():
-        print(f"{name:<8} {'ok' if step['ok'] else 'FAILED'}  {step['seconds']} s")
+        state = "skipped" if "skipped" in step else ("ok" if step["ok"] else "FAILED")
+        print(f"{name:<13} {state}  {step['seconds']} s")
     print(f"gpu-check: {out}")
     return 0 if report["ok"] else 1
 

@@ -225,17 +225,27 @@ def write_docs(
     scale: Path | None = None,
     recurring_run: Path | None = None,
     schedule_run: Path | None = None,
+    kernels_run: Path | None = None,
 ) -> dict[str, str]:
     """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents;
     ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale",
     ``recurring_run`` (a ``dlrmflow bench recurring`` JSON, its plot beside it) under
-    "recurring", ``schedule_run`` (a ``dlrmflow bench schedule`` JSON) under "schedule"."""
+    "recurring", ``schedule_run`` (a ``dlrmflow bench schedule`` JSON) under "schedule";
+    ``kernels_run`` (a ``dlrmflow bench kernels`` JSON) replaces the report's kernels run,
+    whose ratios are all measured within it."""
     record = json.loads(Path(report).read_text())
-    added = {"scale": scale, "recurring": recurring_run, "schedule": schedule_run}
+    added = {
+        "scale": scale,
+        "recurring": recurring_run,
+        "schedule": schedule_run,
+        "kernels": kernels_run,
+    }
     plots = {}
     for key, path in added.items():
         if path is not None:
             record[key] = json.loads(Path(path).read_text())
+    if kernels_run is not None:
+        record["kernels"]["run_apart"] = True  # its own machine and time, said in its section
     if recurring_run is not None:
         plots[recurring.PLOT] = Path(recurring_run).parent / recurring.PLOT
         if not plots[recurring.PLOT].is_file():

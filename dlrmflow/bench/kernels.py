@@ -23,9 +23,16 @@ run in this process with the same torch threads and allocator setting (``runtime
 applied here too), take turns within each repeat after one untimed warm-up round, and
 the best time of each counts (``dlrmflow.bench.turns``).
 
+A third line is FBGEMM's table-batched embedding (fbgemm_gpu's
+``SplitTableBatchedEmbeddingBagsCodegen``, the kernels TorchRec trains with) with its own
+fused SGD or row-wise Adagrad, its key-major inputs made outside the timed step: its CPU
+build on the CPU, its CUDA build on a GPU, wherever it runs (``model.kernels: fbgemm``
+puts the same kernels on our tensors). Its ratios (its time / ours) are reported beside
+the headline ones; the interaction has no FBGEMM counterpart.
+
 With ``device="cuda"`` every side runs on the GPU: ours on the Triton kernels (TBE and
-interaction), the baselines on torch's CUDA ops, each timed step ending in a device
-synchronize; the copy bandwidth is then the GPU memory's.
+interaction), the baselines on torch's CUDA ops and FBGEMM's CUDA build, each timed step
+ending in a device synchronize; the copy bandwidth is then the GPU memory's.
 
 Bandwidth: a step must at least read every looked-up row, then read and write each
 touched row and its optimizer state once; those bytes over the step's time, as a share
@@ -46,6 +53,8 @@ from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.ingest.schema import CRITEO_CARDINALITIES
+from dlrmflow.kernels import fbgemm_tbe
+from dlrmflow.kernels.fbgemm_tbe import FbgemmTables, fbgemm_inputs
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.triton_tbe import available as triton_available
@@ -208,6 +217,17 @@ def _tbe_step(tbe: TableBatchedEmbeddingBag, kjt: KeyedJaggedTensor, grad: torch
     return step
 
 
+def _fbgemm_step(
+    tables: FbgemmTables, inputs: tuple[torch.Tensor, torch.Tensor], grad: torch.Tensor
+):
+    indices, offsets = inputs
+
+    def step() -> None:
+        tables.module(indices, offsets).backward(grad)
+
+    return step
+
+
 def _per_table_step(
     bags: nn.ModuleList,
     optimizer: torch.optim.Optimizer,
@@ -265,6 +285,12 @@ def _interaction_times(
     )
 
 
+FBGEMM_BASELINE = (
+    "fbgemm_gpu's SplitTableBatchedEmbeddingBagsCodegen (its CPU build on the CPU, "
+    "its CUDA build on CUDA) with its fused EXACT_SGD or EXACT_ROWWISE_ADAGRAD, as TorchRec "
+    "trains with it: its own weights, key-major indices and offsets made outside the timed "
+    "step, its default bounds check. Ratios are its time / our time (> 1: ours faster)."
+)
 BASELINE = (
     "TBE steps: the same algorithm with torch alone: every table stacked in one "
     "torch.nn.EmbeddingBag(mode='sum', sparse=True), inputs stacked outside the timed step, "
@@ -317,10 +343,23 @@ def run_kernel_benchmark(
         for form, kjt in host_batches.items()
     }
     batches = {form: kjt.to(device) for form, kjt in host_batches.items()}
+    # Ours: our own kernels on the device (``auto`` would pick FBGEMM's on CUDA, timed
+    # beside them here as the named baseline they are).
+    ours_kernels = "compiled" if device == "cpu" else ("triton" if triton_available() else "torch")
+    fbgemm_refusal = fbgemm_tbe.refusal(torch.device(device).type)
+    fbgemm_batches = (
+        {}
+        if fbgemm_refusal is not None
+        else {
+            form: tuple(t.to(device) for t in fbgemm_inputs(kjt, None)[:2])
+            for form, kjt in host_batches.items()
+        }
+    )
 
     results: dict[str, dict[str, float]] = {}
     ratios: dict[str, float] = {}
     naive_ratios: dict[str, float] = {}
+    fbgemm_ratios: dict[str, float] = {}
     shares: dict[str, float] = {}
     for dim in dims:
         tables = [SparseFeature(f"C{k + 1}", n, dim) for k, n in enumerate(sizes)]
@@ -328,9 +367,13 @@ def run_kernel_benchmark(
             batch_size, len(tables) * dim, generator=torch.Generator().manual_seed(0)
         ).to(device)
         for name, optimizer in (("sgd", SGD(LR)), ("rowwise_adagrad", RowWiseAdagrad(LR))):
-            tbe = TableBatchedEmbeddingBag(tables, optimizer)
+            tbe = TableBatchedEmbeddingBag(tables, optimizer, kernels=ours_kernels)
             bag, bags = _stacked_bag(tbe).to(device), _per_table_bags(tbe).to(device)
             tbe = tbe.to(device)
+            fbgemm = None
+            if fbgemm_refusal is None:
+                fbgemm = FbgemmTables(tables, optimizer, torch.device(device), check_ids=True)
+                fbgemm.weight_slot().copy_(tbe.weight)  # the same starting rows as ours
             if name == "sgd":
                 torch_opt = torch.optim.SGD(bag.parameters(), lr=LR)
                 naive_opt = torch.optim.SGD(bags.parameters(), lr=LR)
@@ -338,14 +381,14 @@ def run_kernel_benchmark(
                 torch_opt = TorchRowWiseAdagrad(bag.parameters(), lr=LR, eps=optimizer.eps)
                 naive_opt = torch.optim.Adagrad(bags.parameters(), lr=LR)
             for form, kjt in batches.items():
-                times = _best_times(
-                    {
-                        "ours": _tbe_step(tbe, kjt, grad),
-                        "baseline": _stacked_step(bag, torch_opt, stacked[form], grad),
-                        "naive": _per_table_step(bags, naive_opt, split[form], grad),
-                    },
-                    repeats,
-                )
+                sides = {
+                    "ours": _tbe_step(tbe, kjt, grad),
+                    "baseline": _stacked_step(bag, torch_opt, stacked[form], grad),
+                    "naive": _per_table_step(bags, naive_opt, split[form], grad),
+                }
+                if fbgemm is not None:
+                    sides["fbgemm"] = _fbgemm_step(fbgemm, fbgemm_batches[form], grad)
+                times = _best_times(sides, repeats)
                 n_ids, n_rows = touched[form]
                 state_bytes = 2 * n_rows * FLOAT_BYTES if name == "rowwise_adagrad" else 0
                 touched_bytes = (n_ids + 2 * n_rows) * dim * FLOAT_BYTES + state_bytes
@@ -362,8 +405,11 @@ def run_kernel_benchmark(
                 }
                 ratios[key] = times["baseline"] / times["ours"]
                 naive_ratios[key] = times["naive"] / times["ours"]
+                if fbgemm is not None:
+                    results[key]["fbgemm_s"] = times["fbgemm"]
+                    fbgemm_ratios[key] = times["fbgemm"] / times["ours"]
                 shares[key] = results[key]["ours_bandwidth_share"]
-            del tbe, bag, bags, torch_opt, naive_opt  # free these before the next are built
+            del tbe, bag, bags, torch_opt, naive_opt, fbgemm  # free these before the next
         times = _interaction_times(batch_size, len(sizes), dim, repeats, device)
         key = f"interaction_fwd_bwd_d{dim}"
         results[key] = {"ours_s": times["ours"], "baseline_s": times["baseline"]}
@@ -379,10 +425,11 @@ def run_kernel_benchmark(
         "zipf_alpha": ZIPF_ALPHA,
         "repeats": repeats,
         "device": device,
-        # What ran ours: the kernels "auto" picks on this device.
-        "ours_kernels": "triton"
-        if device.startswith("cuda") and triton_available()
-        else ("compiled" if device == "cpu" else "torch"),
+        # What ran ours: our own kernels for this device.
+        "ours_kernels": ours_kernels,
+        "fbgemm_baseline": FBGEMM_BASELINE,
+        # FBGEMM's build, or why it did not run (then no fbgemm ratios).
+        "fbgemm": fbgemm_tbe.describe() if fbgemm_refusal is None else f"not run: {fbgemm_refusal}",
         # Every side ran in this process, with these threads and this allocator setting.
         "torch_threads": torch.get_num_threads(),
         "malloc_mmap_threshold": applied_threshold(),
@@ -391,6 +438,8 @@ def run_kernel_benchmark(
         "ratios": ratios,
         # Naive-user time / our time: labelled context, not the headline ``ratios``.
         "naive_ratios": naive_ratios,
+        # FBGEMM's time / our time, per TBE step (absent where FBGEMM does not run).
+        "fbgemm_ratios": fbgemm_ratios,
         "bandwidth_share": shares,
         "machine": describe_machine(),
     }

@@ -268,17 +268,27 @@ def kernels_section(record: dict) -> str:
             r.get("ours_bandwidth_share", ""),
             r["naive_s"] * 1e3 if "naive_s" in r else "",
             record["naive_ratios"].get(key, ""),
+            r["fbgemm_s"] * 1e3 if "fbgemm_s" in r else "",
+            record.get("fbgemm_ratios", {}).get(key, ""),
         ]
         for key, r in record["results"].items()
     ]
+    fbgemm = record.get("fbgemm", "not run: the report predates the FBGEMM baseline")
+    apart = (
+        f" Run apart from the report (`dlrmflow bench kernels`), on {record['machine']['cpu']} "
+        f"with {record['machine']['cpu_count']} CPUs."
+        if record.get("run_apart")
+        else ""
+    )
     return "\n\n".join(
         [
             "## Kernels",
             f"Baseline: {record['baseline']}",
             f"Naive line: {record['naive_baseline']}.",
+            f"FBGEMM line ({fbgemm}): {record.get('fbgemm_baseline', '')}",
             f"Batch {record['batch_size']}, dims {record['dims']}; every side in one process "
             f"with {record['torch_threads']} torch threads under the same allocator setting "
-            f"({_threshold(record['malloc_mmap_threshold'])}).",
+            f"({_threshold(record['malloc_mmap_threshold'])}).{apart}",
             markdown_table(
                 [
                     "step",
@@ -288,6 +298,8 @@ def kernels_section(record: dict) -> str:
                     "bandwidth share",
                     "naive user ms",
                     "naive user / ours",
+                    "FBGEMM ms",
+                    "FBGEMM / ours",
                 ],
                 rows,
             ),

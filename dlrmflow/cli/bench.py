@@ -39,10 +39,14 @@ def bench_kernels(
         int, typer.Option(min=1, help="Rounds per comparison; each side's best time counts.")
     ] = 10,
     device: Annotated[
-        str, typer.Option(help="cpu, or cuda (ours on the Triton kernels, torch on the GPU).")
+        str,
+        typer.Option(
+            help="cpu, or cuda (ours on the Triton kernels, torch and FBGEMM on the GPU)."
+        ),
     ] = "cpu",
 ) -> None:
-    """TBE training steps and the fused interaction against plain torch ops and optimizers."""
+    """TBE training steps and the fused interaction against plain torch ops and optimizers,
+    and against FBGEMM's TBE where fbgemm_gpu runs on the device."""
     from dlrmflow.bench.kernels import run_kernel_benchmark
 
     if device not in ("cpu", "cuda"):
@@ -160,11 +164,15 @@ def bench_docs(
     schedule: Annotated[
         Path | None, typer.Option(help="A `dlrmflow bench schedule` JSON to add.")
     ] = None,
+    kernels: Annotated[
+        Path | None,
+        typer.Option(help="A `dlrmflow bench kernels` JSON in place of the report's kernels run."),
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
-    echo_json(write_docs(report, docs_dir, readme, scale, recurring, schedule))
+    echo_json(write_docs(report, docs_dir, readme, scale, recurring, schedule, kernels))
 
 
 @app.command("recurring")

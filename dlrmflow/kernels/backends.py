@@ -1,11 +1,15 @@
 """Which implementation runs the TBE and the interaction: one choice for the whole model.
 
-Three implementations share each op's semantics (see ``tbe`` and ``interaction``): plain
-torch ops (any device), the compiled CPU kernels (``cpu_tbe``; CPU tensors) and the Triton
-kernels (``triton_tbe``, ``triton_interaction``; CUDA tensors, or CPU tensors under Triton's
-interpreter). ``auto`` takes the fastest one the tensors' device has. Forcing one is how the
-Triton path is tested on a machine without a GPU, and how a slow kernel is ruled out when
-a result looks wrong.
+Four implementations share the TBE's semantics (see ``tbe``): plain torch ops (any
+device), the compiled CPU kernels (``cpu_tbe``; CPU tensors), the Triton kernels
+(``triton_tbe``; CUDA tensors, or CPU tensors under Triton's interpreter) and FBGEMM's
+(``fbgemm_tbe``: fbgemm_gpu's CPU or CUDA build, whichever is installed). The interaction
+has torch ops and Triton kernels (``interaction``); FBGEMM has none, so under ``fbgemm`` it
+runs what ``auto`` would. ``auto`` takes the fastest one the tensors' device has: on CUDA
+FBGEMM's kernels where they load and pass a test step, else Triton's, else torch's; on the
+CPU the compiled kernels, which the kernel benchmark measures against FBGEMM's CPU kernels
+(``dlrmflow bench kernels``). Forcing one is how the Triton path is tested on a machine
+without a GPU, and how a slow kernel is ruled out when a result looks wrong.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 from dlrmflow.errors import DlrmflowError
 
-KERNELS = ("auto", "torch", "compiled", "triton")
+KERNELS = ("auto", "torch", "compiled", "triton", "fbgemm")
 
 
 class KernelUnavailable(DlrmflowError, RuntimeError):
@@ -39,6 +43,16 @@ def check_kernels(kernels: str, device: torch.device) -> None:
             f"model.kernels=compiled runs on CPU tensors only, and the model is on {device}; "
             "use auto, torch or triton"
         )
+    if kernels == "fbgemm":
+        from dlrmflow.kernels import fbgemm_tbe
+
+        why = fbgemm_tbe.refusal(device.type)
+        if why is not None:
+            raise KernelUnavailable(
+                f"model.kernels=fbgemm cannot run on {device.type}: {why} (the CPU build is "
+                "fbgemm-gpu-cpu, the CUDA one fbgemm-gpu from the torch CUDA index; or use auto)"
+            )
+        return
     if kernels != "triton":
         return
     if importlib.util.find_spec("triton") is None:
@@ -68,16 +82,49 @@ def _interpreting() -> bool:
 
 
 def resolve(kernels: str, tensor: torch.Tensor) -> str:
-    """The implementation that runs for ``tensor``'s device: "torch", "compiled" or "triton".
+    """The TBE implementation for ``tensor``'s device: "torch", "compiled", "triton" or
+    "fbgemm" (``choice`` says why). A forced choice is taken as is (``check_kernels`` has
+    said whether it can run)."""
+    return choice(kernels, tensor)[0]
 
-    ``auto``: Triton on CUDA when it is installed, the compiled kernels on float32 CPU
-    tensors, torch ops otherwise. A forced choice is taken as is (``check_kernels`` has
-    said whether it can run).
+
+def choice(kernels: str, tensor: torch.Tensor) -> tuple[str, str]:
+    """The TBE implementation for ``tensor``'s device and why it is the one, in words.
+
+    ``auto``: FBGEMM on CUDA where fbgemm_gpu's CUDA build loads and passes a test step,
+    else Triton where it is installed, else torch ops; the compiled kernels on float32 CPU
+    tensors (measured faster than FBGEMM's CPU kernels); torch ops otherwise.
     """
-    if kernels == "auto":
-        if tensor.is_cuda:
-            from dlrmflow.kernels import triton_tbe
+    if kernels != "auto":
+        return kernels, f"model.kernels={kernels}"
+    if tensor.is_cuda:
+        from dlrmflow.kernels import fbgemm_tbe, triton_tbe
 
-            return "triton" if triton_tbe.available() else "torch"
-        return "compiled" if tensor.device.type == "cpu" else "torch"
-    return kernels
+        why_not = fbgemm_tbe.refusal("cuda")
+        if why_not is None:
+            return "fbgemm", "auto on CUDA: FBGEMM's kernels load and pass a test step"
+        if triton_tbe.available():
+            return "triton", f"auto on CUDA: Triton, as {why_not}"
+        return "torch", f"auto on CUDA: torch ops, as {why_not} and triton is not installed"
+    if tensor.device.type == "cpu":
+        return "compiled", "auto on the CPU: the compiled kernels, faster than FBGEMM's CPU kernels"
+    return "torch", f"auto on {tensor.device.type}: torch ops, the only ones for the device"
+
+
+def besides_fbgemm(tensor: torch.Tensor) -> str:
+    """What ``auto`` runs where FBGEMM cannot: Triton (or torch ops) on CUDA, the compiled
+    kernels on the CPU."""
+    if tensor.is_cuda:
+        from dlrmflow.kernels import triton_tbe
+
+        return "triton" if triton_tbe.available() else "torch"
+    return "compiled" if tensor.device.type == "cpu" else "torch"
+
+
+def interaction(kernels: str, tensor: torch.Tensor) -> str:
+    """The interaction's implementation, "triton" or "torch": FBGEMM has no interaction
+    kernel, so under ``fbgemm`` it runs Triton's where ``auto`` would."""
+    resolved = resolve(kernels, tensor)
+    if resolved == "fbgemm":
+        resolved = besides_fbgemm(tensor)
+    return "triton" if resolved == "triton" else "torch"

@@ -108,7 +108,7 @@ def dot_interaction(
             f"dot_interaction: dense is {dense.dtype} on {dense.device}, "
             f"pooled is {pooled.dtype} on {pooled.device}; they must match"
         )
-    if backends.resolve(kernels, dense) == "triton":
+    if backends.interaction(kernels, dense) == "triton":
         from dlrmflow.kernels import triton_interaction
 
         return triton_interaction.dot_interaction(dense, pooled)

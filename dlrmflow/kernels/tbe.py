@@ -39,6 +39,7 @@ import math
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
-from dlrmflow.kernels import backends, cpu_tbe, triton_tbe
+from dlrmflow.kernels import backends, cpu_tbe, fbgemm_tbe, triton_tbe
 from dlrmflow.kernels.tbe_layout import (
     SGD,
     Adam,
@@ -137,6 +138,10 @@ class TableBatchedEmbeddingBag(nn.Module):
     rows in place (see the module docstring for the optimizers). ``weight`` never requires
     a gradient: do not hand it to a ``torch.optim`` optimizer.
     """
+
+    # Whether FBGEMM's fused backward may replace ``_apply_gradient`` (a subclass that
+    # extends the update says no).
+    fbgemm_capable: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -230,6 +235,8 @@ class TableBatchedEmbeddingBag(nn.Module):
         """Pooled embeddings ``[B, sum of dims]``, each table's columns in config order."""
         if kjt.keys != self.names:
             raise ValueError(f"batch keys {kjt.keys} differ from the tables {self.names}")
+        if self._backend() == "fbgemm":
+            return self._fbgemm_forward(kjt)
         rows = kjt.one_hot_rows
         if rows is not None:
             if not self._cpu_ids(rows):  # the compiled pass checks the IDs as it goes
@@ -256,12 +263,57 @@ class TableBatchedEmbeddingBag(nn.Module):
 
     @property
     def backend(self) -> str:
-        """What runs this bag's steps: "torch", "compiled" or "triton" (``kernels`` resolved
-        for the weight's device)."""
+        """What runs this bag's steps: "torch", "compiled", "triton" or "fbgemm"
+        (``kernels`` resolved for the weight's device and for this bag)."""
         return self._backend()
 
     def _backend(self) -> str:
-        return backends.resolve(self.kernels, self.weight)
+        resolved = backends.resolve(self.kernels, self.weight)
+        if resolved == "fbgemm" and self.fbgemm_refusal() is not None:
+            return backends.besides_fbgemm(self.weight)
+        return resolved
+
+    def fbgemm_refusal(self) -> str | None:
+        """Why FBGEMM's kernels cannot run this bag's steps (None: they can). Its fused
+        backward reduces and updates in one go, so a bag whose update needs a step in
+        between (the sharded trainer's hooks, a subclass's extension), a global step count
+        only backward advances (Adam) or weight decay runs ``auto``'s kernels instead."""
+        if not self.fbgemm_capable:
+            return f"{type(self).__name__} extends the update"
+        if isinstance(self.optimizer, Adam):
+            return "FBGEMM advances Adam's step count on every forward, ours on each update"
+        if self.optimizer.weight_decay:
+            return "FBGEMM's SGD has no weight decay and its row-wise Adagrad's differs"
+        if self.gradient_hook is not None or self.square_sum_hook is not None:
+            return "the sharded trainer reduces this bag's gradients across ranks"
+        if self.weight.device.type not in ("cpu", "cuda") or self.weight.dtype != torch.float32:
+            return (
+                f"FBGEMM runs float32 weights on cpu or cuda, not {self.weight.dtype} on "
+                f"{self.weight.device}"
+            )
+        return fbgemm_tbe.refusal(self.weight.device.type)
+
+    def _fbgemm_forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """The lookup on FBGEMM's kernels, working in this bag's buffers; in training with
+        autograd on, its backward applies the optimizer as ``_apply_gradient`` would."""
+        rows = kjt.one_hot_rows
+        if rows is not None:
+            self._check_one_hot(rows)
+        else:
+            if kjt.weights is not None and bool(self._is_mean.any()):
+                raise ValueError("per-sample weights need sum pooling for every table")
+            self._check_jagged(kjt)
+        device = self.weight.device
+        fb = self.__dict__.get("_fbgemm")
+        if fb is None or fb.device != device:
+            fb = fbgemm_tbe.FbgemmTables(self.tables, self.optimizer, device)
+            self.__dict__["_fbgemm"] = fb  # not a submodule: it only views our buffers
+        fb.bind(self.weight, getattr(self, "sum_squares", None))
+        mean = self._is_mean if bool(self._is_mean.any()) else None
+        if self.training and torch.is_grad_enabled():
+            return fb.lookup(kjt, lr=self.lr, mean_tables=mean, train=True)
+        with torch.no_grad():
+            return fb.lookup(kjt, lr=self.lr, mean_tables=mean, train=False)
 
     def _on_triton(self) -> bool:
         """The Triton kernels (``triton_tbe``): CUDA weights with triton installed, or forced."""

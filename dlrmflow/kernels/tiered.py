@@ -480,6 +480,9 @@ class _WorkingSet(TableBatchedEmbeddingBag):
     """One batch's rows as a table-batched bag of their own; after the inherited fused
     update, ``on_update`` hands them back to the cache."""
 
+    # Its update hands the rows back to the cache: FBGEMM's fused backward would skip that.
+    fbgemm_capable = False
+
     def __init__(
         self, tables: Sequence[SparseFeature], optimizer: Optimizer, kernels: str = "auto"
     ) -> None:

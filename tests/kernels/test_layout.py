@@ -57,6 +57,7 @@ KNOWN_CROSSINGS = {
     # The TBE kernels take the features' SparseFeature tables and KeyedJaggedTensor IDs.
     ("dlrmflow.kernels.tbe", "features"),
     ("dlrmflow.kernels.tbe_layout", "features"),
+    ("dlrmflow.kernels.fbgemm_tbe", "features"),
     ("dlrmflow.kernels.tiered", "features"),
     ("dlrmflow.kernels.triton_tbe", "features"),
 }

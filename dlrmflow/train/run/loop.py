@@ -9,6 +9,7 @@ loop, never asked inside it.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from torch import nn
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.kernels.backends import resolve as resolve_kernels
+from dlrmflow.kernels import backends
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.checkpoint import (
@@ -39,6 +40,8 @@ from dlrmflow.train.run.resume import REREAD_KEYS, ResumePoint, rewind_metrics
 from dlrmflow.train.run.schedule import LearningRates, LrSchedule
 from dlrmflow.train.run.steps import EpochInputs, StepRunner
 from dlrmflow.train.run.tracking import Tracker
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(DlrmflowError):
@@ -59,11 +62,27 @@ def kernels_used(runner: StepRunner, config: RunConfig) -> dict[str, str]:
     bags = runner.embedding_bags()
     tbe = sorted({b.backend for b in bags if isinstance(b, TableBatchedEmbeddingBag)})
     dense = next(runner.model.dense_arch.parameters())
-    interaction = resolve_kernels(config.model.kernels, dense)
     return {
         "tbe": "+".join(tbe) or "tiered",
-        "interaction": "triton" if interaction == "triton" else "torch",
+        "interaction": backends.interaction(config.model.kernels, dense),
     }
+
+
+def kernels_reason(runner: StepRunner, config: RunConfig) -> str:
+    """Why those kernels run, in words: how ``model.kernels`` resolved on the device, and
+    each bag that could not run the choice (``fbgemm_refusal``) with its reason."""
+    dense = next(runner.model.dense_arch.parameters())
+    _, why = backends.choice(config.model.kernels, dense)
+    bags = [b for b in runner.embedding_bags() if isinstance(b, TableBatchedEmbeddingBag)]
+    exceptions = sorted(
+        {
+            f"{type(b).__name__} bags run {b.backend}: {b.fbgemm_refusal()}"
+            for b in bags
+            if backends.resolve(config.model.kernels, b.weight) == "fbgemm"
+            and b.backend != "fbgemm"
+        }
+    )
+    return "; ".join([why, *exceptions])
 
 
 def _due(every: int | None, step: int) -> bool:
@@ -144,6 +163,12 @@ class TrainLoop:
         progress, train = self.progress, self.config.train
         max_steps = train.max_steps or math.inf
         self.model.train()
+        if self.rank0:
+            logger.info(
+                "kernels: %s (%s)",
+                kernels_used(self.runner, self.config),
+                kernels_reason(self.runner, self.config),
+            )
         while progress.epoch < self.passes and progress.step < max_steps:
             inputs = self._epoch_inputs()
             if inputs.batch is None:  # nothing left of this epoch (resumed right at its end)
@@ -355,6 +380,7 @@ class TrainLoop:
             device=str(self.device),
             precision=config.train.precision,
             kernels=kernels_used(self.runner, config),
+            kernels_reason=kernels_reason(self.runner, config),
             peak_rss_bytes=peaks,
         )
         if self.rank0:

@@ -145,6 +145,7 @@ class TrainResult:
     device: str = "cpu"  # where rank 0 trained (cuda:0, cpu)
     precision: str = "fp32"  # the dense arch's (train.precision)
     kernels: dict[str, str] = field(default_factory=dict)  # what ran: {"tbe", "interaction"}
+    kernels_reason: str = ""  # why: how model.kernels resolved, and any bag that could not
     # Each rank's peak resident set (VmHWM) over its whole process, in bytes, by rank.
     peak_rss_bytes: list[int] = field(default_factory=list)
 

@@ -25,7 +25,7 @@ import torch
 
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.kernels import backends, triton_interaction, triton_tbe
+from dlrmflow.kernels import backends, fbgemm_tbe, triton_interaction, triton_tbe
 from dlrmflow.kernels.backends import KernelUnavailable, check_kernels
 from dlrmflow.kernels.tbe import RowWiseAdagrad
 from dlrmflow.train.model.dlrm import DLRM
@@ -220,3 +220,53 @@ def test_a_run_continues_under_other_kernels(tiny_dataset: str, tmp_path: Path) 
     assert (result.resumed_from_step, result.steps, result.trained_steps) == (2, 4, 2)
     assert result.changed_on_resume == {}
     assert result.kernels["tbe"] == "torch"
+
+
+fbgemm_runs = pytest.mark.skipif(
+    fbgemm_tbe.refusal("cpu") is not None,
+    reason=f"FBGEMM's CPU kernels do not run here: {fbgemm_tbe.refusal('cpu')}",
+)
+
+
+@fbgemm_runs
+def test_fbgemm_trains_as_the_compiled_kernels(
+    multi_hot_data: str, compiled_run: Path, tmp_path: Path
+) -> None:
+    result = train(_config(multi_hot_data, tmp_path, "fbgemm"))
+    assert result.kernels == {"tbe": "fbgemm", "interaction": "torch"}
+    assert result.kernels_reason == "model.kernels=fbgemm"
+    _assert_close(tmp_path, compiled_run)
+
+
+@fbgemm_runs
+@pytest.mark.parametrize("first, then", [("compiled", "fbgemm"), ("fbgemm", "compiled")])
+def test_a_checkpoint_continues_under_the_other_backend(
+    multi_hot_data: str, tmp_path: Path, first: str, then: str
+) -> None:
+    """Kernels are not part of a run's identity: a run checkpointed under one backend
+    resumes under the other and ends where it ends under its own."""
+    crossed, own = tmp_path / "crossed", tmp_path / "own"
+    for run_dir in (crossed, own):
+        train(_config(multi_hot_data, run_dir, first, steps=2))
+    train(_config(multi_hot_data, crossed, then, steps=4))
+    result = train(_config(multi_hot_data, own, first, steps=4))
+    assert result.resumed_from_step == 2
+    _assert_close(crossed, own)
+
+
+@fbgemm_runs
+def test_fbgemm_trains_the_sharded_collection(tiny_dataset: str, tmp_path: Path) -> None:
+    """Two ranks: FBGEMM runs each rank's table-wise shards; data-parallel tables, whose
+    row gradients are allreduced between reduction and update, run the compiled kernels,
+    and the result says so."""
+    small = {"multi_hot": False, "steps": 2, "batch_size": 8}
+    reference = _launch(
+        _config(tiny_dataset, tmp_path / "compiled", "compiled", **small), "table_wise"
+    )
+    forced = _launch(_config(tiny_dataset, tmp_path / "fbgemm", "fbgemm", **small), "table_wise")
+    assert forced["kernels"] == {"tbe": "fbgemm", "interaction": "torch"}
+    _assert_close(tmp_path / "fbgemm", tmp_path / "compiled")
+    replicated = _launch(_config(tiny_dataset, tmp_path / "dp", "fbgemm", **small), "data_parallel")
+    assert replicated["kernels"]["tbe"] == "compiled"
+    assert "reduces this bag's gradients across ranks" in replicated["kernels_reason"]
+    assert reference["steps"] == forced["steps"] == replicated["steps"] == 2

@@ -1,0 +1,604 @@
+"""A servable export: the whole model as one ``torch.export`` program, loadable without dlrmflow.
+
+``export_servable`` turns a checkpoint into a ``.pt2`` archive (``torch.export.save``) that
+a serving process opens with ``torch.export.load(path).module()`` and nothing else: no
+dlrmflow, no training code. The program takes plain tensors in the project's
+``KeyedJaggedTensor`` layout and returns click probabilities:
+
+* ``dense``: float32 ``[B, n_dense]``, already transformed (as ``Batch.dense`` holds them);
+* ``values``: int64 ``[N]``, the embedding rows, key-major (every sample's IDs of feature
+  0, then of feature 1, ...), each a row of its own feature's table;
+* ``offsets``: int64 ``[T * B + 1]``, where bag ``k * B + i`` (feature ``k``, sample
+  ``i``) holds ``values[offsets[k * B + i]:offsets[k * B + i + 1]]``; an empty bag is a
+  missing ID;
+* output: float32 ``[B]``, ``sigmoid`` of the click logit.
+
+``B`` (at least 1) and ``N`` (at least 0) are dynamic. The program checks the layout and
+the IDs itself (an ID outside its feature's table would otherwise read a row of the next
+table), so a raw consumer gets an error rather than a silent wrong score.
+
+Why one flat table: every feature's table is stacked into one ``[rows, dim]`` weight and
+an ID becomes ``its table's first row + ID``, so the whole lookup is one
+``embedding_bag`` over all bags, as the training's table-batched bag does; with one ID
+per bag (the usual one-hot data) and float32 tables the pooled vectors, and so the
+probabilities, are bitwise those of the checkpoint's model (measured: identical on the
+held-out day, see tests/train/run/test_servable.py).
+
+The dense arch always runs in float32 here: a run trained with ``train.precision=bf16``
+scores its checkpoint under bfloat16 autocast, so the export's check against it shows
+that difference too.
+
+Quantization shrinks the tables only (they are nearly all of a DLRM's bytes); the dense
+arch stays float32:
+
+* ``fp16``: tables stored half precision; the gathered rows are upcast to float32 before
+  pooling, so the sums are float32 ones.
+* ``int8``: FBGEMM's fused 8-bit row-wise format (``quantized::embedding_bag_byte_prepack``:
+  each row ``dim`` uint8 codes then its float32 scale and bias, ``scale = (max - min) / 255``,
+  ``bias = min``, ``q = round((w - min) / scale)``), pooled by FBGEMM's
+  ``embedding_bag_byte_rowwise_offsets``, which dequantizes each gathered row before summing.
+  The kernel is the one serving stacks run for these tables on CPU, and it is in every torch
+  build, so the archive needs no extension to load.
+
+What a scoring job needs to rebuild batches (the feature spec, the run's configuration,
+the checkpoint and step, the quantization and this input convention) travels in the
+archive as JSON (``extra_files``); ``load_servable`` reads it back with the program.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlrmflow.config import ConfigError, RunConfig, recorded_config
+from dlrmflow.errors import DlrmflowError
+from dlrmflow.features.batch import Batch
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.outputs import atomic_path, output_target
+
+if TYPE_CHECKING:
+    from dlrmflow.train.run.checkpoint import Checkpoint
+
+__all__ = [
+    "FORMATS",
+    "QUANTIZATIONS",
+    "Servable",
+    "ServableDLRM",
+    "ServableError",
+    "export_run",
+    "export_servable",
+    "is_servable",
+    "load_servable",
+]
+
+FORMATS = ("safetensors", "torch-export")
+QUANTIZATIONS = ("none", "fp16", "int8")
+# Held-out rows the export scores through both models by default (``--verify-rows``).
+VERIFY_ROWS = 50_000
+# The archive member (under the archive's ``extra/``) holding the metadata, and the value
+# of its ``kind``: how ``is_servable`` tells this export from any other .pt2 archive.
+METADATA_FILE = "dlrmflow/servable.json"
+KIND = "dlrmflow-servable"
+VERSION = 1
+INPUTS = {
+    "dense": "float32 [B, n_dense]: the transformed dense features, as Batch.dense",
+    "values": "int64 [N]: embedding rows, key-major (all samples' IDs of feature 0, then 1, ...)",
+    "offsets": "int64 [T*B+1]: bag k*B+i (feature k, sample i) is values[offsets[k*B+i]:"
+    "offsets[k*B+i+1]]; an empty bag is a missing ID",
+    "output": "float32 [B]: click probabilities",
+    "dynamic": "B >= 1 and N >= 0",
+}
+
+
+class ServableError(DlrmflowError):
+    """An export or a servable that cannot be made or used; the message names the path."""
+
+
+class ServableDLRM(nn.Module):
+    """A checkpoint's DLRM (or DCNv2) as plain torch ops, for ``torch.export``.
+
+    Built from a loaded model (``from_model``); holds copies of its weights, so the
+    training model can be dropped. ``forward(dense, values, offsets)`` returns the click
+    probabilities (see the module docstring for the layout). Written with nothing the
+    exporter cannot trace: no Python branch on tensor values, no data-dependent shape.
+    """
+
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        tables: list[torch.Tensor],
+        bottom: nn.Module,
+        top: nn.Module,
+        *,
+        arch: str,
+        cross: nn.Module | None = None,
+        quantize: str = "none",
+    ) -> None:
+        super().__init__()
+        if quantize not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantize must be one of {', '.join(QUANTIZATIONS)}, not {quantize!r}"
+            )
+        if arch not in ("dlrm", "dcnv2") or (arch == "dcnv2") != (cross is not None):
+            raise ValueError(f"arch {arch!r}: dcnv2 needs its cross network, dlrm none")
+        dims = {t.shape[1] for t in tables}
+        if len(tables) != len(spec.sparse) or len(dims) != 1:
+            raise ValueError("one table per sparse feature, all of one embedding dim")
+        for table, feature in zip(tables, spec.sparse, strict=True):
+            if table.shape[0] != feature.num_embeddings:
+                raise ValueError(
+                    f"table {feature.name!r} has {table.shape[0]} rows, its spec "
+                    f"{feature.num_embeddings}"
+                )
+        self.arch = arch
+        self.quantize = quantize
+        self.n_tables = len(tables)
+        self.dim = dims.pop()
+        rows = [t.shape[0] for t in tables]
+        starts = [sum(rows[:k]) for k in range(len(rows))]
+        self.register_buffer("table_start", torch.tensor(starts, dtype=torch.int64))
+        self.register_buffer("table_rows", torch.tensor(rows, dtype=torch.int64))
+        is_mean = [f.pooling == "mean" for f in spec.sparse]
+        self.has_mean = any(is_mean)
+        self.register_buffer("is_mean", torch.tensor(is_mean))
+        flat = torch.cat([t.detach().float().contiguous() for t in tables])
+        self.fp32_table_bytes = flat.numel() * flat.element_size()
+        if quantize == "none":
+            self.register_buffer("weight", flat)
+        elif quantize == "fp16":
+            self.register_buffer("weight", flat.half())
+        else:
+            self.register_buffer("weight", torch.ops.quantized.embedding_bag_byte_prepack(flat))
+        self.bottom = bottom
+        self.top = top
+        self.cross = cross
+        if arch == "dlrm":
+            # The dot interaction's pairs, in dlrmflow.kernels.interaction's order.
+            n = self.n_tables + 1
+            rows_i, cols_j = torch.tril_indices(n, n, offset=-1)
+            self.register_buffer("pairs", rows_i * n + cols_j)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, spec: FeatureSpec, quantize: str = "none"
+    ) -> ServableDLRM:
+        """The servable form of a loaded ``DLRM`` (``load_checkpoint(...).model``).
+
+        The dense arch's modules are deep copies (plain ``nn.Linear``/``nn.ReLU`` stacks and
+        the cross network), run in float32 whatever precision trained them.
+        """
+        bag = model.embeddings
+        if list(bag.names) != spec.sparse_names:
+            raise ValueError(f"the model's tables {bag.names} differ from the spec's features")
+        arch = model.dense_arch
+        tables = [bag.table(name).detach().cpu() for name in bag.names]
+        return cls(
+            spec,
+            tables,
+            copy.deepcopy(arch.bottom).float().cpu(),
+            copy.deepcopy(arch.top).float().cpu(),
+            arch=arch.arch,
+            cross=copy.deepcopy(arch.interaction).float().cpu() if arch.arch == "dcnv2" else None,
+            quantize=quantize,
+        )
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of the tables as stored here (with int8's per-row scale and bias)."""
+        return self.weight.numel() * self.weight.element_size()
+
+    def forward(
+        self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        batch, n_ids, n_tables = dense.shape[0], values.shape[0], self.n_tables
+        # Each ID's table: the bags are key-major, so table k's IDs end where its last bag does.
+        table_ends = offsets[1:].view(n_tables, batch)[:, -1].contiguous()
+        table = torch.bucketize(torch.arange(n_ids, device=values.device), table_ends, right=True)
+        # Past the last table only when the offsets are malformed (the check below fails);
+        # clamped so that the check itself indexes in range.
+        table = table.clamp(max=n_tables - 1)
+        well_formed = (
+            (offsets[0] == 0)
+            & (offsets[-1] == n_ids)
+            & (offsets[1:] >= offsets[:-1]).all()
+            & (values >= 0).all()
+            & (values < self.table_rows[table]).all()
+        )
+        torch._assert_async(
+            well_formed,
+            "servable inputs: offsets must rise from 0 to len(values) and every ID must lie "
+            "in its feature's table",
+        )
+        rows = values + self.table_start[table]
+        pooled = self._pool(rows, offsets)  # [T * B, dim], key-major bags
+        if self.has_mean:
+            lengths = offsets[1:] - offsets[:-1]
+            mean = self.is_mean[:, None].expand(n_tables, batch).reshape(-1)
+            pooled = pooled / torch.where(mean, lengths.clamp(min=1), 1).to(pooled.dtype)[:, None]
+        pooled = pooled.view(n_tables, batch, self.dim).transpose(0, 1).reshape(batch, -1)
+        dense_out = self.bottom(dense)
+        if self.cross is None:
+            n = n_tables + 1
+            vectors = torch.cat([dense_out.unsqueeze(1), pooled.view(batch, n_tables, self.dim)], 1)
+            gram = torch.bmm(vectors, vectors.transpose(1, 2)).view(batch, n * n)
+            features = torch.cat([dense_out, gram.index_select(1, self.pairs)], dim=1)
+        else:
+            features = self.cross(torch.cat([dense_out, pooled], dim=1))
+        return torch.sigmoid(self.top(features).squeeze(1))
+
+    def _pool(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Sum of each bag's rows, float32, by the stored precision's kernel."""
+        if self.quantize == "int8":
+            return torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+                self.weight, rows, offsets, False, 0, False, None, None, True
+            )
+        if self.quantize == "fp16":
+            gathered = self.weight.index_select(0, rows).float()
+            positions = torch.arange(rows.shape[0], device=rows.device)
+            return F.embedding_bag(
+                positions, gathered, offsets, mode="sum", include_last_offset=True
+            )
+        return F.embedding_bag(rows, self.weight, offsets, mode="sum", include_last_offset=True)
+
+
+def example_inputs(spec: FeatureSpec, batch: int = 3) -> tuple[torch.Tensor, ...]:
+    """A small valid input to trace with: bags of 0 to 2 IDs, row 0 of each table.
+
+    ``batch`` and the ID count must not be 0 or 1 (the exporter would specialize those
+    sizes), nor equal (it might take them for one size).
+    """
+    n_tables = len(spec.sparse)
+    lengths = torch.tensor([(k + i) % 3 for k in range(n_tables) for i in range(batch)])
+    if int(lengths.sum()) in (0, 1, batch):
+        lengths[0] += 2
+    offsets = torch.zeros(n_tables * batch + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.zeros(int(offsets[-1]), dtype=torch.int64)
+    return torch.zeros(batch, len(spec.dense)), values, offsets
+
+
+def export_program(module: ServableDLRM, spec: FeatureSpec) -> torch.export.ExportedProgram:
+    """``module`` traced by ``torch.export`` with a dynamic batch size and ID count."""
+    batch = torch.export.Dim("batch", min=1)
+    ids = torch.export.Dim("ids", min=0)
+    dynamic = {
+        "dense": {0: batch},
+        "values": {0: ids},
+        "offsets": {0: len(spec.sparse) * batch + 1},
+    }
+    module.eval()
+    with torch.no_grad():
+        return torch.export.export(module, example_inputs(spec), dynamic_shapes=dynamic)
+
+
+@dataclass
+class Servable:
+    """A loaded servable export: the program and what it was made from.
+
+    ``spec`` and ``config`` rebuild batches as training did (the ID mapping is the run's
+    ``features.ids``); ``metadata`` is the archive's JSON whole.
+    """
+
+    program: nn.Module  # torch.export.load(path).module()
+    spec: FeatureSpec
+    config: RunConfig
+    metadata: dict[str, Any]
+    path: Path
+
+    def __call__(
+        self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Click probabilities ``[B]`` of one batch in the program's layout (on the CPU,
+        cast to the program's dtypes). An empty batch scores to an empty tensor."""
+        dense = dense.detach().to("cpu", torch.float32)
+        if dense.shape[0] == 0:
+            return torch.empty(0)
+        n_tables = len(self.spec.sparse)
+        if offsets.numel() != n_tables * dense.shape[0] + 1:
+            raise ServableError(
+                f"{self.path}: offsets has {offsets.numel()} entries; {dense.shape[0]} samples "
+                f"of {n_tables} features need {n_tables * dense.shape[0] + 1}"
+            )
+        with torch.no_grad():
+            return self.program(
+                dense.contiguous(),
+                values.to("cpu", torch.int64).contiguous(),
+                offsets.to("cpu", torch.int64).contiguous(),
+            )
+
+    def predict_batch(self, batch: Batch) -> torch.Tensor:
+        """Click probabilities ``[len(batch)]`` of a project ``Batch``, one-hot (``-1`` rows
+        become empty bags) or jagged. Per-ID weights are refused: the program has none."""
+        sparse = batch.sparse
+        if sparse.keys != self.spec.sparse_names:
+            raise ServableError(
+                f"{self.path}: batch features {sparse.keys} differ from the export's "
+                f"{self.spec.sparse_names}"
+            )
+        if sparse.weights is not None:
+            raise ServableError(
+                f"{self.path}: the servable takes unweighted IDs; this batch has weights"
+            )
+        if len(batch) == 0:
+            return torch.empty(0)
+        sparse = sparse.to("cpu")  # the jagged form is built on the CPU
+        return self(batch.dense, sparse.values, sparse.offsets())
+
+
+def _archive_metadata(path: Path) -> dict[str, Any] | None:
+    """The metadata JSON inside a .pt2 archive at ``path``, or None when there is none."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith(f"/extra/{METADATA_FILE}")]
+            if len(names) != 1:
+                return None
+            data = json.loads(archive.read(names[0]))
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_servable(path: str | Path) -> bool:
+    """Whether ``path`` is a file this module's export wrote (read from the archive's
+    directory and its small metadata member, not by loading the program)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    data = _archive_metadata(path)
+    return data is not None and data.get("kind") == KIND
+
+
+def load_servable(path: str | Path) -> Servable:
+    """The servable export at ``path``: its program (``torch.export.load``) and metadata.
+
+    ``ServableError`` names the path when it is missing or not such an export.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ServableError(f"{path}: no such servable export")
+    if not is_servable(path):
+        raise ServableError(
+            f"{path}: not a dlrmflow servable export (`dlrmflow export --format torch-export`)"
+        )
+    extra = {METADATA_FILE: ""}
+    # A file object, not the name: torch warns about names not ending in .pt2, as the
+    # export's temporary file does not.
+    with open(path, "rb") as f:
+        program = torch.export.load(f, extra_files=extra).module()
+    metadata = json.loads(extra[METADATA_FILE])
+    if metadata.get("version") != VERSION:
+        raise ServableError(
+            f"{path}: servable version {metadata.get('version')} is not {VERSION}, the "
+            "version this dlrmflow reads"
+        )
+    return Servable(
+        program=program,
+        spec=FeatureSpec.from_dict(metadata["spec"]),
+        config=recorded_config(metadata["config"]),
+        metadata=metadata,
+        path=path,
+    )
+
+
+def _check_options(fmt: str, quantize: str, verify_rows: int | None) -> None:
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if quantize not in QUANTIZATIONS:
+        raise ConfigError(f"--quantize: {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if fmt == "safetensors" and (quantize != "none" or verify_rows is not None):
+        raise ConfigError(
+            "--quantize and --verify-rows apply to --format torch-export only; the safetensors "
+            "export holds the checkpoint's float32 weights as they are"
+        )
+    if verify_rows is not None and verify_rows < 0:
+        raise ConfigError(f"--verify-rows: {verify_rows} is negative (0 skips the check)")
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    checkpoint: str | Path | None = None,
+    fmt: str = "safetensors",
+    quantize: str = "none",
+    verify_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """``dlrmflow export``: the options checked, then the export ``fmt`` names.
+
+    ``checkpoint`` (a checkpoint directory) replaces ``run_dir``'s newest; ``run_dir``
+    still gives the run's ID mapping for the torch-export's check on held-out rows.
+    """
+    _check_options(fmt, quantize, verify_rows)
+    source = Path(checkpoint if checkpoint is not None else run_dir)
+    if not source.exists():
+        what = "checkpoint directory" if checkpoint is not None else "run directory"
+        raise ServableError(f"{source}: no such {what}; give a `dlrmflow train` run's")
+    if fmt == "safetensors":
+        from dlrmflow.train.run.export import export_model
+
+        return export_model(source, out)
+    return export_servable(
+        source,
+        out,
+        quantize=quantize,
+        run_dir=run_dir,
+        verify_rows=VERIFY_ROWS if verify_rows is None else verify_rows,
+        progress=progress,
+    )
+
+
+def export_servable(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    quantize: str = "none",
+    run_dir: str | Path | None = None,
+    verify_rows: int = VERIFY_ROWS,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write ``checkpoint``'s model (a checkpoint or run directory) as a servable ``.pt2``.
+
+    The archive is written beside ``out`` and renamed over it only once it has been loaded
+    back and, unless ``verify_rows`` is 0, scored on up to that many held-out rows (the
+    run's evaluation days, by default its dataset's test day) against the checkpoint's own
+    model through the evaluation's path: a failure at any point leaves ``out`` as it was.
+    Returns what was written: sizes of the tables before and after quantization, and the
+    check (``verify``: the largest probability difference and both AUCs; ``skipped`` with
+    the reason when the dataset cannot be read).
+    """
+    from dlrmflow.train.run.checkpoint import load_checkpoint
+
+    if quantize not in QUANTIZATIONS:
+        raise ConfigError(f"--quantize: {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    output_target(out)  # a directory or device there is refused before any work
+    try:
+        ckpt = load_checkpoint(checkpoint)
+    except FileNotFoundError as e:
+        raise ServableError(str(e)) from e
+    module = ServableDLRM.from_model(ckpt.model, ckpt.spec, quantize)
+    program = export_program(module, ckpt.spec)
+    run_dir = Path(run_dir) if run_dir is not None else Path(ckpt.path).parent.parent
+    metadata = {
+        "kind": KIND,
+        "version": VERSION,
+        "format": "torch-export",
+        "quantize": quantize,
+        "checkpoint": str(ckpt.path),
+        "run_dir": str(run_dir),
+        "step": ckpt.step,
+        "arch": module.arch,
+        "spec": ckpt.spec.to_dict(),
+        "config": ckpt.config.model_dump(mode="json"),
+        "inputs": INPUTS,
+        "table_bytes": module.table_bytes,
+        "torch": torch.__version__,
+    }
+    out = Path(out)
+    with atomic_path(out) as temporary:
+        with open(temporary, "wb") as f:
+            torch.export.save(program, f, extra_files={METADATA_FILE: json.dumps(metadata)})
+        servable = load_servable(temporary)  # what is published is what was checked
+        check = (
+            verify(servable, ckpt, run_dir, verify_rows, progress)
+            if verify_rows > 0
+            else {"skipped": "--verify-rows 0"}
+        )
+    return {
+        "out": str(out),
+        "format": "torch-export",
+        "quantize": quantize,
+        "checkpoint": str(ckpt.path),
+        "step": ckpt.step,
+        "arch": module.arch,
+        "bytes": out.stat().st_size,
+        "table_bytes_fp32": module.fp32_table_bytes,
+        "table_bytes": module.table_bytes,
+        "table_ratio": module.table_bytes / module.fp32_table_bytes,
+        "dense_parameters": sum(p.numel() for p in module.parameters()),  # tables: buffers
+        "verify": check,
+    }
+
+
+def verify(
+    servable: Servable,
+    ckpt: Checkpoint,
+    run_dir: Path,
+    max_rows: int,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Score up to ``max_rows`` held-out rows with the checkpoint's model (the evaluation's
+    ``score``) and with ``servable``; their largest and mean |difference| of probability
+    and both AUCs. ``{"skipped": reason}`` when the run's dataset or ID mapping cannot be
+    read here (an export made away from the data is still an export)."""
+    from dlrmflow.days import WindowError
+    from dlrmflow.ingest.manifest import check_dataset, read_manifest
+    from dlrmflow.train.run.data import load_ids
+    from dlrmflow.train.run.evaluate import eval_window, score, test_loader
+    from dlrmflow.train.run.metrics import click_metrics
+    from dlrmflow.train.run.rank import DistEnv
+
+    config, spec = ckpt.config, ckpt.spec
+    url = config.data.url
+    try:
+        manifest = read_manifest(url)
+        days = eval_window(config, manifest, ckpt.trained_days)
+        if not days:
+            raise WindowError("the run's evaluation window holds no day")
+        check_dataset(url, manifest, training=False, eval_days=days)
+        ids = load_ids(config.features.ids, spec, run_dir)
+    except (DlrmflowError, OSError, ValueError) as e:
+        return {"skipped": f"held-out rows unreadable: {' '.join(str(e).split())}"}
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)
+
+    def whole_batches(loader: Iterable[Batch]) -> Iterator[Batch]:
+        # Whole batches until max_rows are in, cut only afterwards: ``score``'s own cap
+        # would take the sigmoid of a cut batch's logits, whose vectorized tail rounds a
+        # row now and then one ulp away from the same row's in a whole batch.
+        seen = 0
+        for batch in loader:
+            if seen >= max_rows:
+                return
+            yield batch
+            seen += len(batch)
+
+    scoring = test_loader(config, spec, ids, env, url, days, manifest=manifest)
+    try:
+        scored = score(ckpt.model, whole_batches(scoring), spec, env, None, progress)
+    finally:
+        scoring.close()
+    assert scored is not None  # one process: rank 0
+    want, labels = (t[:max_rows] for t in scored)
+    got: list[torch.Tensor] = []
+    seen = 0
+    serving = test_loader(config, spec, ids, env, url, days, manifest=manifest)
+    try:
+        for batch in whole_batches(serving):
+            take = min(len(batch), len(labels) - seen)
+            got.append(servable.predict_batch(batch)[:take])
+            if not torch.equal(batch.labels[:take], labels[seen : seen + take]):
+                raise ServableError("the held-out rows came in another order on the second pass")
+            seen += take
+    finally:
+        serving.close()
+    probs = torch.cat(got) if got else torch.empty(0)
+    if len(probs) != len(want) or len(want) == 0:
+        return {"skipped": f"{len(want)} held-out rows scored, {len(probs)} by the servable"}
+    if not bool(torch.isfinite(probs).all() and torch.isfinite(want).all()):
+        raise ServableError(
+            f"{servable.path}: some held-out rows score NaN or infinity "
+            f"({int((~torch.isfinite(want)).sum())} by the checkpoint, "
+            f"{int((~torch.isfinite(probs)).sum())} by the servable)"
+        )
+    diff = (probs.double() - want.double()).abs()
+    result: dict[str, Any] = {
+        "rows": len(want),
+        "days": days,
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+    }
+    try:
+        before, after = click_metrics(want, labels), click_metrics(probs, labels)
+    except ValueError as e:  # one class only among the rows: no AUC
+        result["auc"] = f"not computed: {e}"
+        return result
+    result.update(
+        {
+            "auc_checkpoint": before["auc"],
+            "auc_servable": after["auc"],
+            "auc_delta": after["auc"] - before["auc"],
+            "logloss_delta": after["logloss"] - before["logloss"],
+        }
+    )
+    return result
