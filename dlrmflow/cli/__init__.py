@@ -1,10 +1,10 @@
 """The ``dlrmflow`` command: one sub-command per stage, plus the demo and benchmarks.
 
 Grouped by what a user does: ``data`` (generate, convert, stats), ``run`` (config, train,
-plan, evaluate, export, demo), ``serving`` (serve, deploy, readers serve) and ``bench``;
-``options`` holds what they share. Commands only parse and print: the work is the
-library's. ``app`` below lists every command, in the order ``dlrmflow --help`` shows them,
-and ``main`` turns expected failures into one line.
+plan, evaluate, export, demo), ``score`` (a model's predictions as Parquet), ``serving``
+(serve, deploy, readers serve) and ``bench``; ``options`` holds what they share. Commands
+only parse and print: the work is the library's. ``app`` below lists every command, in the
+order ``dlrmflow --help`` shows them, and ``main`` turns expected failures into one line.
 
 Every command that trains or reads data resolves the same ``RunConfig``: defaults, then
 ``--config FILE``, then ``--set section.key=value`` overrides, then the command's own flags.
@@ -18,7 +18,7 @@ import sys
 
 import typer
 
-from dlrmflow.cli import bench, data, line, run, serving
+from dlrmflow.cli import bench, data, line, run, score, serving
 from dlrmflow.config import env_overrides
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 
@@ -42,6 +42,7 @@ for _name, _command in (
     ("plan", run.plan),
     ("evaluate", run.evaluate),
     ("export", run.export),
+    ("score", score.score),
     ("demo", run.demo),
     ("serve", serving.serve),
     ("deploy", serving.deploy),

@@ -29,6 +29,8 @@ FORBIDDEN = {
     "ingest": {"features", "train", "flows", "config", "bench", "cli"},
     "features": {"train", "flows", "bench", "cli"},
     "train": {"flows", "bench", "cli"},
+    # Batch scoring: above train (it loads its checkpoints and uses its loaders).
+    "score": {"flows", "bench", "cli"},
     "kernels": {"ingest", "features", "train", "flows", "bench", "cli"},
     "config": {"ingest", "features", "train", "kernels", "flows", "bench", "cli"},
     # Private and version-specific runtime pieces: below everything, used by any stage.

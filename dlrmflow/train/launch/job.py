@@ -98,7 +98,7 @@ def launch_command(
     ]
 
 
-def _run_job(
+def run_job(
     command: list[str],
     hosts: Hosts | None,
     what: str,
@@ -255,7 +255,7 @@ def launch_training(
         config_path = (run_dir if node0 else Path(scratch)) / CONFIG_FILE
         config_path.write_text(json.dumps(config.model_dump(), indent=1))
         command = launch_command(config_path, nproc, hosts or free_port())
-        result = _run_job(command, hosts, what, on_line, on_record, config.distributed.timeout_s)
+        result = run_job(command, hosts, what, on_line, on_record, config.distributed.timeout_s)
     return None if result is None else TrainResult(**result)
 
 
@@ -308,4 +308,4 @@ def launch_evaluation(
     command = launch_command(None, nproc, joined or free_port(), *args)
     what = _job_name("evaluation", nproc, joined)
     timeout_s = (distributed or DistributedConfig()).timeout_s
-    return _run_job(command, joined, what, on_line, timeout_s=timeout_s)
+    return run_job(command, joined, what, on_line, timeout_s=timeout_s)

@@ -1,0 +1,125 @@
+"""A share's rows as the model's ``Batch``es, each with the day-rows of its rows.
+
+The reader and transform are the trainer's (``ParquetBatchDataset``, ``make_loader``,
+``BatchTransform`` with the run's ID mapping), built here rather than through
+``batch_loader`` for two reasons: the reader must read exactly the splits whose keys
+``shares`` computed (no second listing, no rank arithmetic of its own), and a day without
+a label column must be readable. One reader in the consumer's thread (``num_workers=0``:
+its preparation threads still decode ahead) with no shuffle emits the rows in split
+order, so each batch's keys are the next ``len(batch)`` of ``RowKeys``.
+
+Data to score need not have labels: ``UnlabeledTransform`` gives the transform a label
+column of zeros (which nothing reads: the output's label is null for such rows), so
+validation and the compiled transform run unchanged on the other columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from dlrmflow.features.batch import Batch
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.transform import BatchTransform, WindowWriter
+from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, make_loader
+from dlrmflow.score.shares import RowKeys, Share
+from dlrmflow.train.run.data import IdMapper
+
+
+def with_zero_labels(table: pa.Table, label: str) -> pa.Table:
+    """``table`` plus an int8 ``label`` column of zeros, chunked as its first column (the
+    compiled transform wants every column chunked alike)."""
+    chunks = table.column(0).chunks if table.num_columns else [pa.array([], pa.int8())]
+    zeros = pa.chunked_array([pa.array(np.zeros(len(c), np.int8)) for c in chunks], pa.int8())
+    return table.append_column(pa.field(label, pa.int8(), nullable=False), zeros)
+
+
+class _UnlabeledWindow:
+    """A ``WindowWriter`` fed tables without labels."""
+
+    def __init__(self, writer: WindowWriter, label: str) -> None:
+        self._writer = writer
+        self._label = label
+
+    def add(self, table: pa.Table) -> None:
+        self._writer.add(with_zero_labels(table, self._label))
+
+    def finish(self) -> Batch:
+        return self._writer.finish()
+
+
+class UnlabeledTransform:
+    """``BatchTransform`` for row groups without the label column (stateless, so as
+    thread-safe as the transform it wraps)."""
+
+    def __init__(self, transform: BatchTransform) -> None:
+        self._transform = transform
+        self._label = transform.spec.label
+
+    def validate(self, table: pa.Table) -> None:
+        self._transform.validate(with_zero_labels(table, self._label))
+
+    def __call__(self, table: pa.Table) -> Batch:
+        return self._transform(with_zero_labels(table, self._label))
+
+    def window_writer(self, order: np.ndarray, dest: np.ndarray | None = None) -> _UnlabeledWindow:
+        return _UnlabeledWindow(self._transform.window_writer(order, dest), self._label)
+
+
+@dataclass
+class KeyedBatch:
+    """A batch of a share and the day-rows of its rows."""
+
+    batch: Batch
+    rows: np.ndarray  # int64 [len(batch)]
+
+
+def share_batches(
+    share: Share,
+    spec: FeatureSpec,
+    ids: IdMapper,
+    *,
+    batch_size: int,
+    labeled: bool,
+    limit: int | None = None,
+    threads: int | None = None,
+) -> Iterator[KeyedBatch]:
+    """The batches of ``share`` in read order, keyed, up to ``limit`` rows in all.
+
+    Raises ``DataError`` when the reader's rows and the share's splits disagree in
+    number: the keys would be wrong, so nothing is scored with them.
+    """
+    if not share.splits or limit == 0:
+        return
+    transform = BatchTransform(spec, ids)
+    columns = spec.columns if labeled else [c for c in spec.columns if c != spec.label]
+    reads = transform if labeled else UnlabeledTransform(transform)
+    dataset = ParquetBatchDataset(
+        list(share.splits),
+        columns,
+        batch_size,
+        shuffle=False,
+        validate=reads.validate,
+        transform=reads,
+    )
+    keys = RowKeys(share.splits, share.starts)
+    with make_loader(dataset, num_workers=0, threads=threads) as loader:
+        seen = 0
+        for batch in loader:
+            take = len(batch) if limit is None else min(len(batch), limit - seen)
+            try:
+                rows = keys.take(take)
+            except ValueError as e:
+                raise DataError(f"day {share.day}: {e}") from e
+            yield KeyedBatch(batch if take == len(batch) else batch.slice(0, take), rows)
+            seen += take
+            if limit is not None and seen >= limit:
+                return
+    if keys.left:
+        raise DataError(
+            f"day {share.day}: the reader ended {keys.left} rows before the end of share "
+            f"{share.index} of {share.count}; its row keys cannot be trusted"
+        )
