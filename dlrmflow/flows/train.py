@@ -103,6 +103,7 @@ def train_task(config: RunConfig, reporter: ProgressReporter) -> dict[str, Any]:
     # (every rank's) go to the run log.
     result = launch_training(config, on_line=logger.info, on_record=on_record)
     reporter.finish()
+    logger.info("kernels: %s (%s)", result.kernels, result.kernels_reason)
     return {**result.to_dict(), "attempts": attempt}
 
 

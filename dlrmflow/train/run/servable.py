@@ -145,11 +145,11 @@ class ServableDLRM(nn.Module):
         self.dim = dims.pop()
         rows = [t.shape[0] for t in tables]
         starts = [sum(rows[:k]) for k in range(len(rows))]
-        self.register_buffer("table_start", torch.tensor(starts, dtype=torch.int64))
-        self.register_buffer("table_rows", torch.tensor(rows, dtype=torch.int64))
+        self.register_buffer("table_start", torch.tensor(starts, dtype=torch.int64, device="cpu"))
+        self.register_buffer("table_rows", torch.tensor(rows, dtype=torch.int64, device="cpu"))
         is_mean = [f.pooling == "mean" for f in spec.sparse]
         self.has_mean = any(is_mean)
-        self.register_buffer("is_mean", torch.tensor(is_mean))
+        self.register_buffer("is_mean", torch.tensor(is_mean, device="cpu"))
         flat = torch.cat([t.detach().float().contiguous() for t in tables])
         self.fp32_table_bytes = flat.numel() * flat.element_size()
         if quantize == "none":
@@ -259,13 +259,15 @@ def example_inputs(spec: FeatureSpec, batch: int = 3) -> tuple[torch.Tensor, ...
     sizes), nor equal (it might take them for one size).
     """
     n_tables = len(spec.sparse)
-    lengths = torch.tensor([(k + i) % 3 for k in range(n_tables) for i in range(batch)])
+    lengths = torch.tensor(
+        [(k + i) % 3 for k in range(n_tables) for i in range(batch)], device="cpu"
+    )
     if int(lengths.sum()) in (0, 1, batch):
         lengths[0] += 2
-    offsets = torch.zeros(n_tables * batch + 1, dtype=torch.int64)
+    offsets = torch.zeros(n_tables * batch + 1, dtype=torch.int64, device="cpu")
     torch.cumsum(lengths, 0, out=offsets[1:])
-    values = torch.zeros(int(offsets[-1]), dtype=torch.int64)
-    return torch.zeros(batch, len(spec.dense)), values, offsets
+    values = torch.zeros(int(offsets[-1]), dtype=torch.int64, device="cpu")
+    return torch.zeros(batch, len(spec.dense), device="cpu"), values, offsets
 
 
 def export_program(module: ServableDLRM, spec: FeatureSpec) -> torch.export.ExportedProgram:
@@ -303,7 +305,7 @@ class Servable:
         cast to the program's dtypes). An empty batch scores to an empty tensor."""
         dense = dense.detach().to("cpu", torch.float32)
         if dense.shape[0] == 0:
-            return torch.empty(0)
+            return torch.empty(0, device="cpu")
         n_tables = len(self.spec.sparse)
         if offsets.numel() != n_tables * dense.shape[0] + 1:
             raise ServableError(
@@ -331,7 +333,7 @@ class Servable:
                 f"{self.path}: the servable takes unweighted IDs; this batch has weights"
             )
         if len(batch) == 0:
-            return torch.empty(0)
+            return torch.empty(0, device="cpu")
         sparse = sparse.to("cpu")  # the jagged form is built on the CPU
         return self(batch.dense, sparse.values, sparse.offsets())
 
@@ -572,7 +574,7 @@ def verify(
             seen += take
     finally:
         serving.close()
-    probs = torch.cat(got) if got else torch.empty(0)
+    probs = torch.cat(got) if got else torch.empty(0, device="cpu")
     if len(probs) != len(want) or len(want) == 0:
         return {"skipped": f"{len(want)} held-out rows scored, {len(probs)} by the servable"}
     if not bool(torch.isfinite(probs).all() and torch.isfinite(want).all()):

@@ -127,9 +127,11 @@ def test_the_program_runs_in_a_process_that_never_imports_dlrmflow(
     batch = _held_out(ckpt, one_hot_run)[0].slice(0, 300)
     inputs = (batch.dense, batch.sparse.values, batch.sparse.offsets())
     torch.save(inputs, tmp_path / "inputs.pt")
-    # One process loads both programs (the float32 one and FBGEMM's int8 kernel).
+    # One process loads both programs (the float32 one and FBGEMM's int8 kernel), with
+    # this process's torch threads: a multiply's sums split by thread count.
     script = (
         "import sys, torch\n"
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
         "dense, values, offsets = torch.load(sys.argv[1])\n"
         "for path, out in zip(sys.argv[2::2], sys.argv[3::2]):\n"
         "    program = torch.export.load(path).module()\n"
