@@ -17,7 +17,7 @@ TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 # above. Its CUDA build where a GPU is present, else its CPU build.
 FBGEMM_VERSION ?= 1.8.0
 
-.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule clean
+.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule bench-step clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -70,6 +70,12 @@ bench-recurring: $(VENV)/.installed
 
 bench-schedule: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench schedule --json bench-results/schedule/schedule.json
+
+# One process's training step in fp32 and bf16 against the multiply-bound ceiling, with
+# its per-op profile (~20 s); `dlrmflow bench docs --step bench-results/step.json` puts it
+# in the docs (the report runs it too).
+bench-step: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow bench step --json bench-results/step.json
 
 bench-report: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench report --out bench-results/report

@@ -64,10 +64,12 @@ BASELINES = {
     "scale": "the same job all in memory",
     "recurring": "retrained daily, or frozen",
     "schedule": "the constant rates of before",
+    "step": "the step's multiplies alone (bf16 vs fp32: fp32)",
 }
 # Benchmarks a report may lack: ``dlrmflow bench scale``, ``bench recurring`` and ``bench
-# schedule`` run apart (``bench docs --scale``, ``--recurring``, ``--schedule``).
-OPTIONAL = {"scale", "recurring", "schedule"}
+# schedule`` run apart (``bench docs --scale``, ``--recurring``, ``--schedule``), and
+# ``bench step`` in reports older than it (``--step``).
+OPTIONAL = {"scale", "recurring", "schedule", "step"}
 
 # Each benchmark in the report: its title, the module whose docstring says how it runs,
 # the report section that renders its results, and which ratios the README lists.
@@ -75,6 +77,7 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
     ("ingest", "Ingest", "dlrmflow.bench.ingest", sections.ingest_section, _ingest_headline),
     ("kernels", "Kernels", "dlrmflow.bench.kernels", sections.kernels_section, _kernels_headline),
     ("train", "Training", "dlrmflow.bench.train", sections.train_section, _train_headline),
+    ("step", "Training step", "dlrmflow.bench.step", sections.step_section, _every),
     ("readers", "Reader services", "dlrmflow.bench.readers", sections.readers_section, _every),
     (
         "ingest_days",
@@ -226,26 +229,30 @@ def write_docs(
     recurring_run: Path | None = None,
     schedule_run: Path | None = None,
     kernels_run: Path | None = None,
+    step_run: Path | None = None,
 ) -> dict[str, str]:
     """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents;
     ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale",
     ``recurring_run`` (a ``dlrmflow bench recurring`` JSON, its plot beside it) under
     "recurring", ``schedule_run`` (a ``dlrmflow bench schedule`` JSON) under "schedule";
     ``kernels_run`` (a ``dlrmflow bench kernels`` JSON) replaces the report's kernels run,
-    whose ratios are all measured within it."""
+    whose ratios are all measured within it, and ``step_run`` (``dlrmflow bench step``) its
+    step run."""
     record = json.loads(Path(report).read_text())
     added = {
         "scale": scale,
         "recurring": recurring_run,
         "schedule": schedule_run,
         "kernels": kernels_run,
+        "step": step_run,
     }
     plots = {}
     for key, path in added.items():
         if path is not None:
             record[key] = json.loads(Path(path).read_text())
-    if kernels_run is not None:
-        record["kernels"]["run_apart"] = True  # its own machine and time, said in its section
+    for key, path in (("kernels", kernels_run), ("step", step_run)):
+        if path is not None:
+            record[key]["run_apart"] = True  # its own machine and time, said in its section
     if recurring_run is not None:
         plots[recurring.PLOT] = Path(recurring_run).parent / recurring.PLOT
         if not plots[recurring.PLOT].is_file():

@@ -41,6 +41,7 @@ from dlrmflow.bench.machine import describe_machine
 from dlrmflow.bench.precision import run_precision_benchmark
 from dlrmflow.bench.readers import BASELINE as READERS_BASELINE
 from dlrmflow.bench.readers import run_readers_benchmark
+from dlrmflow.bench.step import run_step_benchmark
 from dlrmflow.bench.torchrec_compare import MODES as TORCHREC_MODES
 from dlrmflow.bench.torchrec_compare import run_torchrec_comparison, torchrec_missing
 from dlrmflow.bench.train import CODECS, run_train_benchmark
@@ -305,6 +306,70 @@ def kernels_section(record: dict) -> str:
             ),
         ]
     )
+
+
+def step_section(record: dict[str, object]) -> str:
+    """The step benchmark's section of docs/benchmarks.md: each precision's step against
+    its ceiling, and the ops that cost the most per step."""
+    results: dict = record["results"]  # type: ignore[assignment]
+    isa: dict = record["instruction_set"]  # type: ignore[assignment]
+    machine: dict = record["machine"]  # type: ignore[assignment]
+    cfg: dict = record["config"]  # type: ignore[assignment]
+    rows = [
+        [
+            precision,
+            r["step_s"] * 1e3,
+            r["samples_per_s"],
+            r["ceiling_step_s"] * 1e3,
+            r["ceiling_samples_per_s"],
+            r["multiply_gflop_per_s"],
+            r["ceiling_fraction"],
+        ]
+        for precision, r in results.items()
+    ]
+    ops = [
+        [op["op"], *(_op_ms(results[p], op["op"]) for p in results)]
+        for op in results["fp32"]["ops"]
+    ]
+    ratios = ", ".join(f"`{k}` {v:.3f}" for k, v in record["ratios"].items())  # type: ignore[union-attr]
+    apart = (
+        f" Run apart from the report (`dlrmflow bench step`), on {machine['cpu']} with "
+        f"{machine['cpu_count']} CPUs."
+        if record.get("run_apart")
+        else ""
+    )
+    return "\n\n".join(
+        [
+            "## Training step",
+            f"Baseline: {record['baseline']}. Model: {cfg['rows']:,} rows a table, dim "
+            f"{cfg['dim']}, bottom {cfg['bottom']}, top {cfg['top']}, batch {cfg['batch']}; "
+            f"{machine['torch_threads']} torch threads; torch dispatches to "
+            f"{isa['torch_cpu_capability']}, CPU flags {', '.join(isa['cpu_flags'])}. "
+            f"Ratios: {ratios}.{apart}",
+            markdown_table(
+                [
+                    "precision",
+                    "step ms",
+                    "samples/s",
+                    "ceiling ms",
+                    "ceiling samples/s",
+                    "multiply GFLOP/s",
+                    "ceiling fraction",
+                ],
+                rows,
+            ),
+            "Each op's own CPU milliseconds per step (torch's profiler), the fp32 step's "
+            "largest first:",
+            markdown_table(["op", *(f"{p} ms" for p in results)], ops),
+        ]
+    )
+
+
+def _op_ms(result: dict, name: str) -> float | str:
+    for op in result["ops"]:
+        if op["op"] == name:
+            return op["self_cpu_ms"]
+    return ""
 
 
 def train_section(record: dict) -> str:
@@ -696,6 +761,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
     ingest = run_ingest_benchmark(**INGEST_QUICK) if quick else run_ingest_benchmark()
     kernels = run_kernel_benchmark(quick=quick)
     train = run_train_benchmark(quick=quick)
+    step = run_step_benchmark(quick=quick)
     tiered = run_tiered_benchmark(quick=quick)
     readers = run_readers_benchmark(**READERS_QUICK) if quick else run_readers_benchmark()
     ingest_days = run_ingest_days_benchmark(quick=quick)
@@ -712,6 +778,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         "ingest": ingest,
         "kernels": kernels,
         "train": train,
+        "step": step,
         "tiered": tiered,
         "readers": readers,
         "ingest_days": ingest_days,
@@ -734,6 +801,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         ingest_section(ingest),
         kernels_section(kernels),
         train_section(train),
+        step_section(step),
         tiered_section(tiered),
         readers_section(readers),
         ingest_days_section(ingest_days),

@@ -59,6 +59,15 @@ def bench_kernels(
     emit_benchmark(result, json_out)
 
 
+@app.command("step")
+def bench_step(json_out: JsonOpt = None, quick: QuickOpt = False) -> None:
+    """One process's training step (the training benchmark's model) in fp32 and bf16
+    against the multiply-bound ceiling measured here, with its per-op breakdown."""
+    from dlrmflow.bench.step import run_step_benchmark
+
+    emit_benchmark(run_step_benchmark(quick=quick), json_out)
+
+
 @app.command("precision")
 def bench_precision(
     json_out: JsonOpt = None,
@@ -168,11 +177,15 @@ def bench_docs(
         Path | None,
         typer.Option(help="A `dlrmflow bench kernels` JSON in place of the report's kernels run."),
     ] = None,
+    step: Annotated[
+        Path | None,
+        typer.Option(help="A `dlrmflow bench step` JSON in place of the report's step run."),
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
-    echo_json(write_docs(report, docs_dir, readme, scale, recurring, schedule, kernels))
+    echo_json(write_docs(report, docs_dir, readme, scale, recurring, schedule, kernels, step))
 
 
 @app.command("recurring")
