@@ -26,8 +26,9 @@ order as without a transform: the window's blocks are concatenated and batches g
 from them. A transform that also has ``window_writer(order, dest)`` (``BatchTransform``)
 builds the whole window already permuted, as each row group is decoded, and the batches
 are ``slice``s of it: the compiled transform writes each row straight to its shuffled
-place, so the shuffle costs no pass of its own. Without a transform, blocks are Arrow
-tables and batches Arrow record batches.
+place, so the shuffle costs no pass of its own. Without a transform, batches are Arrow
+record batches, slices of a window that each row group is scattered into, shuffled, as
+it is decoded (``ingest.window``), the same way.
 
 Resumption is a few integers per reader: ``(epoch, window, offset)``, the position of the
 next row not yet emitted. Because a window's content and permutation depend only on the
@@ -68,6 +69,7 @@ from dlrmflow.ingest.dayfile import (
     open_regular_for_arrow,
 )
 from dlrmflow.ingest.shuffle import deal
+from dlrmflow.ingest.window import ArrowWindow
 from dlrmflow.runtime.torchdata_threads import stop_prefetch_thread
 
 
@@ -526,7 +528,7 @@ class _Plan:
         bounds = self.bounds(w)
         order, dest = self._order(w, bounds)
         pieces = [(a, b) for a, b in itertools.pairwise(bounds) if a >= start]
-        return self._blocks.cut(self.windows[w], self._decoder.read, order, dest, pieces)
+        return self._blocks.cut(self.windows[w], self._decoder.read, order, dest, pieces, bounds)
 
     def _order(self, window: int, bounds: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The emission order of the window's rows, dealt to its batches at random, and its
@@ -575,6 +577,7 @@ class _TransformedBlocks:
         order: np.ndarray,
         dest: np.ndarray,
         pieces: list[tuple[int, int]],
+        bounds: list[int],  # noqa: ARG002 - the block is cut by ``pieces`` alone
     ) -> list[Block]:
         """The ``pieces`` of the window of ``splits`` (each decoded by ``read``), shuffled
         by ``order`` (``dest`` is its inverse). Each row group is transformed right after
@@ -621,14 +624,17 @@ class _ArrowBlocks:
         splits: list[Split],
         read: Callable[[Split], pa.Table],
         order: np.ndarray,
-        dest: np.ndarray,  # noqa: ARG004 - the gather needs only the order
+        dest: np.ndarray,  # noqa: ARG004 - the window places rows by batch (``bounds``)
         pieces: list[tuple[int, int]],
+        bounds: list[int],
     ) -> list[pa.RecordBatch]:
-        table = pa.concat_tables([read(s) for s in splits])  # zero-copy: one chunk per split
-        # One gather for the window; chunked indices give one output chunk per batch. A take
-        # per batch costs about twice as much: Arrow's per-call cost on every column adds up.
-        indices = pa.chunked_array([order[a:b] for a, b in pieces], type=pa.int64())
-        return table.take(indices).to_batches()
+        # Each row group scattered into the shuffled window as soon as it is decoded, the
+        # batches slices of it: Arrow's take of the whole window cost more than the decode
+        # (see ``ingest.window``).
+        window = ArrowWindow(order, bounds)
+        for split in splits:
+            window.add(read(split))
+        return window.batches(pieces)
 
 
 def _where(split: Split) -> str:
@@ -685,6 +691,9 @@ class _SplitDecoder:
         self._schema: pa.Schema | None = None  # of the first row group read, all nullable
         self._schema_source = ""
         self._first = threading.Lock()  # the first row group read sets the schema
+        # The last schema found to conform (its types are the reader's), replaced whole:
+        # a file's row groups share one, and comparing 40 fields' types cost ~25 us each.
+        self._conforming: pa.Schema | None = None
 
     def read(self, split: Split) -> pa.Table:
         table = self._conform(self._decode(split), split)
@@ -751,13 +760,17 @@ class _SplitDecoder:
                 if self._schema is None:
                     self._schema_source = _where(split)
                     self._schema = pa.schema([f.with_nullable(True) for f in table.schema])
-        for field, expected in zip(table.schema, self._schema, strict=True):
-            if field.type != expected.type:
-                raise DataError(
-                    f"{_where(split)}: column {field.name} is {field.type}, but "
-                    f"{self._schema_source} has {expected.type} (schema drift)"
-                )
-        if table.schema.equals(self._schema):
+        schema = table.schema
+        conforming = self._conforming
+        if conforming is None or not schema.equals(conforming):
+            for field, expected in zip(schema, self._schema, strict=True):
+                if field.type != expected.type:
+                    raise DataError(
+                        f"{_where(split)}: column {field.name} is {field.type}, but "
+                        f"{self._schema_source} has {expected.type} (schema drift)"
+                    )
+            self._conforming = schema
+        if schema.equals(self._schema):
             return table
         return pa.Table.from_arrays(table.columns, schema=self._schema)
 

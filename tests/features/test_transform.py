@@ -263,6 +263,26 @@ def test_drift_after_good_row_groups_is_still_caught():
         transform.validate(pa.Table.from_batches([drifted]))
 
 
+def test_validate_checks_follow_each_schema():
+    # validate looks only at the columns whose type can hold a bad value, worked out per
+    # schema: a later schema that can (floating dense, dictionary IDs) is checked as such.
+    transform = vocab_transform()
+    integers = make_batch(I2=pa.array([1, 2, 3, 4, None], pa.int64()))
+    transform.validate(pa.Table.from_batches([integers]))
+    transform.validate(pa.Table.from_batches([integers]))
+    infinite = make_batch(I2=pa.array([1.0, float("inf"), 2.0, 3.0, None]))
+    with pytest.raises(ValueError, match=r"column I2: 1 value\(s\) infinite"):
+        transform.validate(pa.Table.from_batches([infinite]))
+    transform.validate(pa.Table.from_batches([make_batch()]))
+    bad = pa.DictionaryArray.from_arrays(
+        pa.array([0, 1, 3, 0, 0], pa.int32()), pa.array([10, 20, 30]), safe=False
+    )
+    with pytest.raises(ValueError, match=r"column C2: dictionary index outside \[0, 3\)"):
+        transform.validate(pa.Table.from_batches([make_batch(C2=bad)]))
+    with pytest.raises(ValueError, match=r"column label: 1 label\(s\) not 0 or 1"):
+        transform.validate(pa.Table.from_batches([make_batch(label=pa.array([0, 1, 2, 1, 0]))]))
+
+
 def test_missing_or_duplicated_column_is_named():
     batch = make_batch().drop_columns(["I2"])
     with pytest.raises(ValueError, match="column I2: missing"):
