@@ -524,15 +524,43 @@ class _Interrupted(BaseException):
         self.signum = signum
 
 
+# Signals whose interruption waits for the end of a ``signals_deferred`` block (see there).
+_deferred: list[int] = []
+_deferring = [0]
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """For the block, a stopping signal's interruption (``interrupt_on_signals``) waits
+    until the block ends, then is raised there. For C++ code that calls back into Python,
+    such as ``torch.distributed.checkpoint`` writing through Python file objects: an
+    exception raised by the handler inside such a callback cannot cross the C++ frames,
+    and the process aborts (SIGABRT) instead of stopping in one line."""
+    _deferring[0] += 1
+    try:
+        yield
+    finally:
+        _deferring[0] -= 1
+        pending = _deferred[:] if not _deferring[0] else []
+        if pending:
+            _deferred.clear()  # raised once, here; the block's own error goes up instead
+    if pending:
+        raise _Interrupted(pending[0])
+
+
 @contextlib.contextmanager
 def interrupt_on_signals(what: str) -> Iterator[None]:
     """For the block (run in this process), SIGTERM, SIGINT and SIGHUP interrupt it as
-    Ctrl-C does, and it ends in ``JobStopped``: one line, and the signal's exit code."""
+    Ctrl-C does, and it ends in ``JobStopped``: one line, and the signal's exit code.
+    Inside ``signals_deferred`` the interruption waits for that block's end."""
     raised: list[int] = []
 
     def stop(signum: int) -> None:
         if not raised:  # once: cleaning up is not interrupted again
             raised.append(signum)
+            if _deferring[0]:
+                _deferred.append(signum)
+                return
             raise _Interrupted(signum)
 
     try:

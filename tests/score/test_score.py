@@ -321,7 +321,9 @@ def test_a_failed_process_ends_the_command_in_one_line_naming_its_rank(
     assert err[0].startswith("error: scoring with 2 processes failed: rank 1: DataError: "), err
     assert "row group 1" in err[0] and "not 0 or 1" in err[0]
     assert not (out / "day-0" / "part-1-of-2.parquet").exists()
-    assert not list(out.rglob("*.tmp"))
+    # Rank 0 may be stopped inside its part: what it leaves is hidden, never a part, and
+    # the next run removes it.
+    assert all(path.name.startswith(".") for path in out.rglob("*.tmp"))
     assert not json.loads((out / SCORES_FILE).read_text())["complete"]
 
 

@@ -46,6 +46,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.outputs import nearly_full
+from dlrmflow.supervise import signals_deferred
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.embeddings import EmbeddingCollection
 from dlrmflow.train.model.parallelize import build_model, parallelize
@@ -210,7 +211,8 @@ def save_checkpoint(
             partial.mkdir(parents=True)
         _barrier()
         drop = _file_pages(model)
-        with _single_process_quiet():
+        # A stopping signal interrupts after the write, not inside torch's C++ writer.
+        with _single_process_quiet(), signals_deferred():
             try:
                 dcp.save(state, checkpoint_id=str(partial), planner=_DroppingSavePlanner(drop))
             finally:
@@ -493,7 +495,7 @@ def restore(
         state[f"rank{rank}.rng"] = torch.get_rng_state()
     try:
         drop = _file_pages(model)
-        with _single_process_quiet():
+        with _single_process_quiet(), signals_deferred():
             try:
                 dcp.load(state, checkpoint_id=str(info.path), planner=_DroppingLoadPlanner(drop))
             finally:

@@ -296,3 +296,23 @@ def test_the_watchdog_names_the_rank_the_others_wait_for(tmp_path: Path) -> None
         for proc in sleepers:
             proc.kill()
             proc.wait()
+
+
+def test_a_signal_inside_a_checkpoint_write_stops_the_run_after_it() -> None:
+    """torch's checkpoint writer calls back into Python from C++, where an exception
+    raised by the handler aborts the process (SIGABRT, found when SIGTERM landed inside a
+    write): inside ``signals_deferred`` the interruption waits for the block's end."""
+    from dlrmflow.supervise import JobStopped, interrupt_on_signals, signals_deferred
+
+    finished = []
+    with pytest.raises(JobStopped) as stopped, interrupt_on_signals("training"):
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here, and must not raise
+            finished.append(True)
+        finished.append(False)  # not reached: the interruption is raised at the end
+    assert finished == [True]
+    assert stopped.value.signum == signal.SIGTERM
+    # Nothing is left pending for the next block.
+    with signals_deferred():
+        pass
