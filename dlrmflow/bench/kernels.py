@@ -54,10 +54,10 @@ from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.ingest.schema import CRITEO_CARDINALITIES
 from dlrmflow.kernels import fbgemm_tbe
+from dlrmflow.kernels.backends import besides_fbgemm
 from dlrmflow.kernels.fbgemm_tbe import FbgemmTables, fbgemm_inputs
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
-from dlrmflow.kernels.triton_tbe import available as triton_available
 from dlrmflow.runtime.glibc_malloc import applied_threshold, tune_allocator
 
 POOLING = 20
@@ -345,7 +345,7 @@ def run_kernel_benchmark(
     batches = {form: kjt.to(device) for form, kjt in host_batches.items()}
     # Ours: our own kernels on the device (``auto`` would pick FBGEMM's on CUDA, timed
     # beside them here as the named baseline they are).
-    ours_kernels = "compiled" if device == "cpu" else ("triton" if triton_available() else "torch")
+    ours_kernels = besides_fbgemm(torch.empty(0, device=device))
     fbgemm_refusal = fbgemm_tbe.refusal(torch.device(device).type)
     fbgemm_batches = (
         {}

@@ -97,18 +97,19 @@ def choice(kernels: str, tensor: torch.Tensor) -> tuple[str, str]:
     """
     if kernels != "auto":
         return kernels, f"model.kernels={kernels}"
-    if tensor.is_cuda:
-        from dlrmflow.kernels import fbgemm_tbe, triton_tbe
+    if not tensor.is_cuda:
+        picked = besides_fbgemm(tensor)
+        if picked == "compiled":
+            return picked, "auto on the CPU: the compiled kernels, faster than FBGEMM's CPU kernels"
+        return picked, f"auto on {tensor.device.type}: torch ops, the only ones for the device"
+    from dlrmflow.kernels import fbgemm_tbe
 
-        why_not = fbgemm_tbe.refusal("cuda")
-        if why_not is None:
-            return "fbgemm", "auto on CUDA: FBGEMM's kernels load and pass a test step"
-        if triton_tbe.available():
-            return "triton", f"auto on CUDA: Triton, as {why_not}"
-        return "torch", f"auto on CUDA: torch ops, as {why_not} and triton is not installed"
-    if tensor.device.type == "cpu":
-        return "compiled", "auto on the CPU: the compiled kernels, faster than FBGEMM's CPU kernels"
-    return "torch", f"auto on {tensor.device.type}: torch ops, the only ones for the device"
+    why_not = fbgemm_tbe.refusal("cuda")
+    if why_not is None:
+        return "fbgemm", "auto on CUDA: FBGEMM's kernels load and pass a test step"
+    if besides_fbgemm(tensor) == "triton":
+        return "triton", f"auto on CUDA: Triton, as {why_not}"
+    return "torch", f"auto on CUDA: torch ops, as {why_not} and triton is not installed"
 
 
 def besides_fbgemm(tensor: torch.Tensor) -> str:
