@@ -219,8 +219,15 @@ class TrainConfig(_Section):
     batch_size: Int = Field(2048, ge=1)
     epochs: Int = Field(1, ge=1)
     max_steps: Int | None = Field(None, ge=1, description="stop after this many steps")
-    optimizer: Literal["adagrad", "sgd"] = "adagrad"
-    lr: Float = Field(0.01, gt=0, description="the dense layers' learning rate")
+    optimizer: Literal["adagrad", "sgd"] = Field(
+        "adagrad",
+        description="the embeddings' optimizer, fused into their backward (row-wise Adagrad or "
+        "SGD), and the dense layers' unless train.dense_optimizer says otherwise",
+    )
+    dense_optimizer: Literal["adam", "adagrad", "sgd"] | None = Field(
+        "adam", description="the dense layers' optimizer (null: train.optimizer's)"
+    )
+    lr: Float = Field(0.002, gt=0, description="the dense layers' learning rate")
     embedding_lr: Float | None = Field(
         0.05, gt=0, description="the embeddings' learning rate (null: train.lr)"
     )
@@ -663,7 +670,10 @@ def build_config(data: dict[str, Any], origins: Mapping[str, Source] | None = No
 # Keys added since configurations were first recorded (in checkpoints' manifests, a model
 # line's config.json), with the value that does what the versions before them did: a
 # recorded configuration lacking one ran that way, whatever today's default is.
-ADDED_KEYS: dict[str, Any] = {"train.lr_schedule": {"decay": "constant"}}
+ADDED_KEYS: dict[str, Any] = {
+    "train.lr_schedule": {"decay": "constant"},
+    "train.dense_optimizer": None,
+}
 
 
 def recorded_config(data: Mapping[str, Any]) -> RunConfig:

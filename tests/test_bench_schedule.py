@@ -38,6 +38,7 @@ def test_every_candidate_runs_each_seed_and_the_last_is_the_defaults(record: dic
     assert steps[1024] > steps[2048]
     defaults = TrainConfig()
     assert record["defaults"]["lr"] == defaults.lr
+    assert record["defaults"]["dense_optimizer"] == defaults.dense_optimizer == "adam"
     assert record["defaults"]["lr_schedule"] == defaults.lr_schedule.model_dump()
 
 

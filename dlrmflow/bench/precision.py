@@ -43,7 +43,7 @@ CONFIGS = {
     "demo": {"model": {}, "train": {}},
     "train_benchmark": {
         "model": {"embedding_dim": 64, "bottom_mlp": [512, 256, 64], "top_mlp": [512, 256]},
-        "train": {"batch_size": 4096, "lr": 0.01},
+        "train": {"batch_size": 4096, "dense_optimizer": "adagrad", "lr": 0.01},
     },
 }
 QUICK_DATA = {"days": 3, "rows_per_day": 4_000, "row_group_size": 2_000}
@@ -123,7 +123,10 @@ def run_precision_benchmark(
         "baseline": BASELINE,
         "configs": {
             name: _config(name, "", Path(), "fp32", quick).model_dump(
-                include={"model": True, "train": {"batch_size", "lr", "optimizer"}}
+                include={
+                    "model": True,
+                    "train": {"batch_size", "lr", "optimizer", "dense_optimizer"},
+                }
             )
             for name in CONFIGS
         },

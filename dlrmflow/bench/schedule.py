@@ -7,8 +7,11 @@ manifest) in one process, once per seed (the seed draws the initial weights and 
 order), and is scored on the whole test day. The rows report each seed's AUC and
 calibration (mean prediction ÷ click rate) and the mean AUC's gap to the Bayes AUC, with
 the training's CPU-seconds. "decay" is a linear decay to 0 over the second half of the
-epoch. The first candidate is the configuration the defaults had before schedules
-(constant rates, dense and embedding lr 0.05, batch 2048), the baseline of the ratios:
+epoch; "dense" names the dense layers' optimizer and rate (the embeddings' is row-wise
+Adagrad throughout). "vocabulary IDs" maps IDs by a vocabulary of the training days
+(``features.ids=vocab``, as the demo does) instead of hashing them. The first candidate is
+the configuration the defaults had before schedules (constant rates, Adagrad at lr 0.05 for
+the dense layers and the embeddings, batch 2048), the baseline of the ratios:
 the defaults' mean AUC gap and mean calibration error (|calibration - 1|) each ÷ the
 baseline's (< 1: the defaults closer to the optimum and to calibrated).
 """
@@ -31,10 +34,14 @@ from dlrmflow.train.run.trainer import train
 
 BASELINE = (
     "the defaults before schedules, same data, model, seeds and process: constant rates, "
-    "lr 0.05 dense and embedding, batch 2048; ratios = the defaults' mean AUC gap to the "
+    "Adagrad lr 0.05 dense and embedding, batch 2048; ratios = the defaults' mean AUC gap to the "
     "Bayes AUC, and their mean |calibration - 1|, each ÷ the baseline's (< 1: better)"
 )
+# The dense optimizer and rate the defaults had before Adam, which every candidate of
+# the first sweeps (the rows with "Adagrad") trained with.
+ADAGRAD = {"train.dense_optimizer": "adagrad", "train.lr": 0.01}
 CONSTANT = {
+    **ADAGRAD,
     "train.lr": 0.05,
     "train.embedding_lr": 0.05,
     "train.batch_size": 2048,
@@ -42,19 +49,25 @@ CONSTANT = {
 }
 # (name, overrides of the defaults); "defaults" is the configuration the defaults train.
 DECAY = {"train.lr_schedule.decay": "linear", "train.lr_schedule.decay_start": 0.5}
+VOCAB = {"features.ids": "vocab"}
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("constant, lr 0.05, batch 2048 (before)", CONSTANT),
     ("decay, lr 0.05, batch 2048", {**CONSTANT, **DECAY}),
     (
-        "constant, dense 0.01, embeddings 0.05, batch 2048",
-        {"train.lr_schedule.decay": "constant", "train.lr_schedule.decay_start": 0.0},
+        "constant, dense Adagrad 0.01, embeddings 0.05, batch 2048",
+        {**ADAGRAD, "train.lr_schedule.decay": "constant", "train.lr_schedule.decay_start": 0.0},
     ),
-    ("decay, dense 0.02, embeddings 0.05, batch 2048", {"train.lr": 0.02}),
     (
-        "decay, dense 0.02, embeddings 0.05, batch 1024",
-        {"train.lr": 0.02, "train.batch_size": 1024},
+        "decay, dense Adagrad 0.02, embeddings 0.05, batch 1024",
+        {**ADAGRAD, "train.lr": 0.02, "train.batch_size": 1024},
     ),
-    ("decay, dense 0.01, embeddings 0.05, batch 512", {"train.batch_size": 512}),
+    ("decay, dense Adagrad 0.01, embeddings 0.05, batch 512", {**ADAGRAD, "train.batch_size": 512}),
+    ("decay, dense Adagrad 0.01, embeddings 0.05, batch 2048", ADAGRAD),
+    ("the same, vocabulary IDs", {**ADAGRAD, **VOCAB}),
+    ("decay, dense Adam 0.01, embeddings 0.05, batch 2048", {"train.lr": 0.01}),
+    ("decay, dense Adam 0.005, embeddings 0.05, batch 2048", {"train.lr": 0.005}),
+    ("decay, dense Adam 0.003, embeddings 0.05, batch 2048", {"train.lr": 0.003}),
+    ("defaults, vocabulary IDs (the demo)", VOCAB),
     ("defaults", {}),
 ]
 SEEDS = (0, 1)
@@ -66,6 +79,7 @@ def _defaults() -> dict[str, Any]:
     """What the defaults train with, for the record."""
     d = TrainConfig()
     return {
+        "dense_optimizer": d.dense_optimizer or d.optimizer,
         "lr": d.lr,
         "embedding_lr": d.embedding_lr or d.lr,
         "batch_size": d.batch_size,
@@ -168,12 +182,13 @@ def schedule_section(record: dict[str, Any]) -> str:
         [
             "## Learning-rate sweep",
             f"Baseline: {record['baseline']}. Test-day Bayes AUC {record['bayes_auc']:.4f}. "
-            f"The defaults: dense lr {d['lr']}, embedding lr {d['embedding_lr']}, batch "
-            f"{d['batch_size']}, a {schedule['decay']} decay from {schedule['decay_start']:.0%}"
-            f" of each epoch to {schedule['floor']} of the rates, warm-up "
-            f"{schedule['warmup_steps']} steps. Ratios: {ratios}. Run apart from the report "
-            f"(`make bench-schedule`), on {record['machine']['cpu']} with "
-            f"{record['machine']['cpu_count']} CPUs, in {record['seconds'] / 60:.1f} min.",
+            f"The defaults: dense {d.get('dense_optimizer', 'adagrad')} lr {d['lr']}, "
+            f"embedding lr {d['embedding_lr']}, batch {d['batch_size']}, a {schedule['decay']} "
+            f"decay from {schedule['decay_start']:.0%} of each epoch to {schedule['floor']} "
+            f"of the rates, warm-up {schedule['warmup_steps']} steps. Ratios: {ratios}. "
+            f"Run apart from the report (`make bench-schedule`), on "
+            f"{record['machine']['cpu']} with {record['machine']['cpu_count']} CPUs, "
+            f"in {record['seconds'] / 60:.1f} min.",
             markdown_table(
                 [
                     "candidate",

@@ -64,7 +64,13 @@ def bench_config(size: dict, sharding: str | None, comms: str, pipeline: bool) -
                 "bottom_mlp": size["bottom"],
                 "top_mlp": size["top"],
             },
-            "train": {"batch_size": size["batch"], "optimizer": "adagrad", "lr": 0.01},
+            # TorchRec's side: row-wise Adagrad for the embeddings, Adagrad for the MLPs.
+            "train": {
+                "batch_size": size["batch"],
+                "optimizer": "adagrad",
+                "dense_optimizer": "adagrad",
+                "lr": 0.01,
+            },
             "distributed": {"sharding": sharding, "comms": comms, "pipeline": pipeline},
         }
     )

@@ -43,6 +43,7 @@ _S32 = np.uint64(32)
 # the heap instead of being mapped and page-faulted afresh for every call.
 _CHUNK = 32768
 VOCAB_FORMAT_VERSION = 1
+_Columns = tuple[np.ndarray, ...]  # one array per feature, as the compiled kernels take them
 
 
 class IdMapper(Protocol):
@@ -120,24 +121,42 @@ def feature_salt(name: str, seed: int = 0) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _per_key(op: np.ufunc, z: np.ndarray, per_key: np.ndarray, counts: Sequence[int]) -> None:
-    """``z[key k's IDs] = op(z[...], per_key[k])`` in place for a key-major ``z``.
+class _OneHotMapper:
+    """``map_one_hot``, which both mappers offer: the transform's compiled path."""
 
-    With equal counts (one-hot batches) it is one broadcast pass over a [keys, batch]
-    view instead of one numpy call per key.
-    """
-    if len(counts) and all(c == counts[0] for c in counts):
-        block = z.reshape(len(counts), counts[0])
-        op(block, per_key[:, None], out=block)
-        return
-    start = 0
-    for value, count in zip(per_key, counts, strict=True):
-        part = z[start : start + count]
-        op(part, value, out=part)
-        start += count
+    def map_one_hot(
+        self,
+        names: Sequence[str],
+        ids: Sequence[np.ndarray],
+        valid: Sequence[np.ndarray | None],
+        out: np.ndarray,
+        dest: np.ndarray,
+    ) -> None:
+        """Write ``names[k]``'s row of ``ids[k][i]`` into ``out[dest[i], k]``.
+
+        ``out`` is the sample-major [B, keys] one-hot form (int32 or int64); a slot whose
+        ``valid[k]`` entry is False (an empty bag) gets -1. All ``ids`` and ``dest``
+        (int64, distinct rows of ``out``) have one length. The transform's transpose,
+        shuffle, narrowing and null marking happen in the mapping's one pass.
+        """
+        keys = [self._known(name) for name in names]
+        _check_scatter(ids, valid, out, dest)
+        bits = tuple(
+            jit.frozen(_as_bits(part, f"feature {k}")) for k, part in zip(keys, ids, strict=True)
+        )
+        self._scatter(keys, bits, jit.masks(valid), out, dest)
+
+    def _known(self, name: str) -> str:
+        raise NotImplementedError
+
+    def _scatter(
+        self, keys: list[str], bits: _Columns, valid: _Columns, out: np.ndarray, dest: np.ndarray
+    ) -> None:
+        """The compiled kernel of ``map_one_hot`` on checked inputs."""
+        raise NotImplementedError
 
 
-class HashIds:
+class HashIds(_OneHotMapper):
     """Maps feature ``name``'s IDs to ``(stable_hash(ids, salt) >> 32) * n >> 32``.
 
     ``salt = feature_salt(name, seed)`` and ``n = num_embeddings[name]``. The range
@@ -182,29 +201,12 @@ class HashIds:
             start += len(bits)
         return out
 
-    def map_one_hot(
-        self,
-        names: Sequence[str],
-        ids: Sequence[np.ndarray],
-        valid: Sequence[np.ndarray | None],
-        out: np.ndarray,
-        dest: np.ndarray,
+    def _scatter(
+        self, keys: list[str], bits: _Columns, valid: _Columns, out: np.ndarray, dest: np.ndarray
     ) -> None:
-        """Write ``names[k]``'s row of ``ids[k][i]`` into ``out[dest[i], k]``.
-
-        ``out`` is the sample-major [B, keys] one-hot form (int32 or int64); a slot whose
-        ``valid[k]`` entry is False (an empty bag) gets -1. All ``ids`` and ``dest``
-        (int64, distinct rows of ``out``) have one length. The transform's transpose,
-        shuffle, narrowing and null marking happen in the hash's one pass.
-        """
-        keys = [self._known(name) for name in names]
-        _check_scatter(ids, valid, out, dest)
-        bits = tuple(
-            jit.frozen(_as_bits(part, f"feature {k}")) for k, part in zip(keys, ids, strict=True)
-        )
         salts = np.array([self._salts[k] for k in keys], np.uint64)
         rows = np.array([self._rows[k] for k in keys], np.uint64)
-        jit.one_hot_rows(bits, jit.masks(valid), salts, rows, out, dest)
+        jit.one_hot_rows(bits, valid, salts, rows, out, dest)
 
     def _known(self, name: str) -> str:
         if name not in self._rows:
@@ -238,8 +240,8 @@ def _home_hash(ids: np.ndarray) -> np.ndarray:
     return z
 
 
-def _build_region(ranked: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """(slots, shift, longest displacement) of one feature's linear-probing region.
+def _build_region(ranked: np.ndarray) -> tuple[np.ndarray, int]:
+    """(slots, shift) of one feature's linear-probing region.
 
     ``slots`` is int64 [size, 2] of (ID, row) with row 0 marking an empty slot. The region
     has ``2**bits >= 2n`` home slots (at most half full, which keeps probe sequences short)
@@ -269,7 +271,7 @@ def _build_region(ranked: np.ndarray) -> tuple[np.ndarray, int, int]:
     slots = np.zeros((size, 2), np.int64)
     slots[slot, 0] = ranked
     slots[slot, 1] = np.arange(1, n + 1)
-    return slots, shift, int((slot - home).max(initial=0))
+    return slots, shift
 
 
 class _ProbeTable:
@@ -277,67 +279,40 @@ class _ProbeTable:
 
     Binary search over sorted IDs (``np.searchsorted``) measured 70-150 ns per ID here:
     ~17 dependent cache misses each. Linear probing needs about one random read per ID
-    (ID and row sit side by side, so one gather fetches both) and runs vectorized over a
-    whole batch: every pending ID probes its next slot in the same numpy pass. The few IDs
-    left in long clusters are finished with one gather of the whole window they can lie
-    in, instead of a dozen more rounds of numpy calls.
+    (ID and row sit side by side, so one read fetches both), and the compiled probe
+    (``jit.vocab_rows``, ``jit.one_hot_vocab_rows``) hashes and probes each ID in
+    registers, as the hashing mapper's loops do.
     """
 
     def __init__(self, ranked: Mapping[str, np.ndarray]) -> None:
         parts = []
         self.regions: dict[str, tuple[int, int]] = {}  # name -> (first slot, shift)
-        self.window = 0  # an ID is at most this many slots past its home slot
         base = 0
         for name, ids in ranked.items():
-            slots, shift, longest = _build_region(ids)
+            slots, shift = _build_region(ids)
             self.regions[name] = (base, shift)
-            self.window = max(self.window, longest)
             parts.append(slots)
             base += len(slots)
-        self.slots = np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
+        slots = np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
+        self.slots = slots.view(np.uint64)  # IDs as the kernels compare them: their bits
 
-    def lookup(self, names: Sequence[str], ids: np.ndarray, counts: Sequence[int]) -> np.ndarray:
-        """Rows (int64) of the key-major ``ids``, ``counts[k]`` of them for ``names[k]``."""
-        pos = _home_hash(ids)
-        regions = np.array([self.regions[name] for name in names], np.uint64).reshape(-1, 2)
-        _per_key(np.right_shift, pos, regions[:, 1], counts)
-        _per_key(np.add, pos, regions[:, 0], counts)
-        pos = pos.view(np.int64)
-        found = self.slots.take(pos, axis=0)
-        row = found[:, 1]
-        out = row * (found[:, 0] == ids)  # a probe that reaches an empty slot is OOV: row 0
-        pending = np.flatnonzero(row != out)  # slot held by another ID: probe on
-        pending_ids, pending_pos = ids[pending], pos[pending]
-        while pending.size:
-            if pending.size * self.window <= max(len(ids) // 4, 1024):
-                self._finish(out, pending, pending_ids, pending_pos)
-                break
-            pending_pos += 1
-            found = self.slots.take(pending_pos, axis=0)
-            row, hit = found[:, 1], found[:, 0] == pending_ids
-            out[pending[hit]] = row[hit]
-            more = (row != 0) & ~hit
-            pending, pending_ids, pending_pos = pending[more], pending_ids[more], pending_pos[more]
+    def region(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(first slot, shift) of each of ``names``' regions, as uint64 arrays."""
+        both = np.array([self.regions[name] for name in names], np.uint64).reshape(-1, 2)
+        return np.ascontiguousarray(both[:, 0]), np.ascontiguousarray(both[:, 1])
+
+    def lookup(self, names: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
+        """Rows (int64) of each of ``names``' uint64 ``ids``, key after key."""
+        out = np.empty(sum(len(part) for part in ids), np.int64)
+        bases, shifts = self.region(names)
+        start = 0
+        for k, part in enumerate(ids):
+            jit.vocab_rows(part, self.slots, bases[k], shifts[k], out[start : start + len(part)])
+            start += len(part)
         return out
 
-    def _finish(
-        self, out: np.ndarray, pending: np.ndarray, ids: np.ndarray, pos: np.ndarray
-    ) -> None:
-        """Resolve the pending IDs by looking at all ``window`` slots after ``pos`` at once."""
-        if self.window == 0:  # no ID sits past its home slot: the pending are all OOV
-            return
-        ahead = pos[:, None] + np.arange(1, self.window + 1)
-        found = self.slots.take(ahead, axis=0, mode="clip")  # [pending, window, 2]
-        empty = found[..., 1] == 0
-        # Past an empty slot lie other IDs' clusters, possibly another feature's region
-        # holding the same raw ID: only a match before the first empty slot counts.
-        match = (found[..., 0] == ids[:, None]) & ~np.logical_or.accumulate(empty, axis=1)
-        has = match.any(axis=1)
-        at = match.argmax(axis=1)
-        out[pending[has]] = found[has, at[has], 1]
 
-
-class Vocabulary:
+class Vocabulary(_OneHotMapper):
     """Per-feature ID -> row tables built from frequency counts; row 0 is out-of-vocabulary.
 
     ``ids[name][i]`` owns row ``i + 1``; rows are ordered by descending count, then
@@ -385,8 +360,13 @@ class Vocabulary:
             _as_bits(part, f"feature {self._known(name)}")
             for name, part in zip(names, ids, strict=True)
         ]
-        values = np.concatenate(bits) if bits else np.zeros(0, np.uint64)
-        return self._table.lookup(names, values.view(np.int64), [len(part) for part in ids])
+        return self._table.lookup(names, bits)
+
+    def _scatter(
+        self, keys: list[str], bits: _Columns, valid: _Columns, out: np.ndarray, dest: np.ndarray
+    ) -> None:
+        bases, shifts = self._table.region(keys)
+        jit.one_hot_vocab_rows(bits, valid, bases, shifts, self._table.slots, out, dest)
 
     def save(self, url: str) -> None:
         """Write the vocabulary to one ``.npz`` file at ``url`` (any fsspec URL)."""

@@ -26,6 +26,7 @@ _S32 = np.uint64(32)
 _LOW32 = np.uint64(0xFFFFFFFF)
 _FULL32 = np.uint64(1 << 32)
 _NO_MASK = np.zeros(0, np.bool_)
+_NO_SLOTS = np.zeros((0, 2), np.uint64)
 
 
 def frozen(a: np.ndarray) -> np.ndarray:
@@ -146,6 +147,53 @@ def _prefetch_block(a: np.ndarray, first: int, end: int) -> None:
             prefetch_read(address)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _vocab_row(raw: np.uint64, slots: np.ndarray, base: np.uint64, shift: np.uint64) -> np.int64:
+    """The row of ``raw`` in a vocabulary's probe table (``ids._ProbeTable``), 0 when absent.
+
+    ``slots`` is the table as uint64 [size, 2] of (ID, row), row 0 marking an empty slot;
+    the ID's home slot is the top bits of its unsalted hash (``ids._home_hash``) past
+    ``base``, and its probe runs on until it finds the ID or an empty slot.
+    """
+    z = raw
+    z ^= z >> _S32
+    z *= _M1
+    z ^= z >> _S32
+    z *= _M2
+    at = (z >> shift) + base
+    while True:
+        row = slots[at, 1]
+        if row == 0 or slots[at, 0] == raw:
+            return np.int64(row)
+        at += np.uint64(1)
+
+
+@numba.njit(nogil=True, cache=True)
+def vocab_rows(
+    ids: np.ndarray, slots: np.ndarray, base: np.uint64, shift: np.uint64, out: np.ndarray
+) -> None:
+    """``out[i] = vocabulary row of ids[i]`` for uint64 ``ids`` (0: out of vocabulary)."""
+    for i in range(ids.shape[0]):
+        out[i] = _vocab_row(ids[i], slots, base, shift)
+
+
+@numba.njit(nogil=True, cache=True)
+def _vocab_block(
+    ids: np.ndarray,
+    slots: np.ndarray,
+    base: np.uint64,
+    shift: np.uint64,
+    valid: np.ndarray,
+    part: np.ndarray,
+) -> None:
+    """``_hash_block`` for a vocabulary: ``part[i] = row of ids[i]``, -1 for nulls."""
+    for i in range(part.shape[0]):
+        part[i] = _vocab_row(ids[i], slots, base, shift)
+    if valid.shape[0] != 0:
+        for i in range(part.shape[0]):
+            part[i] = part[i] if valid[i] else -1
+
+
 @numba.njit(nogil=True, cache=True)
 def one_hot_rows(
     ids: tuple[np.ndarray, ...],
@@ -161,10 +209,40 @@ def one_hot_rows(
     sample-major [B, keys] one-hot form (int32 or int64); ``dest`` (int64) says where
     each sample goes, so that a shuffle costs no pass of its own.
     """
+    _one_hot(ids, valid, salts, rows, _NO_SLOTS, out, dest)
+
+
+@numba.njit(nogil=True, cache=True)
+def one_hot_vocab_rows(
+    ids: tuple[np.ndarray, ...],
+    valid: tuple[np.ndarray, ...],
+    bases: np.ndarray,
+    shifts: np.ndarray,
+    slots: np.ndarray,
+    out: np.ndarray,
+    dest: np.ndarray,
+) -> None:
+    """``one_hot_rows`` with a vocabulary's rows: key ``k`` probes its region of ``slots``
+    (``bases[k]``, ``shifts[k]``; see ``_vocab_row``)."""
+    _one_hot(ids, valid, bases, shifts, slots, out, dest)
+
+
+@numba.njit(nogil=True, cache=True)
+def _one_hot(
+    ids: tuple[np.ndarray, ...],
+    valid: tuple[np.ndarray, ...],
+    first: np.ndarray,
+    second: np.ndarray,
+    slots: np.ndarray,
+    out: np.ndarray,
+    dest: np.ndarray,
+) -> None:
+    """The block loop of both one-hot kernels: hashing (``slots`` empty; ``first`` and
+    ``second`` are salts and row counts) or a vocabulary (bases and shifts)."""
     n, keys = ids[0].shape[0], len(ids)
     scratch = np.empty((keys, _BLOCK), out.dtype)
-    for first in range(0, n, _BLOCK):
-        end = min(first + _BLOCK, n)
+    for start in range(0, n, _BLOCK):
+        end = min(start + _BLOCK, n)
         # The next block of every column, asked for now: each is a page of its own, where
         # the hardware prefetcher would start cold (measured on uncached columns: 47 ns a
         # row against 56-58 without).
@@ -172,9 +250,13 @@ def one_hot_rows(
             _prefetch_block(ids[k], end, end + _BLOCK)
             _prefetch_block(valid[k], end, end + _BLOCK)
         for k in range(keys):
-            ok = valid[k][first:end] if valid[k].shape[0] != 0 else valid[k]
-            _hash_block(ids[k][first:end], salts[k], rows[k], ok, scratch[k, : end - first])
-        _transpose_into(scratch, end - first, out, dest[first:])
+            ok = valid[k][start:end] if valid[k].shape[0] != 0 else valid[k]
+            part = scratch[k, : end - start]
+            if slots.shape[0] == 0:
+                _hash_block(ids[k][start:end], first[k], second[k], ok, part)
+            else:
+                _vocab_block(ids[k][start:end], slots, first[k], second[k], ok, part)
+        _transpose_into(scratch, end - start, out, dest[start:])
 
 
 @numba.njit(nogil=True, cache=True)

@@ -31,6 +31,10 @@ SUMMARY_FILE = "summary.json"
 SUMMARY_KEY = "dlrmflow-summary"
 # The demo trains sharded, on this many ranks unless its configuration says otherwise.
 DEMO_RANKS = 2
+# The demo trains once on a fixed dataset, where a vocabulary of the training days' IDs
+# (rare ones sharing one row) comes closer to the Bayes AUC than hashing; hashing stays the
+# default for datasets that grow, whose new IDs a vocabulary fitted once would not know.
+DEMO_IDS = "vocab"
 # ``dlrmflow demo --quick``: tiny data, so that the demo ends in under a minute.
 QUICK = {
     "data.days": 3,
@@ -126,14 +130,16 @@ def demo_config(base: RunConfig, run_dir: str, quick: bool = False) -> RunConfig
     the configuration's).
 
     What the user did not choose is the demo's: its data in ``RUN_DIR/data`` (beside its
-    results) and ``DEMO_RANKS`` ranks. ``train.batch_size`` is per rank, so unless it was
-    chosen the demo's global batch is split over its ranks: the demo then takes as many
-    steps, and reaches the same AUC, as one process would.
+    results), ``DEMO_IDS`` and ``DEMO_RANKS`` ranks. ``train.batch_size`` is per rank, so
+    unless it was chosen the demo's global batch is split over its ranks: the demo then
+    takes as many steps, and reaches the same AUC, as one process would.
     """
     overrides: dict[str, Any] = dict(QUICK) if quick else {}
     overrides["run_dir"] = run_dir
     if "url" not in base.data.model_fields_set:
         overrides["data.url"] = str(Path(run_dir) / "data")
+    if "ids" not in base.features.model_fields_set:
+        overrides["features.ids"] = DEMO_IDS
     if "nproc" not in base.distributed.model_fields_set:
         overrides["distributed.nproc"] = DEMO_RANKS
     nproc = overrides.get("distributed.nproc", base.distributed.nproc)

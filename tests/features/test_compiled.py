@@ -30,9 +30,9 @@ SPEC = FeatureSpec(
 
 
 class KeyedOnly:
-    """``HashIds`` without ``map_one_hot``: forces the vectorized path, same rows."""
+    """A mapper without ``map_one_hot``: forces the vectorized path, same rows."""
 
-    def __init__(self, ids: HashIds) -> None:
+    def __init__(self, ids: HashIds | Vocabulary) -> None:
         self._ids = ids
 
     def num_embeddings(self, name: str) -> int:
@@ -87,16 +87,30 @@ def assert_same_batch(a: Batch, b: Batch) -> None:
     assert torch.equal(a.sparse.lengths, b.sparse.lengths)
 
 
-def transforms(spec: FeatureSpec = SPEC) -> tuple[BatchTransform, BatchTransform]:
-    ids = HashIds.from_spec(spec, seed=3)
+def vocabulary_of(data: pa.Table) -> Vocabulary:
+    """A vocabulary holding every other ID of ``data``'s sparse columns: half of them hit."""
+    ids = {name: np.unique(data[name].drop_null().to_numpy())[::2] for name in SPEC.sparse_names}
+    return Vocabulary(ids, {k: np.ones(len(v)) for k, v in ids.items()}, min_count=1)
+
+
+def transforms(
+    spec: FeatureSpec = SPEC, ids: HashIds | Vocabulary | None = None
+) -> tuple[BatchTransform, BatchTransform]:
+    if isinstance(ids, Vocabulary):  # the tables the vocabulary gives
+        rows = ids.table_rows
+        sparse = tuple(SparseFeature(f.name, rows[f.name], f.embedding_dim) for f in spec.sparse)
+        spec = FeatureSpec(dense=spec.dense, sparse=sparse, label=spec.label)
+    ids = ids or HashIds.from_spec(spec, seed=3)
     return BatchTransform(spec, ids), BatchTransform(spec, KeyedOnly(ids))
 
 
 @pytest.mark.parametrize("dense_type", [pa.int32(), pa.int64(), pa.float32(), pa.float64()])
 @pytest.mark.parametrize("cuts", [(), (1,), (100, 101, 400)])
-def test_compiled_path_gives_the_vectorized_batch_bitwise(dense_type, cuts):
-    compiled, vectorized = transforms()
+@pytest.mark.parametrize("mapper", ["hash", "vocabulary"])
+def test_compiled_path_gives_the_vectorized_batch_bitwise(dense_type, cuts, mapper):
     data = chunked(table(777, seed=1, dense_type=dense_type), cuts)
+    ids = vocabulary_of(data) if mapper == "vocabulary" else None
+    compiled, vectorized = transforms(ids=ids)
     out, reference = compiled(data), vectorized(data)
     assert compiled._layout is not None and compiled._layout.compiled
     assert vectorized._layout is not None and not vectorized._layout.compiled
@@ -104,7 +118,10 @@ def test_compiled_path_gives_the_vectorized_batch_bitwise(dense_type, cuts):
     assert_same_batch(out, reference)
     rows = out.sparse.one_hot_rows
     assert (rows[:, 2] == -1).all()  # the all-null key: every bag empty
-    assert rows[:, 1].min() >= 0 and rows[:, 1].max() < 7  # no null, in range
+    limit = 7 if ids is None else ids.num_embeddings("C2")
+    assert rows[:, 1].min() >= 0 and rows[:, 1].max() < limit  # no null, in range
+    if ids is not None:  # hits and misses (row 0) both occur
+        assert (rows[:, 1] == 0).any() and (rows[:, 1] > 0).any()
 
 
 def test_columns_chunked_differently_take_the_vectorized_path_with_the_same_result():
@@ -224,8 +241,9 @@ def test_window_refuses_an_order_that_is_not_a_permutation(order):
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_map_one_hot_places_rows_and_marks_nulls(dtype):
-    ids = HashIds({"a": 50, "b": 2**32}, seed=1)
+@pytest.mark.parametrize("mapper", ["hash", "vocabulary"])
+def test_map_one_hot_places_rows_and_marks_nulls(dtype, mapper):
+    ids: HashIds | Vocabulary = HashIds({"a": 50, "b": 2**32}, seed=1)
     rng = np.random.default_rng(0)
     a, b = rng.integers(-(2**63), 2**63 - 1, 40), rng.integers(0, 100, 40)
     valid_b = rng.random(40) < 0.5
@@ -233,6 +251,9 @@ def test_map_one_hot_places_rows_and_marks_nulls(dtype):
     out = np.full((60, 2), 7, dtype)
     if dtype is np.int32:
         ids = HashIds({"a": 50, "b": 2**31}, seed=1)
+    if mapper == "vocabulary":  # a's IDs in reverse, b's first 50: misses and a shared one
+        known = {"a": a[::-1][:30].copy(), "b": np.arange(50)}
+        ids = Vocabulary(known, {k: np.ones(len(v)) for k, v in known.items()}, min_count=1)
     ids.map_one_hot(["a", "b"], [a, b], [None, valid_b], out, dest)
     np.testing.assert_array_equal(out[dest, 0], ids.map("a", a))
     np.testing.assert_array_equal(out[dest, 1], np.where(valid_b, ids.map("b", b), -1))

@@ -39,12 +39,13 @@ def test_demo_quick_command(tmp_path, pytestconfig):
 def test_the_demo_splits_its_global_batch_over_its_ranks_and_keeps_its_data_beside_it():
     # Imported here: Prefect, imported while collecting, would read its settings before
     # other tests of the session set PREFECT_API_URL.
-    from dlrmflow.flows.end_to_end import DEMO_RANKS, QUICK, demo_config
+    from dlrmflow.flows.end_to_end import DEMO_IDS, DEMO_RANKS, QUICK, demo_config
 
     chosen = build_config({})
     cfg = demo_config(chosen, "runs/d")
     assert (cfg.run_dir, cfg.data.url) == ("runs/d", "runs/d/data")
     assert cfg.distributed.nproc == DEMO_RANKS == 2
+    assert cfg.features.ids == DEMO_IDS == "vocab" != chosen.features.ids
     assert cfg.train.batch_size == chosen.train.batch_size // DEMO_RANKS
     assert cfg.data.days == chosen.data.days  # not --quick: the configuration's data
 
@@ -66,3 +67,5 @@ def test_what_the_user_chose_is_kept_by_the_demo():
     assert (own_batch.train.batch_size, own_batch.distributed.nproc) == (300, DEMO_RANKS)
     one = demo_config(build_config({"distributed": {"nproc": 1}}), "runs/d")
     assert one.train.batch_size == build_config({}).train.batch_size
+    hashed = demo_config(build_config({"features": {"ids": "hash"}}), "runs/d")
+    assert hashed.features.ids == "hash"

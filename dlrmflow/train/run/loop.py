@@ -49,11 +49,27 @@ class NonFiniteLoss(DlrmflowError):
 
 
 def dense_optimizer(parameters: list[nn.Parameter], config: RunConfig) -> torch.optim.Optimizer:
-    """The torch optimizer of the MLPs and the interaction (the embedding weights are
-    buffers updated by their own fused backward)."""
-    if config.train.optimizer == "adagrad":
-        return torch.optim.Adagrad(parameters, lr=config.train.lr)
-    return torch.optim.SGD(parameters, lr=config.train.lr)
+    """The torch optimizer of the MLPs and the interaction (``train.dense_optimizer``; the
+    embedding weights are buffers updated by their own fused backward).
+
+    Adam's state is created here rather than at its first step, as torch would: a
+    checkpoint loads into the state in place, so it must exist before a resumed run's
+    first step (Adagrad creates its own at construction)."""
+    kind = config.train.dense_optimizer or config.train.optimizer
+    lr = config.train.lr
+    if kind == "adam":
+        adam = torch.optim.Adam(parameters, lr=lr)
+        for p in parameters:
+            adam.state[p] = {
+                # Where and how torch's Adam keeps it when neither capturable nor fused.
+                "step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        return adam
+    if kind == "adagrad":
+        return torch.optim.Adagrad(parameters, lr=lr)
+    return torch.optim.SGD(parameters, lr=lr)
 
 
 def kernels_used(runner: StepRunner, config: RunConfig) -> dict[str, str]:

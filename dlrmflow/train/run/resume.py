@@ -44,6 +44,7 @@ RUN_KEYS = (
     "model",
     "features",
     "train.optimizer",
+    "train.dense_optimizer",
     "train.lr",
     "train.embedding_lr",
     "train.lr_schedule",
@@ -63,7 +64,7 @@ IMPLEMENTATION_KEYS = ("model.kernels",)
 REREAD_KEYS = frozenset({DATASET_KEY, TRAIN_DATA_KEY, "train.batch_size"})
 # What an explicit ``train.resume`` path (fine-tuning) may not change: the weights and the
 # optimizer state would not fit.
-SHAPE_KEYS = ("model", "features", "train.optimizer")
+SHAPE_KEYS = ("model", "features", "train.optimizer", "train.dense_optimizer")
 
 
 @dataclass

@@ -30,7 +30,8 @@ def _grow(url: Path, days: int) -> str:
 
 
 def _config(data: str, run_dir: Path) -> RunConfig:
-    return tiny_run_config(data, run_dir, batch_size=400)
+    # A dense rate above the default's: a version learns from a day's 6 steps.
+    return tiny_run_config(data, run_dir, batch_size=400, lr=0.01)
 
 
 def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -> None:
@@ -103,7 +104,9 @@ def test_the_line_command_starts_continues_and_says_when_nothing_is_new(
     assert code == 0 and json.loads(out)["trained"] == [] and "no new day" in err[-1]
     code, out, err = run_cli(monkeypatch, capsys, "line", "--line", line, "--set", "train.lr=1")
     assert code == 1 and len(err) == 1, err
-    assert err[0].endswith("another configuration: train.lr 0.01 -> 1.0; start another line for it")
+    assert err[0].endswith(
+        "another configuration: train.lr 0.002 -> 1.0; start another line for it"
+    )
 
 
 def test_a_line_killed_anywhere_resumes_to_where_the_whole_line_ends(tmp_path: Path) -> None:

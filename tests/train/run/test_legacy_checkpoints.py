@@ -49,6 +49,7 @@ def _records(run_dir: Path) -> list[dict]:
 # What the defaults were when the legacy runs were written (their run.yaml leaves them to the
 # defaults): a run continues only as it began.
 LEGACY_DEFAULTS = {
+    "train.dense_optimizer": "null",
     "train.lr": 0.05,
     "train.embedding_lr": "null",
     "train.lr_schedule.decay": "constant",
@@ -64,13 +65,15 @@ def test_a_legacy_checkpoint_is_not_continued_under_defaults_changed_since(legac
         train(_config(legacy, "run_1rank", **{"train.max_steps": 6}))
     message = str(refused.value)
     for change in (
-        "train.lr 0.05 -> 0.01",
+        "train.dense_optimizer None -> 'adam'",
+        "train.lr 0.05 -> 0.002",
         "train.embedding_lr None -> 0.05",
         "train.lr_schedule.decay 'constant' -> 'linear'",
     ):
         assert change in message, message
     assert message.endswith(
-        "or continue it as it began with --set train.embedding_lr=null --set train.lr=0.05 "
+        "or continue it as it began with --set train.dense_optimizer=null "
+        "--set train.embedding_lr=null --set train.lr=0.05 "
         '--set train.lr_schedule.decay="constant"'
     ), message
     assert sorted(p.name for p in (legacy / "run_1rank" / "checkpoints").iterdir()) == before

@@ -1,9 +1,11 @@
 """The defaults' model quality on a smaller copy of the demo's data (4 days of 50,000 rows,
-day 3 held out): test-day calibration within 0.97-1.03 and AUC within 0.025 of the
+day 3 held out): test-day calibration within 0.97-1.03 and AUC within 0.02 of the
 generator's Bayes AUC, in one process and over two ranks splitting the global batch as the
-demo does. Measured with the decay: 0.978 and 0.981 (one process, seeds 0 and 2), 0.996
-(two ranks, seed 1); at constant rates the same cases end at 1.188, 1.125 and 1.041, so
-each fails without the decay."""
+demo does. Measured under the defaults (Adam at lr 0.002 for the dense layers, the decay):
+calibration 0.990 and 0.976 (one process, seeds 0 and 2), 1.003 (two ranks, seed 1), AUC
+gaps 0.016, 0.010 and 0.014. At constant rates calibration ends far outside the band
+(1.188, 1.125 and 1.041 under the Adagrad defaults of before), and those defaults' AUC
+gaps were 0.020, 0.019 and 0.021."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dlrmflow.train.launch.job import launch_training
 from dlrmflow.train.run.evaluate import evaluate
 
 DATA = {"days": 4, "rows_per_day": 50_000}
-AUC_GAP = 0.025
+AUC_GAP = 0.02
 
 
 @pytest.fixture(scope="module")

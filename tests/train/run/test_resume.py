@@ -48,7 +48,7 @@ def _continued(finished: RunConfig, tmp_path: Path, **changes: object) -> RunCon
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
-        ({"train.lr": 0.2}, ["train.lr 0.01 -> 0.2"]),
+        ({"train.lr": 0.2}, ["train.lr 0.002 -> 0.2"]),
         ({"train.optimizer": "sgd"}, ["train.optimizer 'adagrad' -> 'sgd'"]),
         ({"train.batch_size": 256}, ["train.batch_size 512 -> 256"]),
         (
@@ -104,7 +104,7 @@ def test_an_explicit_checkpoint_fine_tunes_records_what_changed_and_never_trains
     cfg.train.resume = str(source)
     result = train(cfg)
     assert result.resumed_from_step == 4 and result.steps == 8 and result.trained_steps == 4
-    changed = {"train.lr": [0.01, 0.03], "train.batch_size": [512, 256]}
+    changed = {"train.lr": [0.002, 0.03], "train.batch_size": [512, 256]}
     assert result.changed_on_resume == changed
     record = json.loads((Path(cfg.run_dir) / "train_result.json").read_text())
     assert record["changed_on_resume"] == changed and record["resumed_from"] == str(source)

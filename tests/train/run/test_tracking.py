@@ -115,7 +115,7 @@ def test_mlflow_logs_params_and_metrics_and_finishes_the_run(
     assert mlflow_run.info.status == "FINISHED"
     assert client.get_experiment(mlflow_run.info.experiment_id).name == "dlrmflow"
     params = mlflow_run.data.params
-    assert params["train.lr"] == "0.01" and params["train.tracker"] == "mlflow"
+    assert params["train.lr"] == "0.002" and params["train.tracker"] == "mlflow"
     assert params["model.bottom_mlp"] == "[16, 8]" and params["train.eval_every"] == "3"
     assert params["train.checkpoint_every"] == "null" and params["run_dir"] == str(run)
     loss = _records(run, "loss")
