@@ -135,6 +135,7 @@ def _reduce_and_update(
     bags: np.ndarray,
     scale: np.ndarray,
     grads: np.ndarray,
+    grads16: np.ndarray,
     acc: np.ndarray,
     weight: np.ndarray,
     state: np.ndarray,
@@ -156,14 +157,17 @@ def _reduce_and_update(
     the same however the keys were split.
 
     ``bags[i]`` is the row of ``grads`` occurrence ``i`` pooled into (empty: ``i``);
+    ``grads16`` holds them instead as bfloat16 bit patterns when not empty (``grads`` is
+    then empty), widened to float32 row by row as they are summed (exactly: every
+    bfloat16 is a float32);
     ``scale[i]`` multiplies its gradient (empty: 1). A row's first occurrence stores
     instead of adding, so ``acc`` (scratch, reused across steps) needs no zeroing.
     ``state`` is the row-wise Adagrad sum of squares (unused for SGD).
     """
     if bags.shape[0] == 0 and scale.shape[0] == 0:
-        _accumulate_one_to_one(where, grads, acc, lo, hi, mine)
+        _accumulate_one_to_one(where, grads, grads16, acc, lo, hi, mine)
     else:
-        _accumulate_pooled(where, bags, scale, grads, acc, lo, hi, mine)
+        _accumulate_pooled(where, bags, scale, grads, grads16, acc, lo, hi, mine)
     step = np.float32(lr)
     decay = np.float32(weight_decay)
     epsilon = np.float32(eps)
@@ -191,22 +195,37 @@ def _reduce_and_update(
                 w[d] -= step * (g[d] / denominator)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _widened(grads16: np.ndarray, row: int, into: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """``into`` (float32, ``bits`` its uint32 view) holding bfloat16 row ``row`` of
+    ``grads16`` (uint16 bit patterns): each the high half of its float32."""
+    source = grads16[row]
+    for d in range(source.shape[0]):
+        bits[d] = np.uint32(source[d]) << np.uint32(16)
+    return into
+
+
 @numba.njit(nogil=True, cache=True)
 def _accumulate_one_to_one(
     where: np.ndarray,
     grads: np.ndarray,
+    grads16: np.ndarray,
     acc: np.ndarray,
     lo: int,
     hi: int,
     mine: np.ndarray,
 ) -> None:
     """Pass 2 when occurrence ``i``'s gradient is ``grads[i]`` (one-hot bags, unscaled)."""
-    dim = grads.shape[1]
+    dim = acc.shape[1]
+    half = grads16.shape[0] != 0
+    row = np.empty(dim, np.float32)
+    bits = row.view(np.uint32)
     listed = mine.shape[0] != 0
     for k in range(mine.shape[0] if listed else hi - lo):
         i = mine[k] if listed else lo + k
         j = where[i]
-        target, source = acc[j if j >= 0 else -j - 1], grads[i]
+        target = acc[j if j >= 0 else -j - 1]
+        source = _widened(grads16, i, row, bits) if half else grads[i]
         if j < 0:
             for d in range(dim):
                 target[d] = source[d]
@@ -221,20 +240,25 @@ def _accumulate_pooled(
     bags: np.ndarray,
     scale: np.ndarray,
     grads: np.ndarray,
+    grads16: np.ndarray,
     acc: np.ndarray,
     lo: int,
     hi: int,
     mine: np.ndarray,
 ) -> None:
     """Pass 2 in general: occurrence ``i``'s gradient is its bag's, times its scale."""
-    dim = grads.shape[1]
+    dim = acc.shape[1]
     has_bags, has_scale = bags.shape[0] != 0, scale.shape[0] != 0
+    half = grads16.shape[0] != 0
+    row = np.empty(dim, np.float32)
+    bits = row.view(np.uint32)
     listed = mine.shape[0] != 0
     for k in range(mine.shape[0] if listed else hi - lo):
         i = mine[k] if listed else lo + k
         j = where[i]
         target = acc[j if j >= 0 else -j - 1]
-        source = grads[bags[i] if has_bags else i]
+        bag = bags[i] if has_bags else i
+        source = _widened(grads16, bag, row, bits) if half else grads[bag]
         c = scale[i] if has_scale else np.float32(1)
         if j < 0:
             for d in range(dim):
@@ -272,6 +296,14 @@ def _square_sum(g: np.ndarray) -> np.float32:
 
 _EMPTY_INDEX = np.zeros(0, np.int64)
 _EMPTY_SCALE = np.zeros(0, np.float32)
+_EMPTY_GRADS = np.zeros((0, 1), np.float32)
+_EMPTY_GRADS16 = np.zeros((0, 1), np.uint16)
+
+
+def _bits16(t: torch.Tensor) -> np.ndarray:
+    """A bfloat16 tensor's values as their uint16 bit patterns (no copy; numpy has no
+    bfloat16)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -319,6 +351,9 @@ def fused_step(
 ) -> None:
     """Reduce ``bag_grads`` by row of ``weight`` (a [rows, dim] view) and update in place.
 
+    ``bag_grads`` is float32, or bfloat16 (the gradient of ``gather_bf16``'s output),
+    which is summed in float32 as the float32 gradient of the same values would be.
+
     ``ids`` are rows of ``weight``, one per looked-up ID, of ``n_keys`` tables; ``bags``
     the row of ``bag_grads`` each pooled into, sample-major (None: ID ``i`` into bag
     ``i``); ``scale`` a factor per ID (mean pooling's divisor, per-sample weights) or
@@ -335,10 +370,13 @@ def fused_step(
     ids_np, where = ids.numpy(), np.empty(n, np.int64)
     bags_np = _EMPTY_INDEX if bags is None else bags.numpy()
     slot = scratch.slot[: weight.shape[0]]
+    grads = bag_grads.contiguous()
+    half = grads.dtype == torch.bfloat16
     arguments = (
         bags_np,
         _EMPTY_SCALE if scale is None else scale.to(torch.float32).contiguous().numpy(),
-        bag_grads.contiguous().numpy(),
+        _EMPTY_GRADS if half else grads.numpy(),
+        _bits16(grads) if half else _EMPTY_GRADS16,
     )
     update = (
         weight.numpy(),
@@ -498,6 +536,36 @@ def _one_hot_ids(
             else:
                 ids[b * keys + k] = v + first_row[k]
     return missing, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_bf16(bits: np.ndarray, ids: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """``out[i] = bits[ids[i]]`` for ``i`` in ``[lo, hi)``, float32 bit patterns rounded to
+    bfloat16 ones: to nearest, ties to even, as torch converts (NaN stays NaN)."""
+    for i in range(lo, hi):
+        if i + _AHEAD < hi:
+            _prefetch_row(bits, ids[i + _AHEAD])
+        source, target = bits[ids[i]], out[i]
+        for d in range(source.shape[0]):
+            b = source[d]
+            rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> 16
+            nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+            target[d] = np.uint16(0x7FC0) if nan else np.uint16(rounded)
+
+
+def gather_bf16(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``weight.index_select(0, ids).to(torch.bfloat16)`` in one pass: the rows are read
+    once and only their bfloat16 form is written (a float32 gather and a cast write the
+    rows and read them again). Bitwise the same for every value but NaN's payload."""
+    n, dim = ids.numel(), weight.shape[1]
+    out = torch.empty((n, dim), dtype=torch.bfloat16)
+    if n == 0:
+        return out
+    bits, ids_np, out_np = weight.numpy().view(np.uint32), ids.numpy(), _bits16(out)
+    threads = _threads(n * dim)
+    cuts = [p * n // threads for p in range(threads + 1)]
+    _share(lambda p: _gather_bf16(bits, ids_np, out_np, cuts[p], cuts[p + 1]), threads, threads)
+    return out
 
 
 def one_hot_ids(

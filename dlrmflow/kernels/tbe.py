@@ -193,6 +193,11 @@ class TableBatchedEmbeddingBag(nn.Module):
         # row's columns, which the shards holding the other columns contribute to.
         self.square_sum_hook: SquareSumHook | None = None
         self._scratch: cpu_tbe.Scratch | None = None  # see _cpu_scratch
+        # What the pooled rows are handed on as: bfloat16 for a dense arch computing in it
+        # (``train.precision``), which on the compiled path are gathered straight into it
+        # (``cpu_tbe.gather_bf16``) and whose bfloat16 gradient the fused step reads,
+        # instead of a float32 copy cast each way.
+        self.pooled_dtype = torch.float32
         if isinstance(optimizer, RowWiseAdagrad):
             self.register_buffer("sum_squares", torch.zeros(sum(sizes)))
         elif isinstance(optimizer, Adam):
@@ -255,6 +260,7 @@ class TableBatchedEmbeddingBag(nn.Module):
             else:
                 parts = [self._lookup_jagged(g, kjt) for g in self.groups]
         pooled = parts[0][0] if len(parts) == 1 else torch.cat([p for p, _ in parts], dim=1)
+        pooled = pooled.to(self.pooled_dtype)
         if not (self.training and torch.is_grad_enabled()):
             return pooled
         # The weight never requires grad; an empty leaf that does puts the op in the graph.
@@ -408,7 +414,11 @@ class TableBatchedEmbeddingBag(nn.Module):
             ids = (flat + self._local_start[keys].repeat(rows.shape[0])).masked_fill_(~present, 0)
             if bool(present.all()):
                 present = None
-        gathered = self._view(self.weight, group).index_select(0, ids)
+        table = self._view(self.weight, group)
+        if self.pooled_dtype == torch.bfloat16 and self._cpu_ids(rows):
+            gathered = cpu_tbe.gather_bf16(table, ids)
+        else:
+            gathered = table.index_select(0, ids)
         positions = None
         if present is not None:
             # Zeroing the few missing rows by index: ~6x faster than a mask over all rows.
@@ -471,6 +481,8 @@ class TableBatchedEmbeddingBag(nn.Module):
 
     @torch.no_grad()
     def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[GroupLookup]) -> None:
+        if not self._fused_on_cpu():  # only the compiled step reads a bfloat16 gradient
+            grad_out = grad_out.float()
         if isinstance(self.optimizer, Adam):
             self.step += 1
         for g, (group, lookup) in enumerate(zip(self.groups, lookups, strict=True)):

@@ -413,3 +413,46 @@ def test_out_of_range_jagged_id_is_named_on_the_compiled_path():
     bad = KeyedJaggedTensor(kjt.keys, values, kjt.lengths)
     with pytest.raises(IndexError, match="'c'.*ID 7"):
         tbe(bad)
+
+
+def test_gather_bf16_is_the_float32_gather_cast_bitwise():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 64, generator=gen) * torch.logspace(-42, 38, 64)
+    weight[1, :4] = torch.tensor([float("inf"), -float("inf"), 3.3895e38, 1e-45])
+    # Ties to even: low halves of exactly 0x8000 under even and odd high halves, and beside.
+    high = torch.arange(0x3F80, 0x3F80 + 64, dtype=torch.int32) << 16
+    low = torch.tensor([0x8000, 0x8000, 0x7FFF, 0x8001] * 16, dtype=torch.int32)
+    weight[2] = (high | low).view(torch.float32)
+    ids = torch.randint(0, 300, (5000,), generator=gen)
+    ids[:3] = torch.tensor([1, 2, 2])
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got = cpu_tbe.gather_bf16(weight, ids)
+        assert got.dtype == torch.bfloat16
+        expected = weight.index_select(0, ids).to(torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    weight[3, 7] = float("nan")
+    assert cpu_tbe.gather_bf16(weight, torch.tensor([3]))[0, 7].isnan()
+
+
+@pytest.mark.parametrize("form", ["one-hot", "jagged"])
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.3), RowWiseAdagrad(lr=0.3)])
+def test_bf16_pooled_rows_train_bitwise_as_the_cast_float32_ones(form, optimizer):
+    """Handing on bfloat16 (gathered straight into it, its gradient read by the fused
+    step) equals casting the float32 rows and their gradient: the same weights and state
+    after every step, the same outputs."""
+    direct = TableBatchedEmbeddingBag(TABLES, optimizer, seed=3)
+    direct.pooled_dtype = torch.bfloat16
+    cast = copy.deepcopy(direct)
+    cast.pooled_dtype = torch.float32
+    for seed in range(4):
+        kjt = _one_hot(seed) if form == "one-hot" else _jagged(seed)
+        grad = _grad_out(seed, direct).to(torch.bfloat16)
+        got = direct(kjt)
+        want = cast(kjt).to(torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        got.backward(grad)
+        want.backward(grad)
+        for key, value in cast.state_dict().items():
+            assert torch.equal(direct.state_dict()[key], value), key
+    assert direct.backend == "compiled"

@@ -17,7 +17,7 @@ from dlrmflow.config import ModelConfig, TrainConfig
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad
+from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import CacheTooSmall
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
 from dlrmflow.train.model.sharded_embeddings import cache_budget_error
@@ -125,6 +125,15 @@ class DenseArch(nn.Module):
         return self.top(features).squeeze(1)
 
 
+def hand_pooled_in(model: DLRM, precision: str) -> None:
+    """Embeddings in one bag hand the dense arch its pooled rows in the dtype it computes
+    in (bf16: bfloat16, gathered straight into it; see ``TableBatchedEmbeddingBag``).
+    Other collections hand on float32, which the dense arch casts."""
+    if isinstance(model.embeddings, TableBatchedEmbeddingBag):
+        bf16 = precision == "bf16"
+        model.embeddings.pooled_dtype = torch.bfloat16 if bf16 else torch.float32
+
+
 class DLRM(nn.Module):
     """Embeddings feeding the dense arch, producing click logits: the one model class.
 
@@ -155,6 +164,7 @@ class DLRM(nn.Module):
             spec.sparse, embedding_optimizer or SGD(lr=0.0), seed=seed, kernels=config.kernels
         )
         self.dense_arch = DenseArch(spec, config, precision)
+        hand_pooled_in(self, precision)
         # The dense arch's data-parallel wrapper in a job (``parallelize``: DDP), which
         # runs it; beside it, not in its place, so its parameters keep their names.
         self.ddp: nn.Module | None = None

@@ -30,7 +30,12 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.train.model.comms import CommStats, dense_comm_hook
 from dlrmflow.train.model.disk_tier import tiered_embeddings
-from dlrmflow.train.model.dlrm import DLRM, EmbeddingOptimizer, embedding_optimizer
+from dlrmflow.train.model.dlrm import (
+    DLRM,
+    EmbeddingOptimizer,
+    embedding_optimizer,
+    hand_pooled_in,
+)
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings, UnplacedEmbeddings
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded_embeddings import ShardedEmbeddingCollection, TierStorage
@@ -158,6 +163,7 @@ def apply_precision(model: DLRM, precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     model.dense_arch.precision = precision
+    hand_pooled_in(model, precision)
 
 
 def sharded_dlrm(
