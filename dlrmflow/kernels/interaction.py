@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from dlrmflow.kernels import backends
+from dlrmflow.kernels import backends, cpu_tbe
 
 __all__ = ["dot_interaction"]
 
@@ -50,16 +50,28 @@ def _rows_of(columns: torch.Tensor, batch: int) -> torch.Tensor:
     return columns.expand(batch, -1).contiguous()
 
 
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether ``cpu_tbe.select_columns`` takes ``x``'s column copies (CPU, contiguous)."""
+    return x.device.type == "cpu" and x.is_contiguous() and x.element_size() in (2, 4)
+
+
 def _columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """``x[:, columns]``: the same copy by whichever op is fast for ``x``'s dtype."""
+    """``x[:, columns]``: the same copy by whichever op is fast for ``x``'s dtype and
+    device."""
+    if _compiled(x):
+        return cpu_tbe.select_columns(x, columns)
     if x.element_size() == 2:
         return torch.gather(x, 1, _rows_of(columns, x.shape[0]))
     return x.index_select(1, columns)
 
 
 @lru_cache(maxsize=8)
-def _shifted(source: torch.Tensor, dim: int) -> torch.Tensor:
-    """The backward's gather columns: past the dense pass-through's ``dim`` columns."""
+def _shifted(source: torch.Tensor, dim: int, keep_diagonal: bool) -> torch.Tensor:
+    """The backward's gather columns: past the dense pass-through's ``dim`` columns; the
+    diagonal's -1 kept (the compiled copy writes zeros there) or shifted too (a column to
+    zero afterwards)."""
+    if keep_diagonal:
+        return torch.where(source >= 0, source + dim, source)
     return source + dim
 
 
@@ -82,10 +94,14 @@ class _DotInteraction(torch.autograd.Function):
         _, source = _indices(n_vectors, vectors.device)
         # d out_t / d V_i = g_t V_j and d out_t / d V_j = g_t V_i for t = (i, j), so the
         # gradient of V is S V with S the symmetric matrix holding g_t at (i, j) and (j, i).
-        # Diagonal indices (-1 + dim) land on the last dense column; zeroing them is cheaper
-        # than padding the gradient with a zero column to point them at.
-        sym = _columns(grad_out, _shifted(source, dim)).view(batch, n_vectors, n_vectors)
-        sym.diagonal(dim1=1, dim2=2).zero_()
+        # The diagonal holds zeros: the compiled copy writes them for its -1 columns; torch's
+        # ops copy the last dense column there (-1 + dim), zeroed afterwards, which is
+        # cheaper than padding the gradient with a zero column to point them at.
+        compiled = _compiled(grad_out)
+        columns = _shifted(source, dim, compiled)
+        sym = _columns(grad_out, columns).view(batch, n_vectors, n_vectors)
+        if not compiled:
+            sym.diagonal(dim1=1, dim2=2).zero_()
         # Two bmms over row slices of S rather than one sliced afterwards: the pooled gradient
         # comes out contiguous (no copy downstream) and the dense pass-through is fused in.
         grad_pooled = torch.bmm(sym[:, 1:], vectors)

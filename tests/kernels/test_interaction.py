@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from dlrmflow.bench.kernels import unfused_interaction
+from dlrmflow.kernels import cpu_tbe, interaction
 from dlrmflow.kernels.interaction import dot_interaction
 
 
@@ -114,3 +115,35 @@ def test_two_runs_are_bitwise_identical():
 def test_mismatched_inputs_are_rejected_with_their_shapes(dense, pooled, message):
     with pytest.raises(ValueError, match=message):
         dot_interaction(dense, pooled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_column_copies_are_torchs_bitwise(dtype, threads, monkeypatch):
+    """``cpu_tbe.select_columns`` (split over threads from 1M elements) against torch's
+    column copies, a negative column giving zeros; and the interaction through it against
+    the interaction through torch's ops, forward and backward."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _compare_column_copies(dtype, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _compare_column_copies(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(1500, 729).to(dtype)
+    columns = torch.randint(0, 729, (900,))
+    columns[::7] = -1
+    got = cpu_tbe.select_columns(x, columns)
+    want = x.index_select(1, columns.clamp(min=0)).masked_fill(columns < 0, 0)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(cpu_tbe.select_columns(x, columns[:0]), x[:, :0])
+
+    dense, pooled = _inputs(2048, 26, 16, seed=5, dtype=dtype)
+    grad_out = torch.randn(2048, _output_dim(27, 16)).to(dtype)
+    compiled = _forward_backward(dot_interaction, dense, pooled, grad_out)
+    monkeypatch.setattr(interaction, "_compiled", lambda x: False)
+    torch_ops = _forward_backward(dot_interaction, dense, pooled, grad_out)
+    for a, b in zip(compiled, torch_ops, strict=True):
+        assert torch.equal(a, b)

@@ -423,14 +423,18 @@ def test_gather_bf16_is_the_float32_gather_cast_bitwise():
     high = torch.arange(0x3F80, 0x3F80 + 64, dtype=torch.int32) << 16
     low = torch.tensor([0x8000, 0x8000, 0x7FFF, 0x8001] * 16, dtype=torch.int32)
     weight[2] = (high | low).view(torch.float32)
-    ids = torch.randint(0, 300, (5000,), generator=gen)
+    ids = torch.randint(0, 300, (70_000,), generator=gen)  # 4.5M elements: split over threads
     ids[:3] = torch.tensor([1, 2, 2])
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        got = cpu_tbe.gather_bf16(weight, ids)
-        assert got.dtype == torch.bfloat16
-        expected = weight.index_select(0, ids).to(torch.bfloat16)
-        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = cpu_tbe.gather_bf16(weight, ids)
+            assert got.dtype == torch.bfloat16
+            expected = weight.index_select(0, ids).to(torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
     weight[3, 7] = float("nan")
     assert cpu_tbe.gather_bf16(weight, torch.tensor([3]))[0, 7].isnan()
 
