@@ -438,9 +438,16 @@ _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
 _pool_lock = threading.Lock()
 
 
-def _threads(elements: int) -> int:
-    """How many threads share a step: torch's intra-op thread count, for large steps."""
-    return 1 if elements < _MIN_SPLIT else max(1, torch.get_num_threads())
+def _threads(elements: int, least: int = _MIN_SPLIT) -> int:
+    """How many threads share a step: torch's intra-op thread count, from ``least``
+    elements."""
+    return 1 if elements < least else max(1, torch.get_num_threads())
+
+
+def _by_rows(rows: int, threads: int, run: Callable[[int, int], None]) -> None:
+    """``run(lo, hi)`` over ``rows`` rows cut into one run of rows per thread."""
+    cuts = [p * rows // threads for p in range(threads + 1)]
+    _share(lambda p: run(cuts[p], cuts[p + 1]), threads, threads)
 
 
 def _helpers(workers: int) -> ThreadPoolExecutor:
@@ -562,9 +569,7 @@ def gather_bf16(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return out
     bits, ids_np, out_np = weight.numpy().view(np.uint32), ids.numpy(), _bits16(out)
-    threads = _threads(n * dim)
-    cuts = [p * n // threads for p in range(threads + 1)]
-    _share(lambda p: _gather_bf16(bits, ids_np, out_np, cuts[p], cuts[p + 1]), threads, threads)
+    _by_rows(n, _threads(n * dim), lambda lo, hi: _gather_bf16(bits, ids_np, out_np, lo, hi))
     return out
 
 
@@ -599,9 +604,8 @@ def select_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     as_int, bits = _BITS[x.element_size()]
     source, target = x.view(as_int).numpy().view(bits), out.view(as_int).numpy().view(bits)
     cols = columns.numpy()
-    parts = max(1, torch.get_num_threads()) if rows * width >= _MIN_SELECT_SPLIT else 1
-    cuts = [p * rows // parts for p in range(parts + 1)]
-    _share(lambda p: _select_columns(source, cols, target, cuts[p], cuts[p + 1]), parts, parts)
+    threads = _threads(rows * width, _MIN_SELECT_SPLIT)
+    _by_rows(rows, threads, lambda lo, hi: _select_columns(source, cols, target, lo, hi))
     return out
 
 
