@@ -327,6 +327,19 @@ def step_section(record: dict[str, object]) -> str:
         ]
         for precision, r in results.items()
     ]
+    parts = [
+        [
+            precision,
+            r["ceiling_step_s"] * 1e3,
+            r["embeddings_s"] * 1e3,
+            r["interaction_s"] * 1e3,
+            r["rest_s"] * 1e3,
+            r["step_s"] * 1e3,
+            r["three_parts_ceiling_fraction"],
+        ]
+        for precision, r in results.items()
+        if "embeddings_s" in r  # records from before the parts were timed lack them
+    ]
     ops = [
         [op["op"], *(_op_ms(results[p], op["op"]) for p in results)]
         for op in results["fp32"]["ops"]
@@ -358,8 +371,31 @@ def step_section(record: dict[str, object]) -> str:
                 ],
                 rows,
             ),
-            "Each op's own CPU milliseconds per step (torch's profiler), the fp32 step's "
-            "largest first:",
+            *(
+                [
+                    "Where the step's time goes: its multiplies, its embeddings (lookup and "
+                    "fused update) and its dot interaction (forward and backward), each timed "
+                    "alone; the rest is elementwise work, the dense optimizer, and what the "
+                    "three cost more inside the step. The last column is the ceiling fraction "
+                    "a step of only those three parts, each as fast as alone, would reach:",
+                    markdown_table(
+                        [
+                            "precision",
+                            "multiplies ms",
+                            "embeddings ms",
+                            "interaction ms",
+                            "rest ms",
+                            "step ms",
+                            "three parts' fraction",
+                        ],
+                        parts,
+                    ),
+                ]
+                if parts
+                else []
+            ),
+            "Each op's own CPU milliseconds per step (torch's profiler, the median of the "
+            "profiled steps), the fp32 step's largest first:",
             markdown_table(["op", *(f"{p} ms" for p in results)], ops),
         ]
     )

@@ -14,15 +14,23 @@ time is the fastest a step doing this arithmetic could take on this machine, so
 step is not those multiplies. A step faster than its ceiling would mean the multiplies
 got cheaper inside the step than alone (they cannot: it is the same call).
 
+Where the rest goes: the step's two other large parts, the embeddings (lookup and fused
+update, memory-bound: each step reads and writes its rows scattered over tables far
+larger than the caches) and the dot interaction (thousands of 27 x 64 products), are each
+timed alone too, and ``three_parts_ceiling_fraction`` is the fraction a step of nothing
+but the multiplies and those two parts would reach: a bound the target must fit under.
 The per-op breakdown is torch's profiler over a few steps: each op's own CPU time per
-step (``self_cpu``), the largest first, for finding what outside the multiplies costs.
+step (``self_cpu``, the median over the profiled steps), the largest first.
 Which instruction set ran: torch's CPU capability (``avx512``, ``avx512_bf16``,
 ``amx``...) and the CPU's flags.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from bisect import bisect_right
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -31,10 +39,13 @@ from torch import nn
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.bench.train import FULL, QUICK, bench_config, bench_spec, make_batches
 from dlrmflow.features.batch import Batch
+from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.runtime.glibc_malloc import tune_allocator
-from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer
+from dlrmflow.train.model.dlrm import DLRM, DotInteraction, embedding_optimizer
 
 PRECISIONS = ("fp32", "bf16")
+# The profiler range around each profiled step (``op_breakdown``).
+_STEP_MARK = "dlrmflow.bench.step"
 CEILING_BASELINE = (
     "the step's MLP multiplies alone: every nn.Linear's forward and two backward multiplies "
     "at the step's shapes and dtype, timed one by one with the same threads; "
@@ -119,18 +130,83 @@ def multiply_ceiling(
 def op_breakdown(
     step: Callable[[Batch], None], batches: list[Batch], steps: int, top: int = 15
 ) -> list[dict]:
-    """Each op's own CPU milliseconds per step over ``steps`` profiled steps, largest first."""
-    from torch.profiler import ProfilerActivity, profile
+    """Each op's own CPU milliseconds per step, largest first: the median over ``steps``
+    profiled steps of the op's summed self time within each.
+
+    The median, not the mean: on a small shared machine a profiled step now and then
+    stalls for far longer than the step takes unprofiled (one ``cat`` or ``bmm`` call
+    seen at 150-230 ms inside a 70 ms step), and a mean over a few steps would hand that
+    stall to whichever op it fell in.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(steps):
-            step(batches[i % len(batches)])
+            with record_function(_STEP_MARK):
+                step(batches[i % len(batches)])
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == _STEP_MARK)
+    starts = [start for start, _ in spans]
+    per_step: list[dict[str, float]] = [defaultdict(float) for _ in spans]
+    calls: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.name == _STEP_MARK:
+            continue
+        k = bisect_right(starts, e.time_range.start) - 1
+        if k >= 0 and e.time_range.start < spans[k][1]:
+            per_step[k][e.name] += e.self_cpu_time_total / 1e3
+            calls[e.name] += 1
     rows = [
-        {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps, "calls": e.count // steps}
-        for e in prof.key_averages()
+        {
+            "op": name,
+            "self_cpu_ms": statistics.median(s.get(name, 0.0) for s in per_step),
+            "calls": count // len(spans),
+        }
+        for name, count in calls.items()
     ]
     rows.sort(key=lambda r: -r["self_cpu_ms"])
     return [r for r in rows[:top] if r["self_cpu_ms"] > 0]
+
+
+def part_times(
+    model: DLRM,
+    batches: list[Batch],
+    dtype: torch.dtype,
+    warmup: int,
+    steps: int,
+    rounds: int,
+) -> dict[str, float]:
+    """Seconds a step spends in its two other large parts, each timed alone on the step's
+    batches with the same threads (best of ``rounds``, as the step): the embeddings'
+    lookup with their fused update (a fixed small gradient handed to their output), and
+    the dot interaction forward and backward (random inputs of the step's shapes and
+    dtype). Beside the multiplies' ceiling they say where the step's time goes: what is
+    left of the step is elementwise work (activations, bias sums, casts, the loss), the
+    dense optimizer, and whatever the three parts cost more inside the step than alone.
+    """
+    gen = torch.Generator().manual_seed(0)
+    batch = batches[0].dense.shape[0]
+    pooled = model.embeddings(batches[0].sparse)
+    grad = (torch.randn(pooled.shape, generator=gen) * 1e-3).to(pooled.dtype)
+    del pooled
+
+    def embeddings(b: Batch) -> None:
+        model.embeddings(b.sparse).backward(grad)
+
+    arch = model.dense_arch
+    n, dim = arch.n_sparse, arch.dim
+    dense = torch.randn(batch, dim, generator=gen).to(dtype).requires_grad_()
+    vectors = torch.randn(batch, n, dim, generator=gen).to(dtype).requires_grad_()
+    out_grad = torch.randn(batch, DotInteraction.output_dim(n + 1, dim), generator=gen).to(dtype)
+
+    def interaction(_: Batch) -> None:
+        dense.grad = vectors.grad = None
+        dot_interaction(dense, vectors, arch.interaction.kernels).backward(out_grad)
+
+    return {
+        "embeddings_s": _best_step_s(embeddings, batches, warmup, steps, rounds),
+        "interaction_s": _best_step_s(interaction, batches, warmup, steps, rounds),
+    }
 
 
 def instruction_set() -> dict[str, object]:
@@ -166,6 +242,9 @@ def run_step_benchmark(quick: bool = False, steps: int | None = None) -> dict[st
         step_s = _best_step_s(step, batches, warmup, steps, rounds)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         ceiling = multiply_ceiling(_linear_shapes(model), size["batch"], dtype, repeats)
+        ops = op_breakdown(step, batches, 2 if quick else 10)
+        parts = part_times(model, batches, dtype, warmup, steps, rounds)
+        alone = ceiling["seconds"] + parts["embeddings_s"] + parts["interaction_s"]
         results[precision] = {
             "step_s": step_s,
             "samples_per_s": size["batch"] / step_s,
@@ -174,7 +253,12 @@ def run_step_benchmark(quick: bool = False, steps: int | None = None) -> dict[st
             "multiply_gflop_per_s": ceiling["gflop_per_s"],
             "mlp_flops_per_sample": ceiling["flops"] / size["batch"],
             "ceiling_fraction": ceiling["seconds"] / step_s,
-            "ops": op_breakdown(step, batches, 2 if quick else 10),
+            **parts,
+            "rest_s": step_s - alone,
+            # The fraction a step would reach were nothing but these three parts left,
+            # each as fast as alone: the bound the embeddings and the interaction set.
+            "three_parts_ceiling_fraction": ceiling["seconds"] / alone,
+            "ops": ops,
         }
     fp32, bf16 = results["fp32"], results["bf16"]
     return {
