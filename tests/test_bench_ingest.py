@@ -6,7 +6,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dlrmflow.bench.ingest import pyarrow_decode, run_ingest_benchmark
+from dlrmflow.bench.ingest import (
+    decode_transform,
+    pyarrow_decode,
+    run_ingest_benchmark,
+    written_bytes_per_row,
+)
+from dlrmflow.config import FeaturesConfig, ModelConfig
+from dlrmflow.features.ids import HashIds
+from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import list_splits, reader_threads
 from dlrmflow.runtime.glibc_malloc import applied_threshold
@@ -30,12 +39,14 @@ def test_both_sides_run_as_many_threads(record):
 def test_record_has_rates_cpu_and_ratios(record):
     for n in (1, 2):
         r = record["results"][f"workers_{n}"]
-        for side in ("pyarrow_decode", "reader_transform", "reader_only"):
+        for side in ("pyarrow_decode", "reader_transform", "reader_only", "decode_transform"):
             assert r[f"{side}_rows_per_s"] > 0
             assert math.isfinite(r[f"{side}_cpu_s_per_m_rows"])
             assert r[f"{side}_cpu_s_per_m_rows"] >= 0
         ratio = record["ratios"][f"reader_transform_vs_pyarrow_decode_{n}w"]
         assert ratio == r["reader_transform_rows_per_s"] / r["pyarrow_decode_rows_per_s"]
+        bare = record["ratios"][f"decode_transform_vs_pyarrow_decode_{n}w"]
+        assert bare == r["decode_transform_rows_per_s"] / r["pyarrow_decode_rows_per_s"]
     # Both sides ran in this process, under the allocator setting it records.
     assert record["machine"]["malloc_mmap_threshold"] == applied_threshold()
 
@@ -57,3 +68,33 @@ def test_pyarrow_decode_reads_every_row_of_every_split(tiny_dataset):
     rows = sum(pq.ParquetFile(path).metadata.num_rows for path in {s.path for s in splits})
     for threads in (1, 3):
         assert pyarrow_decode(splits, ["label", "I1", "C1"], threads) == rows
+
+
+def _transform(data_url: str) -> tuple[list, list[str], BatchTransform]:
+    manifest = read_manifest(data_url)
+    spec = FeatureSpec.for_dataset(manifest, FeaturesConfig(), ModelConfig())
+    return (
+        list_splits(manifest.day_paths(data_url)),
+        spec.columns,
+        BatchTransform(spec, HashIds.from_spec(spec)),
+    )
+
+
+def test_decode_transform_transforms_every_row_of_every_split(tiny_dataset):
+    splits, columns, transform = _transform(tiny_dataset)
+    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in {s.path for s in splits})
+    for threads in (1, 3):
+        assert decode_transform(splits, columns, threads, transform) == rows
+
+
+def test_written_bytes_per_row_are_the_batches_sizes(tiny_dataset):
+    splits, columns, transform = _transform(tiny_dataset)
+    written = written_bytes_per_row(splits, columns, 64, transform)
+    n_dense, n_sparse = len(transform.spec.dense), len(transform.spec.sparse)
+    # float32 dense and label, and one row index of 4 or 8 bytes per one-hot sparse column.
+    assert written["reader_transform"] in (
+        4 * (n_dense + 1) + 4 * n_sparse,
+        4 * (n_dense + 1) + 8 * n_sparse,
+    )
+    # The Arrow columns: at least 8 bytes a sparse ID, and values for every dense column.
+    assert written["reader_only"] >= 8 * n_sparse + n_dense

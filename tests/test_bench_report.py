@@ -207,3 +207,21 @@ def test_precision_record_compares_bf16_with_fp32_of_each_config(report):
         assert fp32["steps"] == bf16["steps"] > 0
         assert fp32["final_loss"] != bf16["final_loss"]  # bf16 really computed in bf16
     assert "## Precision: bf16 against fp32" in (out / "report.md").read_text()
+
+
+def test_an_ingest_run_apart_replaces_the_reports(report, tmp_path):
+    from dlrmflow.bench.docs import RESULTS_END, RESULTS_START, write_docs
+
+    out, record = report
+    apart = json.loads(json.dumps(record["ingest"]))
+    apart["ratios"]["reader_transform_vs_pyarrow_decode_1w"] = 0.123456
+    (tmp_path / "ingest.json").write_text(json.dumps(apart))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{RESULTS_START}\n{RESULTS_END}\n")
+    write_docs(out / "report.json", tmp_path / "docs", readme, ingest_run=tmp_path / "ingest.json")
+    markdown = (tmp_path / "docs" / "benchmarks.md").read_text()
+    ingest = markdown.split("## Ingest", 1)[1].split("\n## ", 1)[0]
+    assert "Run apart from the report (`dlrmflow bench ingest`)" in ingest
+    assert "0.123" in ingest and "Bytes written per row" in ingest
+    assert "| Ingest | `reader_transform_vs_pyarrow_decode_1w` |" in readme.read_text()
+    assert "0.12 |" in readme.read_text()

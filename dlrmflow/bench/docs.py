@@ -230,14 +230,15 @@ def write_docs(
     schedule_run: Path | None = None,
     kernels_run: Path | None = None,
     step_run: Path | None = None,
+    ingest_run: Path | None = None,
 ) -> dict[str, str]:
     """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents;
     ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale",
     ``recurring_run`` (a ``dlrmflow bench recurring`` JSON, its plot beside it) under
     "recurring", ``schedule_run`` (a ``dlrmflow bench schedule`` JSON) under "schedule";
     ``kernels_run`` (a ``dlrmflow bench kernels`` JSON) replaces the report's kernels run,
-    whose ratios are all measured within it, and ``step_run`` (``dlrmflow bench step``) its
-    step run."""
+    whose ratios are all measured within it, ``step_run`` (``dlrmflow bench step``) its
+    step run and ``ingest_run`` (``dlrmflow bench ingest``) its ingest run."""
     record = json.loads(Path(report).read_text())
     added = {
         "scale": scale,
@@ -245,12 +246,13 @@ def write_docs(
         "schedule": schedule_run,
         "kernels": kernels_run,
         "step": step_run,
+        "ingest": ingest_run,
     }
     plots = {}
     for key, path in added.items():
         if path is not None:
             record[key] = json.loads(Path(path).read_text())
-    for key, path in (("kernels", kernels_run), ("step", step_run)):
+    for key, path in (("kernels", kernels_run), ("step", step_run), ("ingest", ingest_run)):
         if path is not None:
             record[key]["run_apart"] = True  # its own machine and time, said in its section
     if recurring_run is not None:

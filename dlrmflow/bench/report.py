@@ -230,17 +230,36 @@ def ingest_section(record: dict) -> str:
                 r["reader_transform_rows_per_s"],
                 r["reader_only_rows_per_s"],
                 r["reader_transform_no_shuffle_rows_per_s"],
+                r.get("decode_transform_rows_per_s", ""),  # older records lack it
                 record["ratios"][f"reader_transform_vs_pyarrow_decode_{n}w"],
+                record["ratios"].get(f"decode_transform_vs_pyarrow_decode_{n}w", ""),
                 r["pyarrow_decode_cpu_s_per_m_rows"],
                 r["reader_transform_cpu_s_per_m_rows"],
+                r["reader_only_cpu_s_per_m_rows"],
             ]
         )
+    written = record.get("written_bytes_per_row")
+    bytes_line = (
+        f" Bytes written per row handed on: reader only {written['reader_only']:.0f} (the "
+        f"decoded Arrow columns), reader + transform {written['reader_transform']:.0f} "
+        "(the tensors)."
+        if written
+        else ""
+    )
+    apart = (
+        f" Run apart from the report (`dlrmflow bench ingest`), on "
+        f"{record['machine']['cpu']} with {record['machine']['cpu_count']} CPUs."
+        if record.get("run_apart")
+        else ""
+    )
     return "\n\n".join(
         [
             "## Ingest",
             f"Baseline: {record['baseline']}. {record['rows']:,} rows in {record['splits']} "
             "splits; both sides in one process under the same allocator setting "
-            f"({_threshold(record['machine']['malloc_mmap_threshold'])}).",
+            f'({_threshold(record["machine"]["malloc_mmap_threshold"])}). "Decode + '
+            "transform\" is the baseline's decode and our transform with no reader: the "
+            f"ratio reader + transform would reach were the reader free.{bytes_line}{apart}",
             markdown_table(
                 [
                     "workers",
@@ -249,9 +268,12 @@ def ingest_section(record: dict) -> str:
                     "reader + transform rows/s",
                     "reader only rows/s",
                     "no shuffle rows/s",
+                    "decode + transform rows/s",
                     "ratio (reader + transform / decode)",
+                    "ratio (decode + transform / decode)",
                     "pyarrow CPU s per M rows",
                     "ours CPU s per M rows",
+                    "reader only CPU s per M rows",
                 ],
                 rows,
             ),

@@ -181,11 +181,17 @@ def bench_docs(
         Path | None,
         typer.Option(help="A `dlrmflow bench step` JSON in place of the report's step run."),
     ] = None,
+    ingest: Annotated[
+        Path | None,
+        typer.Option(help="A `dlrmflow bench ingest` JSON in place of the report's ingest run."),
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
-    echo_json(write_docs(report, docs_dir, readme, scale, recurring, schedule, kernels, step))
+    echo_json(
+        write_docs(report, docs_dir, readme, scale, recurring, schedule, kernels, step, ingest)
+    )
 
 
 @app.command("recurring")
