@@ -3,7 +3,9 @@
 The training benchmark's model (13 dense features, 26 one-hot tables of 100k rows, dim
 64, bottom MLP 512-256-64, top MLP 512-256-1, dot interaction, batch 4096, row-wise
 Adagrad embeddings, dense Adagrad), trained in this process on a few pre-built batches of
-Zipf IDs, in fp32 and in bf16 (``train.precision``).
+Zipf IDs, in fp32 and in bf16 (``train.precision``). A step's time is the mean of 20
+steps; the two precisions take turns over 5 rounds and each keeps its best
+(``dlrmflow.bench.turns``), so that the bf16/fp32 ratio is not one slow spell's.
 
 The ceiling is what the step's large matrix multiplies alone would allow: every
 ``nn.Linear`` of the MLPs does one multiply forward and two backward (the input's and the
@@ -38,6 +40,7 @@ from torch import nn
 
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.bench.train import FULL, QUICK, bench_config, bench_spec, make_batches
+from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.features.batch import Batch
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.runtime.glibc_malloc import tune_allocator
@@ -74,18 +77,19 @@ def _step_fn(model: DLRM, optimizer: torch.optim.Optimizer) -> Callable[[Batch],
     return step
 
 
+def _mean_step_s(step: Callable[[Batch], None], batches: list[Batch], steps: int) -> float:
+    start = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)])
+    return (time.perf_counter() - start) / steps
+
+
 def _best_step_s(
     step: Callable[[Batch], None], batches: list[Batch], warmup: int, steps: int, rounds: int
 ) -> float:
     for i in range(warmup):
         step(batches[i % len(batches)])
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for i in range(steps):
-            step(batches[i % len(batches)])
-        best = min(best, (time.perf_counter() - start) / steps)
-    return best
+    return min(_mean_step_s(step, batches, steps) for _ in range(rounds))
 
 
 def _linear_shapes(model: DLRM) -> list[tuple[int, int]]:
@@ -233,13 +237,28 @@ def run_step_benchmark(quick: bool = False, steps: int | None = None) -> dict[st
     tune_allocator()
     size = QUICK if quick else FULL
     steps = steps or (2 if quick else 20)
-    warmup, rounds, repeats = (1, 1, 2) if quick else (5, 3, 10)
+    warmup, rounds, repeats = (1, 1, 2) if quick else (5, 5, 10)
     batches = make_batches(size, 0)
+    # Both precisions' models at once, their steps timed in turns (``bench.turns``): a
+    # slow spell of a shared machine then hits both sides of the bf16/fp32 ratio alike.
+    models = {precision: _model(size, precision) for precision in PRECISIONS}
+    steps_of = {precision: _step_fn(*models[precision]) for precision in PRECISIONS}
+    for step in steps_of.values():
+        for i in range(warmup):
+            step(batches[i % len(batches)])
+    step_times = best_of_turns(
+        {
+            precision: lambda step=step: _mean_step_s(step, batches, steps)
+            for precision, step in steps_of.items()
+        },
+        rounds,
+        key=lambda seconds: seconds,
+        lowest=True,
+    )
     results: dict[str, dict] = {}
     for precision in PRECISIONS:
-        model, optimizer = _model(size, precision)
-        step = _step_fn(model, optimizer)
-        step_s = _best_step_s(step, batches, warmup, steps, rounds)
+        model, _ = models[precision]
+        step, step_s = steps_of[precision], step_times[precision]
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         ceiling = multiply_ceiling(_linear_shapes(model), size["batch"], dtype, repeats)
         ops = op_breakdown(step, batches, 2 if quick else 10)
