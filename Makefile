@@ -53,6 +53,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check dlrmflow tests
 	$(VENV)/bin/ruff format --check dlrmflow tests
 
+# Reader + transform against pyarrow's decode (~20 s); `dlrmflow bench docs --ingest
+# bench-results/ingest.json` puts it in the docs (the report runs it too).
 bench-ingest: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench ingest --json bench-results/ingest.json
 
