@@ -138,9 +138,8 @@ def op_breakdown(
     profiled steps of the op's summed self time within each.
 
     The median, not the mean: on a small shared machine a profiled step now and then
-    stalls for far longer than the step takes unprofiled (one ``cat`` or ``bmm`` call
-    seen at 150-230 ms inside a 70 ms step), and a mean over a few steps would hand that
-    stall to whichever op it fell in.
+    stalls in one call for several times what the whole step takes unprofiled, and a
+    mean over a few steps would hand that stall to whichever op it fell in.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
