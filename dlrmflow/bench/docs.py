@@ -252,8 +252,8 @@ def write_docs(
     for key, path in added.items():
         if path is not None:
             record[key] = json.loads(Path(path).read_text())
-    for key, path in (("kernels", kernels_run), ("step", step_run), ("ingest", ingest_run)):
-        if path is not None:
+    for key in ("kernels", "step", "ingest"):  # they replace the report's own run
+        if added[key] is not None:
             record[key]["run_apart"] = True  # its own machine and time, said in its section
     if recurring_run is not None:
         plots[recurring.PLOT] = Path(recurring_run).parent / recurring.PLOT

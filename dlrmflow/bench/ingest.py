@@ -108,10 +108,7 @@ def written_bytes_per_row(
     """Bytes each of our paths writes per row it hands on, from one batch of each: the
     reader alone copies the decoded Arrow columns (values and validity), the transform
     writes tensors (float32 dense, int32 or int64 rows, float32 labels)."""
-    split = splits[0]
-    with _open(split.path) as f:
-        table = pq.ParquetFile(f).read_row_group(split.row_group, columns=columns)
-    raw = table.slice(0, batch_size)  # nbytes counts a slice's own ranges only
+    raw = _decoded(splits[0], columns, {}).slice(0, batch_size)  # nbytes: the slice's own
     batch = transform(raw)
     sparse = batch.sparse.one_hot_rows
     tensors = [batch.dense, batch.labels]

@@ -218,6 +218,18 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
+def _run_apart(record: dict, benchmark: str) -> str:
+    """The sentence that says a section's run was made apart from the report (``bench docs
+    --kernels/--step/--ingest``), on which machine; empty for the report's own run."""
+    if not record.get("run_apart"):
+        return ""
+    machine = record["machine"]
+    return (
+        f" Run apart from the report (`dlrmflow bench {benchmark}`), on {machine['cpu']} "
+        f"with {machine['cpu_count']} CPUs."
+    )
+
+
 def ingest_section(record: dict) -> str:
     rows = []
     for name, r in record["results"].items():
@@ -246,12 +258,7 @@ def ingest_section(record: dict) -> str:
         if written
         else ""
     )
-    apart = (
-        f" Run apart from the report (`dlrmflow bench ingest`), on "
-        f"{record['machine']['cpu']} with {record['machine']['cpu_count']} CPUs."
-        if record.get("run_apart")
-        else ""
-    )
+    apart = _run_apart(record, "ingest")
     return "\n\n".join(
         [
             "## Ingest",
@@ -297,12 +304,7 @@ def kernels_section(record: dict) -> str:
         for key, r in record["results"].items()
     ]
     fbgemm = record.get("fbgemm", "not run: the report predates the FBGEMM baseline")
-    apart = (
-        f" Run apart from the report (`dlrmflow bench kernels`), on {record['machine']['cpu']} "
-        f"with {record['machine']['cpu_count']} CPUs."
-        if record.get("run_apart")
-        else ""
-    )
+    apart = _run_apart(record, "kernels")
     return "\n\n".join(
         [
             "## Kernels",
@@ -367,12 +369,7 @@ def step_section(record: dict[str, object]) -> str:
         for op in results["fp32"]["ops"]
     ]
     ratios = ", ".join(f"`{k}` {v:.3f}" for k, v in record["ratios"].items())  # type: ignore[union-attr]
-    apart = (
-        f" Run apart from the report (`dlrmflow bench step`), on {machine['cpu']} with "
-        f"{machine['cpu_count']} CPUs."
-        if record.get("run_apart")
-        else ""
-    )
+    apart = _run_apart(record, "step")
     return "\n\n".join(
         [
             "## Training step",

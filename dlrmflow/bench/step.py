@@ -84,11 +84,15 @@ def _mean_step_s(step: Callable[[Batch], None], batches: list[Batch], steps: int
     return (time.perf_counter() - start) / steps
 
 
+def _warm(step: Callable[[Batch], None], batches: list[Batch], warmup: int) -> None:
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+
+
 def _best_step_s(
     step: Callable[[Batch], None], batches: list[Batch], warmup: int, steps: int, rounds: int
 ) -> float:
-    for i in range(warmup):
-        step(batches[i % len(batches)])
+    _warm(step, batches, warmup)
     return min(_mean_step_s(step, batches, steps) for _ in range(rounds))
 
 
@@ -243,8 +247,7 @@ def run_step_benchmark(quick: bool = False, steps: int | None = None) -> dict[st
     models = {precision: _model(size, precision) for precision in PRECISIONS}
     steps_of = {precision: _step_fn(*models[precision]) for precision in PRECISIONS}
     for step in steps_of.values():
-        for i in range(warmup):
-            step(batches[i % len(batches)])
+        _warm(step, batches, warmup)
     step_times = best_of_turns(
         {
             precision: lambda step=step: _mean_step_s(step, batches, steps)
