@@ -179,39 +179,7 @@ def results_table(record: dict) -> str:
             if headline(bench, name):
                 rows.append(f"| {title} | `{name}` | {BASELINES[key]} | {ratio:.2f} |")
     header = "| benchmark | comparison | baseline | ours ÷ baseline |\n|---|---|---|---|"
-    table = "\n".join([header, *rows])
-    if "scale" in record:
-        table += "\n\n" + scale_table(record["scale"])
-    return table
-
-
-def scale_table(scale: dict) -> str:
-    """The README's lines for ``dlrmflow bench scale``: what each rank held and used."""
-    data, gib = scale["data"], 2**30
-    training_rows = data["rows_per_day"] * (data["days"] - 1)
-    lines = [
-        f"Criteo scale ({data['distinct_ids'] / 1e6:.1f}M rows at dim "
-        f"{scale['model']['embedding_dim']}, {scale['tiered']['table_bytes'] / 1e9:.1f} GB "
-        f"with optimizer state, {scale['ranks']} ranks, {training_rows:,} training rows; "
-        "GiB per rank):",
-        "",
-        "| run | tables | budget | peak RSS (train, eval) | samples/s | hit rate | test AUC |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, run in (("disk tier", scale["tiered"]), ("all in memory", scale["memory"])):
-        tables = " / ".join(f"{b / gib:.1f}" for b in run["table_bytes_per_rank"])
-        budget = f"{run['budget_bytes'] / gib:.2f}" if run["budget_bytes"] else "none"
-        peaks = " / ".join(
-            f"{max(t, e) / gib:.2f}"
-            for t, e in zip(run["train_peak_rss_bytes"], run["eval_peak_rss_bytes"], strict=True)
-        )
-        cache = run["embedding_cache"]
-        hit = f"{cache['hit_rate']:.3f}" if cache else "n/a"
-        lines.append(
-            f"| {name} | {tables} | {budget} | {peaks} | {run['samples_per_s']:,.0f} | {hit} "
-            f"| {run['auc']:.4f} |"
-        )
-    return "\n".join(lines)
+    return "\n".join([header, *rows])
 
 
 def replace_results(readme: str, table: str) -> str:
