@@ -197,8 +197,8 @@ class LrScheduleConfig(_Section):
     """How the dense and the embedding learning rates move over training: a linear
     warm-up over the run's first steps, then constant, or a decay to ``floor`` over each
     pass (an epoch, or a day in day order) that restarts with the next. A pass's steps are
-    counted as its readers will cut them (from reader servers: its rows over the global
-    batch) and kept in the checkpoints as it begins."""
+    counted as its readers will cut them (reader servers list the row groups for it) and
+    kept in the checkpoints as it begins."""
 
     warmup_steps: Int = Field(0, ge=0, description="steps rising linearly to the full rates")
     decay: Literal["constant", "linear", "polynomial"] = Field(

@@ -74,11 +74,15 @@ from dlrmflow.ingest.reader import (
     Split,
     SplitReader,
     list_splits,
+    pass_steps,
 )
 
 logger = logging.getLogger(__name__)
 
 STATE_ACTION = "reader-state"
+# The row groups a ticket's files hold, as the server lists them: the trainer counts a pass's
+# steps from them exactly as local readers would cut it (``reader.pass_steps``).
+SPLITS_ACTION = "reader-splits"
 # Stands for the Flight errors a server sends on purpose: the client raises them as these
 # types instead of failing over, since another endpoint would refuse the same request.
 _MARKED = {"DataError": DataError, "ValueError": ValueError}
@@ -154,9 +158,16 @@ class BatchStream(Protocol):
         ...
 
 
-# ``open_stream(request, endpoint)``: the request's stream, reset to its state (checked) or
-# to the start of its epoch; ``endpoint`` is the server's, for messages.
-StreamFactory = Callable[[StreamRequest, Endpoint], BatchStream]
+class StreamFactory(Protocol):
+    """What a server serves; ``endpoint`` is the server's, for messages."""
+
+    def __call__(self, request: StreamRequest, endpoint: Endpoint) -> BatchStream:
+        """The request's stream, reset to its state (checked) or to the start of its epoch."""
+        ...
+
+    def splits(self, request: StreamRequest, endpoint: Endpoint) -> list[list[Any]]:
+        """The row groups of the request's files, as ``Split`` fields."""
+        ...
 
 
 def _refuse(kind: str, message: str) -> flight.FlightServerError:
@@ -195,13 +206,22 @@ class FlightBatchServer(flight.FlightServerBase):
         self.endpoint = Endpoint(listen.host, self.port)
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator:
-        """``reader-state``: the state a ticket's stream starts in, checked against its layout."""
-        if action.type != STATE_ACTION:
+        """``reader-state``: the state a ticket's stream starts in, checked against its layout;
+        ``reader-splits``: the row groups of the ticket's files (``Split`` fields, paths as
+        the ticket names them)."""
+        if action.type not in (STATE_ACTION, SPLITS_ACTION):
             raise _refuse("ValueError", f"unknown action {action.type!r}")
         with _marked_errors():
             request = StreamRequest.model_validate_json(action.body.to_pybytes())
-            state = self._open(request).state_dict()
-        return iter([json.dumps(state).encode()])
+            if action.type == SPLITS_ACTION:
+                self._check(request)
+                splits = getattr(self._open_stream, "splits", None)
+                if splits is None:
+                    raise ValueError(f"reader {self.endpoint} does not list its splits")
+                answer: Any = splits(request, self.endpoint)
+            else:
+                answer = self._open(request).state_dict()
+        return iter([json.dumps(answer).encode()])
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> Any:
         with _marked_errors():
@@ -225,6 +245,10 @@ class FlightBatchServer(flight.FlightServerBase):
                 data = next(stream, None)
 
     def _open(self, request: StreamRequest) -> BatchStream:
+        self._check(request)
+        return self._open_stream(request, self.endpoint)
+
+    def _check(self, request: StreamRequest) -> None:
         if request.features != self.features:
             raise ValueError(
                 f"reader {self.endpoint}: its feature spec or ID mapping differs from the "
@@ -235,7 +259,6 @@ class FlightBatchServer(flight.FlightServerBase):
                 f"reader {request.worker} of {request.num_workers} on rank "
                 f"{request.rank} of {request.world_size} does not exist"
             )
-        return self._open_stream(request, self.endpoint)
 
     def shutdown(self) -> None:
         if self._closing.is_set():
@@ -358,6 +381,15 @@ class ParquetStreams:
         reader = SplitReader(dataset, request.worker, request.num_workers)
         reader.reset(request.state)
         return _SplitStream(reader, self._encode)
+
+    def splits(self, request: StreamRequest, endpoint: Endpoint) -> list[list[Any]]:
+        """The request's row groups as ``Split`` fields, each path relative to ``root`` as
+        the request names it (what the trainer needs to count a pass's steps)."""
+        prefix = {join_url(self.root, f): f for f in request.files}
+        return [
+            [prefix[s.path], s.row_group, s.num_rows, s.day, s.digest]
+            for s in self._list_splits(request.files, endpoint)
+        ]
 
     def _list_splits(self, files: tuple[str, ...], endpoint: Endpoint) -> list[Split]:
         with self._lock:
@@ -728,11 +760,19 @@ class _Stream:
         if call is not None:
             call.reader.cancel()
 
+    def splits(self) -> list[Split]:
+        """The row groups of the request's files, as a server lists them (failing over)."""
+        fields = self._call(partial(self._action, SPLITS_ACTION))
+        return [Split(*f) for f in fields]
+
     def _start_state(self, endpoint: Endpoint) -> dict[str, Any]:
+        return self._action(STATE_ACTION, endpoint)
+
+    def _action(self, kind: str, endpoint: Endpoint) -> Any:
         # A unary call: gRPC's own deadline bounds it (do_get's would bound the whole pass).
         options = flight.FlightCallOptions(timeout=self._source.timeout_s)
         with flight.connect(endpoint.location) as client:
-            action = flight.Action(STATE_ACTION, self._request.encode())
+            action = flight.Action(kind, self._request.encode())
             try:
                 results = list(client.do_action(action, options))
             except flight.FlightTimedOutError as e:
@@ -900,6 +940,7 @@ class RemoteBatchSource:
         self._failovers = 0
         self._lock = threading.Lock()
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+        self._splits: list[Split] | None = None
 
     @property
     def failovers(self) -> int:
@@ -929,6 +970,28 @@ class RemoteBatchSource:
         stream = _Stream(self, request, self.endpoints[first:] + self.endpoints[:first])
         self._streams.add(stream)
         return stream
+
+    def pass_steps(self, epoch: int, num_workers: int) -> int:
+        """The steps the job takes over pass ``epoch`` (``reader.pass_steps``), counted from
+        the row groups a server lists for these files, so exactly as local readers cut it."""
+        if self._splits is None:
+            stream = self.open_stream(0, 1, None)
+            try:
+                self._splits = stream.splits()
+            finally:
+                stream.close()
+        r = self._template
+        dataset = ParquetBatchDataset(
+            self._splits,
+            ["-"],  # counting reads no column
+            r.batch_size,
+            rank=r.rank,
+            world_size=r.world_size,
+            seed=r.seed,
+            shuffle=r.shuffle,
+            shuffle_window=r.shuffle_window,
+        )
+        return pass_steps(dataset, epoch, num_workers)
 
     def loader(self, num_workers: int, prefetch_factor: int = 4) -> ReaderLoader:
         """Batches as ``make_loader(dataset, num_workers, prefetch_factor)`` gives them."""

@@ -54,30 +54,12 @@ def pass_count(config: RunConfig, train_days: list[int]) -> int:
     return len(train_days) if config.train.order == "days" else config.train.epochs
 
 
-def pass_steps_of_run(
-    config: RunConfig,
-    manifest: Manifest,
-    train_days: list[int],
-    loader: TrainLoader,
-    world_size: int,
-) -> list[int]:
+def pass_steps_of_run(config: RunConfig, train_days: list[int], loader: TrainLoader) -> list[int]:
     """The steps of each of the run's passes (``pass_count`` of them), as its readers will
-    cut them; for reader servers, counted from the manifest's rows and the global batch
-    (ranks whose shares end mid-batch may then take a step or two more)."""
-    by_day = {day: 0 for day in train_days}
-    for f in manifest.files:
-        if f.day in by_day:
-            by_day[f.day] += f.rows
-    if config.train.order == "days":
-        rows = [by_day[day] for day in sorted(by_day)]
-    else:
-        rows = [sum(by_day.values())] * config.train.epochs
-    batch = config.train.batch_size * world_size
-    steps = []
-    for epoch, pass_rows in enumerate(rows):
-        exact = loader.pass_steps(epoch, config.train.num_workers)
-        steps.append(exact if exact is not None else -(-pass_rows // batch))
-    return steps
+    cut them: local readers list the row groups themselves, reader servers list them for
+    the trainer, so a schedule is the same whichever reads."""
+    passes = pass_count(config, train_days)
+    return [loader.pass_steps(epoch, config.train.num_workers) for epoch in range(passes)]
 
 
 def train_paths(config: RunConfig, manifest: Manifest) -> list[str]:
@@ -203,11 +185,11 @@ class TrainLoader:
         """Select the epoch the next fresh pass reads (a loaded state keeps its own)."""
         self._dataset.set_epoch(epoch)
 
-    def pass_steps(self, epoch: int, num_workers: int) -> int | None:
-        """The steps the job takes over pass ``epoch`` (see ``reader.pass_steps``); None
-        for reader servers, whose splits this process does not list."""
+    def pass_steps(self, epoch: int, num_workers: int) -> int:
+        """The steps the job takes over pass ``epoch`` (see ``reader.pass_steps``); reader
+        servers list their files' row groups for it."""
         if self._remote is not None:
-            return None
+            return self._remote.pass_steps(epoch, num_workers)
         return pass_steps(self._dataset, epoch, num_workers)
 
     def __iter__(self) -> Iterator[Batch]:

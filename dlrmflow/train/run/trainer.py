@@ -298,7 +298,7 @@ def _train(
                 device,
                 LrSchedule.of(
                     config,
-                    pass_steps_of_run(config, manifest, train_days, loader, env.world_size),
+                    pass_steps_of_run(config, train_days, loader),
                 ),
             )
             return loop.run()

@@ -9,6 +9,7 @@ bound (``within``): without the deadline they would wait for good.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.service import ReaderProcess, ReaderUnavailableError
 from dlrmflow.train.launch.reader_servers import reader_processes
 from dlrmflow.train.run.data import IdMapper
-from tests.conftest import tiny_run_config
+from tests.conftest import same_weights, tiny_run_config
 from tests.ingest.test_service import within
 from tests.train.launch.test_readers import (
     TRAIN,
@@ -234,3 +235,39 @@ def test_reader_timeout_is_a_positive_finite_number_of_seconds(config):
     for bad in (0, -1, True, "1e999", "soon"):
         with pytest.raises(ConfigError, match=r"distributed\.reader_timeout_s: "):
             apply_overrides(config, {"distributed.reader_timeout_s": bad})
+
+
+def test_two_ranks_fed_by_servers_under_the_default_schedule_train_as_local_reading(
+    config, tmp_path, caplog
+):
+    """The default schedule decays over each pass's steps: at two ranks a rank's share of the
+    row groups is not its share of the rows, so only the row groups the servers list give
+    the pass's length that local readers count. One server stops mid-run; its streams fail
+    over, and the run still ends bitwise where reading locally does."""
+    from dlrmflow.train.launch.job import launch_training
+
+    # Four streams on two single-slot servers and two ranks on two cores: a longer deadline
+    # than the other tests', so that only the stopped server misses it.
+    deadline_s = 10.0
+    two = {"distributed.nproc": 2, "distributed.reader_timeout_s": deadline_s}
+    assert config.train.lr_schedule.decay == "linear" and config.train.max_steps is None
+    local = apply_overrides(config, {**two, "run_dir": str(tmp_path / "local")})
+    with (
+        reader_processes(config, 1, 1, transform=SelfStoppingTransform) as [stopped],
+        reader_processes(config, 1, 1) as [backup],
+        killed_on_exit(stopped),
+    ):
+        remote = with_readers(
+            config, stopped.endpoint, backup.endpoint, run_dir=str(tmp_path / "remote"), **two
+        )
+        remote_result = within(deadline_s + 2 * SLACK_S, lambda: launch_training(remote))
+        assert process_state(stopped) == "T"  # it did stop mid-run
+    local_result = launch_training(local)
+    assert (remote_result.steps, remote_result.rows) == (local_result.steps, local_result.rows)
+    assert remote_result.final_loss == local_result.final_loss
+    rates = [
+        [json.loads(line).get("lr") for line in (tmp_path / run / "metrics.jsonl").open()]
+        for run in ("remote", "local")
+    ]
+    assert rates[0] == rates[1] and rates[0][-1]
+    same_weights(tmp_path / "remote", tmp_path / "local")

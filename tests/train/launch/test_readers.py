@@ -152,6 +152,26 @@ def test_every_row_once_across_ranks_and_two_servers(config, start_server):
     assert np.array_equal(row_matrix(served), row_matrix(every_row))
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_servers_count_a_pass_as_the_local_readers_cut_it(config, start_server, num_workers):
+    """At two ranks a rank's readers hold unequal shares of the row groups, so a pass is
+    longer than its rows over the global batch: the servers list the row groups and the
+    trainer counts the same steps as reading locally."""
+    endpoints = [start_server(config).endpoint for _ in range(2)]
+    config = apply_overrides(config, {"train.num_workers": num_workers})
+    manifest = read_manifest(config.data.url)
+    spec, ids = fit_features(config, manifest)
+    paths = manifest.day_paths(config.data.url, manifest.train_days())
+    counts = {}
+    for where, cfg in (("local", config), ("remote", with_readers(config, *endpoints))):
+        with make_train_loader(cfg, spec, ids, paths, rank=1, world_size=2) as loader:
+            counts[where] = [loader.pass_steps(n, num_workers) for n in range(3)]
+    assert counts["remote"] == counts["local"]
+    if num_workers == 2:  # rank 0's two readers hold 2 row groups each, rank 1's one
+        rows, global_batch = 2 * TINY_DATA["rows_per_day"], 2 * config.train.batch_size
+        assert counts["local"][0] > -(-rows // global_batch)
+
+
 @pytest.mark.parametrize(
     ("saved_by", "resumed_by"), [("remote", "remote"), ("local", "remote"), ("remote", "local")]
 )
