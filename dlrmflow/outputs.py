@@ -98,11 +98,33 @@ def current_umask() -> int:
     return mask
 
 
-def _failure(path: Path, error: BaseException) -> OutputError:
-    if isinstance(error, OSError) and error.errno is not None:
-        reason = os.strerror(error.errno)
-    elif nearly_full(path):
+# How writers in Rust or C++ (safetensors, torch's archive writer) word a full disk in
+# errors that are not ``OSError``s.
+_FULL_DISK_WORDS = (os.strerror(errno.ENOSPC), "os error 28", "Errno 28")
+
+
+def _says_full(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a full disk."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if any(words in str(seen) for words in _FULL_DISK_WORDS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _failure(path: Path, error: BaseException, full: bool = False) -> OutputError:
+    """The one-line error for ``path``; ``full``: the disk was found full while writing
+    (checked before the temporary file went, which gives the space back)."""
+    if full or _says_full(error):
         reason = os.strerror(errno.ENOSPC)
+        with contextlib.suppress(OSError):
+            where = path.parent if path.parent.exists() else Path(".")
+            reason += f" ({shutil.disk_usage(where).free // 1024} KiB free there)"
+    elif isinstance(error, OSError) and error.errno is not None:
+        reason = os.strerror(error.errno)
     else:
         reason = f"{type(error).__name__}: {error}"
     return OutputError(f"{path}: could not be written: {reason}")
@@ -140,9 +162,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         temporary.unlink(missing_ok=True)
         raise _failure(Path(path), e) from e
     except Exception as e:
+        # Asked before the temporary file goes: its bytes are what filled the disk.
+        full = _says_full(e) or nearly_full(target)
         temporary.unlink(missing_ok=True)
-        if nearly_full(target):
-            raise _failure(Path(path), e) from e
+        if full:
+            raise _failure(Path(path), e, full=True) from e
         raise
     except BaseException:
         temporary.unlink(missing_ok=True)

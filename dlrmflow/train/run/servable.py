@@ -48,12 +48,13 @@ archive as JSON (``extra_files``); ``load_servable`` reads it back with the prog
 from __future__ import annotations
 
 import copy
+import io
 import json
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.outputs import atomic_path, output_target
+from dlrmflow.supervise import interrupt_on_signals, signals_deferred
 
 if TYPE_CHECKING:
     from dlrmflow.train.run.checkpoint import Checkpoint
@@ -393,6 +395,62 @@ def load_servable(path: str | Path) -> Servable:
     )
 
 
+class _Sink(io.IOBase):
+    """A file for torch's archive writer that never raises into it.
+
+    The writer (C++) calls ``write`` back through Python; an error raised there (a full
+    disk, a signal's interruption) leaves its zip writer in a state whose destructor throws,
+    and the process aborts. So the first error is kept, later writes are dropped, the
+    writer finishes as if all went well, and ``error`` is raised once it has returned.
+    """
+
+    def __init__(self, file: BinaryIO) -> None:
+        super().__init__()
+        self.file = file
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | memoryview) -> int:  # type: ignore[override]
+        if self.error is None:
+            try:
+                self.file.write(data)
+            except OSError as e:
+                self.error = e
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.file.seek(offset, whence) if self.error is None else 0
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.file.flush()
+            except OSError as e:
+                self.error = e
+
+
+def _save_program(
+    program: torch.export.ExportedProgram, path: Path, extra_files: dict[str, str]
+) -> None:
+    """``torch.export.save`` to ``path``, its errors raised here rather than inside torch's
+    C++ writer (see ``_Sink``); a stopping signal waits for the writer to return."""
+    with open(path, "wb") as f:
+        sink = _Sink(f)
+        with signals_deferred():
+            torch.export.save(program, sink, extra_files=extra_files)  # type: ignore[arg-type]
+        sink.flush()
+        if sink.error is not None:
+            raise sink.error
+
+
 def _check_options(fmt: str, quantize: str, verify_rows: int | None) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -427,18 +485,21 @@ def export_run(
     if not source.exists():
         what = "checkpoint directory" if checkpoint is not None else "run directory"
         raise ServableError(f"{source}: no such {what}; give a `dlrmflow train` run's")
-    if fmt == "safetensors":
-        from dlrmflow.train.run.export import export_model
+    # A stopping signal ends the export in one line (the temporary file removed); inside
+    # torch's writer it waits for the writer to return (``signals_deferred``).
+    with interrupt_on_signals("export"):
+        if fmt == "safetensors":
+            from dlrmflow.train.run.export import export_model
 
-        return export_model(source, out)
-    return export_servable(
-        source,
-        out,
-        quantize=quantize,
-        run_dir=run_dir,
-        verify_rows=VERIFY_ROWS if verify_rows is None else verify_rows,
-        progress=progress,
-    )
+            return export_model(source, out)
+        return export_servable(
+            source,
+            out,
+            quantize=quantize,
+            run_dir=run_dir,
+            verify_rows=VERIFY_ROWS if verify_rows is None else verify_rows,
+            progress=progress,
+        )
 
 
 def export_servable(
@@ -489,8 +550,7 @@ def export_servable(
     }
     out = Path(out)
     with atomic_path(out) as temporary:
-        with open(temporary, "wb") as f:
-            torch.export.save(program, f, extra_files={METADATA_FILE: json.dumps(metadata)})
+        _save_program(program, temporary, {METADATA_FILE: json.dumps(metadata)})
         servable = load_servable(temporary)  # what is published is what was checked
         check = (
             verify(servable, ckpt, run_dir, verify_rows, progress)

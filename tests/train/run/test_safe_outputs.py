@@ -154,3 +154,24 @@ def test_generated_dataset_is_readable_by_others_under_umask_022(tmp_path: Path)
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) >= 3  # two day files and the manifest
     assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o644)}
+
+
+@pytest.mark.parametrize("fmt", ["torch-export", "safetensors"])
+def test_an_export_onto_a_full_disk_fails_in_one_line_and_leaves_nothing(
+    trained: Path, tmp_path: Path, fmt: str
+) -> None:
+    # Nothing at the destination before: the disk's free space is all the writer had (the
+    # torch-export's C++ writer used to abort the process, safetensors to print a traceback).
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        out = disk / "model.out"
+        done = subprocess.run(
+            [sys.executable, "-m", "dlrmflow", "export", "--run-dir", str(trained)]
+            + ["--out", str(out), "--format", fmt],
+            capture_output=True,
+            text=True,
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {out}: could not be written")
+        assert "No space left on device" in lines[0] and "KiB free" in lines[0]
+        assert list(disk.iterdir()) == []
