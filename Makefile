@@ -17,7 +17,7 @@ TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 # above. Its CUDA build where a GPU is present, else its CPU build.
 FBGEMM_VERSION ?= 1.8.0
 
-.PHONY: demo test lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule bench-step clean
+.PHONY: demo test test-across-cpus lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule bench-step clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The suite under another CPU's code paths on this one (tests/across_cpus.py's OTHER_CPU):
+# a test that pins this machine's bits fails here, not on the next machine.
+test-across-cpus: $(VENV)/.installed
+	MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2 NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" \
+	  $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # On a machine with a GPU: the gpu tests, the demo on cuda:0 under each TBE backend and the
 # kernel benchmark on the GPU, in ~13 minutes, into one JSON (gpu-results/gpu_check.json).

@@ -1,6 +1,11 @@
 """Checkpoints written by an earlier version (``tests/data/checkpoints``, see its README)
-still resume bitwise and evaluate to the metrics their own version recorded: a change to
-the train stage's code may move modules and rename classes, never break a user's runs."""
+still resume and evaluate to the metrics their own version recorded: a change to the train
+stage's code may move modules and rename classes, never break a user's runs.
+
+They were written on another machine, whose multiplies round differently: what is
+compared with them holds within ``tests.across_cpus``' tolerance, and these tests run
+again under another CPU's code paths (``tests/test_across_cpus.py``). On one machine a
+resume is bitwise; ``tests/train/run/test_run_state.py`` holds runs written here to that."""
 
 from __future__ import annotations
 
@@ -15,9 +20,11 @@ from dlrmflow.config import load_config
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.evaluate import evaluate
 from dlrmflow.train.run.trainer import IncompatibleCheckpoint, train
+from tests.across_cpus import assert_weights_close_across_cpus, close_across_cpus
 from tests.conftest import TEST_DATA
 
 LEGACY = TEST_DATA / "checkpoints"
+pytestmark = pytest.mark.recorded
 
 
 @pytest.fixture
@@ -79,16 +86,27 @@ def test_a_legacy_checkpoint_is_not_continued_under_defaults_changed_since(legac
     assert sorted(p.name for p in (legacy / "run_1rank" / "checkpoints").iterdir()) == before
 
 
-def test_a_legacy_checkpoint_inside_an_epoch_resumes_bitwise(legacy: Path, tmp_path: Path):
+def _same_records(got: list[dict], want: list[dict]) -> None:
+    """The same records with the same keys; counts exact, figures within the tolerance."""
+    assert [r.keys() for r in got] == [r.keys() for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key, value in b.items():
+            if isinstance(value, float):
+                assert close_across_cpus(a[key], value), (key, a[key], value)
+            else:
+                assert a[key] == value, key
+
+
+def test_a_legacy_checkpoint_inside_an_epoch_resumes(legacy: Path, tmp_path: Path):
+    """Resumed at its step 3 (weights, optimizer state, reader position and metrics window
+    as another machine wrote them), it ends where a run begun here ends, within the
+    tolerance across CPUs."""
     resumed = train(_config(legacy, "run_1rank", **{"train.max_steps": 6}, **LEGACY_DEFAULTS))
     assert resumed.resumed_from_step == 3 and resumed.steps == 6
     fresh = train(_config(legacy, "fresh", **{"train.max_steps": 6}, **LEGACY_DEFAULTS))
-    assert resumed.final_loss == fresh.final_loss
-    assert _records(legacy / "run_1rank") == _records(legacy / "fresh")
-    got, want = _weights(legacy / "run_1rank"), _weights(legacy / "fresh")
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert close_across_cpus(resumed.final_loss, fresh.final_loss)
+    _same_records(_records(legacy / "run_1rank"), _records(legacy / "fresh"))
+    assert_weights_close_across_cpus(_weights(legacy / "run_1rank"), _weights(legacy / "fresh"))
 
 
 @pytest.mark.parametrize("run", ["run_1rank", "run_2ranks"])
@@ -96,5 +114,12 @@ def test_a_legacy_checkpoint_evaluates_to_its_recorded_metrics(legacy: Path, run
     recorded = json.loads((LEGACY / run / "eval.json").read_text())
     # The two-rank run's shards are resharded onto this one process.
     metrics = evaluate(legacy / run, data_url=str(legacy / "data"))
-    for key in ("auc", "logloss", "ne", "calibration", "positive_rate", "rows", "step"):
+    for key in ("positive_rate", "rows", "step"):  # counts: exact on any machine
         assert metrics[key] == recorded[key], key
+    for key in ("logloss", "ne", "calibration"):
+        assert close_across_cpus(metrics[key], recorded[key]), (key, metrics[key], recorded[key])
+    # Another machine's rounding may swap two nearly tied scores: one swapped pair moves
+    # the AUC by 1 / (positives * negatives), so two pairs are allowed.
+    positives = round(recorded["rows"] * recorded["positive_rate"])
+    pair = 1 / (positives * (recorded["rows"] - positives))
+    assert abs(metrics["auc"] - recorded["auc"]) <= 2 * pair, (metrics["auc"], recorded["auc"])
