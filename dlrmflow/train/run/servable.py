@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -557,6 +558,11 @@ def export_servable(
             if verify_rows > 0
             else {"skipped": "--verify-rows 0"}
         )
+    if verify_rows > 0 and "skipped" in check:
+        # Not only in the JSON: an unchecked export must not pass for a checked one.
+        warnings.warn(
+            f"{out} was not checked against the checkpoint: {check['skipped']}", stacklevel=2
+        )
     return {
         "out": str(out),
         "format": "torch-export",
@@ -573,6 +579,33 @@ def export_servable(
     }
 
 
+def _line_days(ckpt: Checkpoint, manifest: Any) -> tuple[list[int], str]:
+    """The day to check an export on when its run holds no day out (a model line's run,
+    ``data.eval_days: none``), and why that one: the day after the checkpoint's last
+    training day when the dataset has it (the day the line judges it on), else the day
+    its line version was validated on (``version.json`` beside the checkpoint). The check
+    compares the export with the checkpoint, so a day it trained on serves that too.
+    Raises ``WindowError`` saying why there is none."""
+    from dlrmflow.days import WindowError
+
+    available = {f.day for f in manifest.files}
+    trained = ckpt.trained_days or []
+    if trained and max(trained) + 1 in available:
+        return [max(trained) + 1], "the day after its last training day"
+    record = Path(ckpt.path).parent / "version.json"
+    try:
+        validated = json.loads(record.read_text()).get("validation") or {}
+    except (OSError, ValueError):
+        validated = {}
+    if validated.get("day") in available:
+        return [int(validated["day"])], f"the day its version was validated on ({record})"
+    after = f"day {max(trained) + 1}, the day after its last training day, is not in the dataset"
+    raise WindowError(
+        "the run's evaluation window (data.eval_days) holds no day"
+        + (f", {after} yet and {record} records no validation day" if trained else "")
+    )
+
+
 def verify(
     servable: Servable,
     ckpt: Checkpoint,
@@ -584,7 +617,6 @@ def verify(
     ``score``) and with ``servable``; their largest and mean |difference| of probability
     and both AUCs. ``{"skipped": reason}`` when the run's dataset or ID mapping cannot be
     read here (an export made away from the data is still an export)."""
-    from dlrmflow.days import WindowError
     from dlrmflow.ingest.manifest import check_dataset, read_manifest
     from dlrmflow.train.run.data import load_ids
     from dlrmflow.train.run.evaluate import eval_window, score, test_loader
@@ -596,8 +628,9 @@ def verify(
     try:
         manifest = read_manifest(url)
         days = eval_window(config, manifest, ckpt.trained_days)
+        chosen = None
         if not days:
-            raise WindowError("the run's evaluation window holds no day")
+            days, chosen = _line_days(ckpt, manifest)
         check_dataset(url, manifest, training=False, eval_days=days)
         ids = load_ids(config.features.ids, spec, run_dir)
     except (DlrmflowError, OSError, ValueError) as e:
@@ -647,6 +680,7 @@ def verify(
     result: dict[str, Any] = {
         "rows": len(want),
         "days": days,
+        **({"days_chosen": chosen} if chosen else {}),
         "max_abs_diff": float(diff.max()),
         "mean_abs_diff": float(diff.mean()),
     }
