@@ -44,6 +44,8 @@ class Verdict:
     reasons: list[str]
     candidate_metrics: dict[str, Any]
     champion_metrics: dict[str, Any] | None
+    # The identity of the day's files judged on: a verdict on other files is made again.
+    day_digest: str | None = None
 
 
 def judge(

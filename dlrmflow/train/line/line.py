@@ -34,7 +34,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,13 @@ from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.criteo import convert_criteo, landed_days
-from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_manifest
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import launch_evaluation, launch_training
 from dlrmflow.train.line.gate import Verdict, champion, judge, publish
 from dlrmflow.train.line.registry import log_version, mark_champion
 from dlrmflow.train.line.unseen import unseen_ids
-from dlrmflow.train.run.checkpoint import read_checkpoint
+from dlrmflow.train.run.checkpoint import DataIdentity, read_checkpoint
 from dlrmflow.train.run.resume import RUN_KEYS
 from dlrmflow.train.run.rundir import run_dir_lock
 
@@ -173,9 +173,13 @@ class Line:
         return result.written_days
 
     def pending(self, through: int | None = None) -> list[int]:
-        """The dataset's days the line has not trained on (through ``through``), in order."""
+        """The dataset's days the line has not trained on (through ``through``), in order,
+        once the days it trained on are checked to be the files it trained on
+        (``check_data``): nothing is scored or recorded on another dataset."""
         url = self.config.data.url
-        days = sorted({f.day for f in read_manifest(url).files})
+        manifest = read_manifest(url)
+        self.check_data(manifest)
+        days = sorted({f.day for f in manifest.files})
         if through is not None:
             if through not in days:
                 raise LineError(
@@ -190,6 +194,29 @@ class Line:
             )
         return days[len(seen) :]
 
+    def check_data(self, manifest: Manifest) -> None:
+        """Refuse a dataset whose days the line trained on are no longer the files it
+        trained on (regenerated with another seed, converted again, renumbered): each is
+        compared with the digests its newest version recorded, before anything is scored,
+        judged or written, so no record is ever made from data the line would refuse."""
+        if not self.versions:
+            return
+        newest = self.versions[-1]
+        now = DataIdentity.of(manifest, newest.days).day_digests
+        for day, kept, found in zip(newest.days, newest.day_digests, now, strict=True):
+            if kept != found:
+                where = join_url(self.config.data.url, MANIFEST_NAME)
+                what = (
+                    "its files are not the ones"
+                    if any(f.day == day for f in manifest.files)
+                    else "no file, but"
+                )
+                raise LineError(
+                    f"{where}: day {day}: {what} version {newest.name} trained on (the "
+                    "dataset was regenerated, converted again or renumbered); restore the "
+                    "line's data, or start another line on this one"
+                )
+
     def advance(self, day: int) -> Version:
         """Score the newest version on ``day`` (next-day validation), judge it against
         the champion there (the gate), then train on ``day``: the next version."""
@@ -197,8 +224,9 @@ class Line:
         first = self.versions[0].day if self.versions else day  # the run's window starts there
         validation = None
         if parent is not None:
-            validation = _validate(self.dir, self.config, day, parent.days)
-            _gate(self.dir, self.config, parent, day, validation)
+            digest = day_digest(read_manifest(self.config.data.url), day)
+            validation = _validate(self.dir, self.config, day, digest, parent.days)
+            _gate(self.dir, self.config, parent, day, digest, validation)
         version = _train_day(self.dir, self.config, first, day, parent, validation)
         self.versions.append(version)
         return version
@@ -254,21 +282,36 @@ def _score(line: RunConfig, day: int, checkpoint: Path | None = None) -> dict[st
     return {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
 
 
+def day_digest(manifest: Manifest, day: int) -> str:
+    """The identity of ``day``'s files (their paths, rows and digests), as a checkpoint
+    records it: what a record scored on the day was scored on."""
+    return DataIdentity.of(manifest, [day]).day_digests[0]
+
+
 def _gate(
-    line_dir: Path, line: RunConfig, version: Version, day: int, metrics: dict[str, Any]
+    line_dir: Path,
+    line: RunConfig,
+    version: Version,
+    day: int,
+    digest: str,
+    metrics: dict[str, Any],
 ) -> Verdict:
     """Judge ``version`` against the champion on ``day`` (see ``gate``), once, and publish
-    it if it passes: its verdict is kept in ``versions/NNNN/gate.json``."""
+    it if it passes: its verdict is kept in ``versions/NNNN/gate.json``. A verdict made on
+    other files of the day (``digest``: the data changed since) is made again, never
+    kept."""
     path = line_dir / VERSIONS_DIR / version.name / GATE_FILE
-    if path.is_file():
-        verdict = Verdict(**json.loads(path.read_text()))
+    kept = Verdict(**json.loads(path.read_text())) if path.is_file() else None
+    if kept is not None and kept.day == day and kept.day_digest == digest:
+        verdict = kept
     else:
         serving = champion(line_dir)
         against = None
         if serving is not None:
             served = line_dir / VERSIONS_DIR / f"{serving:04d}" / "checkpoint"
             against = (serving, _score(line, day, served))
-        verdict = judge(version.number, day, metrics, against, line.gate)
+        judged = judge(version.number, day, metrics, against, line.gate)
+        verdict = replace(judged, day_digest=digest)
         write_atomic(path, json.dumps(asdict(verdict), indent=1) + "\n")
     serving = champion(line_dir)
     if verdict.promoted and (serving is None or serving < version.number):
@@ -285,18 +328,23 @@ def verdicts(line_dir: Path) -> list[Verdict]:
     return [Verdict(**json.loads(path.read_text())) for path in found]
 
 
-def _validate(line_dir: Path, line: RunConfig, day: int, trained: list[int]) -> dict[str, Any]:
+def _validate(
+    line_dir: Path, line: RunConfig, day: int, digest: str, trained: list[int]
+) -> dict[str, Any]:
     """The newest version (which trained on ``trained``; its checkpoint is the run's
     newest) scored on ``day``, with the share of the day's IDs it never saw (``unseen``),
-    once: a day already in the history keeps its record."""
-    for record in history(line_dir):
-        if record["day"] == day:
+    once: a day already in the history keeps its record, unless it was scored on other
+    files of the day (``digest``, the record's ``day_digest``), which it then replaces."""
+    records = history(line_dir)
+    for record in records:
+        if record["day"] == day and record.get("day_digest") == digest:
             return record
-    record = {**_score(line, day), "unseen_ids": unseen_ids(line_dir, line.data.url, day, trained)}
-    with open(line_dir / HISTORY_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    unseen = unseen_ids(line_dir, line.data.url, day, trained)
+    record = {**_score(line, day), "unseen_ids": unseen, "day_digest": digest}
+    kept = [r for r in records if r["day"] != day]
+    text = "".join(json.dumps(r) + "\n" for r in sorted([*kept, record], key=lambda r: r["day"]))
+    # Rewritten whole and renamed: a kill leaves the old history or the new, never half.
+    write_atomic(line_dir / HISTORY_FILE, text)
     return record
 
 

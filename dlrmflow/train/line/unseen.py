@@ -23,25 +23,30 @@ import numpy as np
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.stats import IdSample, file_stats
 from dlrmflow.outputs import write_atomic
+from dlrmflow.train.run.checkpoint import DataIdentity
 
 IDS_DIR = "ids"
+DIGEST_KEY = "day_digest"  # the identity of the day's files the sample was scanned from
 
 
 def day_samples(line_dir: Path, url: str, day: int) -> dict[str, IdSample]:
-    """Day ``day``'s sample of distinct IDs per feature: read from the line when kept,
-    else scanned from the day's files once and kept."""
+    """Day ``day``'s sample of distinct IDs per feature: read from the line when kept for
+    the day's files now (a sample is kept with the identity of the files it was scanned
+    from, so a day whose files changed is scanned again), else scanned once and kept."""
     path = line_dir / IDS_DIR / f"day={day}.npz"
+    manifest = read_manifest(url)
+    digest = DataIdentity.of(manifest, [day]).day_digests[0]
     if path.is_file():
         with np.load(path) as kept:
-            names = sorted({key.rsplit("/", 1)[0] for key in kept.files})
-            return {n: IdSample(int(kept[f"{n}/level"]), kept[f"{n}/hashes"]) for n in names}
-    manifest = read_manifest(url)
+            if DIGEST_KEY in kept.files and str(kept[DIGEST_KEY]) == digest:
+                names = sorted({key.rsplit("/", 1)[0] for key in kept.files if "/" in key})
+                return {n: IdSample(int(kept[f"{n}/level"]), kept[f"{n}/hashes"]) for n in names}
     files = manifest.day_paths(url, [day], held_out=[])
     totals = file_stats(files[0], manifest.multi_hot)
     for other in files[1:]:
         totals.merge(file_stats(other, manifest.multi_hot))
     samples = totals.id_samples()
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {DIGEST_KEY: np.array(digest)}
     for name, sample in samples.items():
         arrays[f"{name}/hashes"] = sample.hashes
         arrays[f"{name}/level"] = np.int64(sample.level)

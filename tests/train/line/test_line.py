@@ -16,7 +16,7 @@ import pytest
 
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.train.line.line import LineError, history, train_line, versions
+from dlrmflow.train.line.line import LineError, history, train_line, verdicts, versions
 from dlrmflow.train.run.checkpoint import list_checkpoints, read_checkpoint
 from dlrmflow.train.run.trainer import train
 from tests.conftest import TINY_DATA, run_cli, same_weights, tiny_run_config
@@ -86,6 +86,30 @@ def test_a_line_refuses_another_configuration_or_a_day_it_lacks(tmp_path: Path) 
         train_line(line, through=7)
     with pytest.raises(LineError, match="no config.json"):
         train_line(tmp_path / "new")
+
+
+def test_a_line_refuses_other_data_before_it_scores_or_records_anything(
+    tmp_path: Path,
+) -> None:
+    data = _grow(tmp_path / "data", 2)
+    line = tmp_path / "line"
+    train_line(line, _config(data, tmp_path / "x"))
+    before = history(line)
+    generate_dataset(DataConfig(url=data, **{**DAYS, "days": 3, "seed": 8}))  # another dataset
+    with pytest.raises(LineError, match="day 0: its files are not the ones version 0001"):
+        train_line(line)
+    assert history(line) == before  # nothing scored on the foreign data was kept
+    assert not (line / "versions" / "0001" / "gate.json").exists()
+
+    # Records an earlier call made from data since replaced are made again, never kept.
+    stale = {**before[0], "day": 2, "auc": 0.1, "day_digest": "another day 2"}
+    (line / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*before, stale]))
+    _grow(tmp_path / "data", 3)  # the line's data restored, with a day more
+    [third] = train_line(line)
+    fresh = tmp_path / "fresh"
+    train_line(fresh, _config(data, tmp_path / "y"))
+    assert history(line) == history(fresh) and third == versions(fresh)[-1]
+    assert verdicts(line) == verdicts(fresh)
 
 
 def test_the_line_command_starts_continues_and_says_when_nothing_is_new(
