@@ -1,11 +1,11 @@
 """The ``recurring`` flow: one scheduled run of a model line (``dlrmflow.train.line``).
 
-Each run ingests the raw days that landed since the last one (``data.landing``; without
-one, the dataset at ``data.url`` grows by other means, e.g. ``dlrmflow generate`` with a
-day more), then, for every day the line has not trained on, scores the newest version on
-it (next-day validation), judges that version against the champion there (the gate,
-publishing it when it passes) and continues it on the day: a version a day. A run that
-finds no new day trains nothing and says so.
+Each run ingests the raw days that landed since the last one (``data.landing``, the
+``land`` subflow; without one, the dataset at ``data.url`` grows by other means, e.g.
+``dlrmflow generate`` with a day more), then, for every day the line has not trained
+on, scores the newest version on it (next-day validation), judges that version against
+the champion there (the gate, publishing it when it passes) and continues it on the day:
+a version a day. A run that finds no new day trains nothing and says so.
 
 What a user watches in Prefect: a ``day-N`` task per day, the history of next-day metrics
 as a table and a plot, and the gate's verdicts. A run in which the gate held a version
@@ -28,10 +28,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
 from dlrmflow.config import RunConfig
-from dlrmflow.flows.artifacts import image_markdown
-from dlrmflow.flows.ingest import ingest_flow
+from dlrmflow.flows.artifacts import image_markdown, publish_stats
+from dlrmflow.flows.ingest import merge_stats_task, stats_task
 from dlrmflow.flows.policies import retry_unless_bad_input
-from dlrmflow.ingest.criteo import landed_days
+from dlrmflow.flows.storage import shared_results
+from dlrmflow.ingest.criteo import convert_landed
+from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.ingest.stats import DatasetStats
 from dlrmflow.train.line.gate import champion
 from dlrmflow.train.line.line import (
     Line,
@@ -79,6 +82,42 @@ def day_task(line: Line, day: int) -> dict[str, Any]:
     return asdict(version)
 
 
+@task(
+    name="convert",
+    retries=1,
+    retry_delay_seconds=10,
+    retry_condition_fn=retry_unless_bad_input,
+    # What landed is the line's own record (the manifest's): a rerun converts only the new.
+    cache_policy=NO_CACHE,
+)
+def convert_task(config: RunConfig) -> dict[str, Any]:
+    """Convert the files that landed since the last run into the line's days."""
+    data = config.data
+    assert data.landing is not None
+    result = convert_landed(data.landing, data.url, row_group_size=data.row_group_size)
+    get_run_logger().info(
+        "landed day(s) %s from %s: %d days, %d rows",
+        result.written_days or "none", data.landing, result.manifest.days, result.rows,
+    )  # fmt: skip
+    return {"written_days": result.written_days, "days": result.manifest.days}
+
+
+@flow(name="land", validate_parameters=True)
+def land_flow(config: RunConfig) -> dict[str, Any]:
+    """The ingest of a line: the files that landed in ``data.landing`` become its next
+    days (``convert_landed``: a converted day keeps its number and file for good, whatever
+    becomes of its raw file), then every day's feature statistics (the ingest flow's
+    cached ``stats`` tasks: a new day scans only that day) are merged into ``stats.json``."""
+    landed = convert_task(config)
+    url = config.data.url
+    manifest = read_manifest(url)
+    scan = stats_task.with_options(**shared_results(config))
+    days = [scan.submit(path, manifest.multi_hot) for path in manifest.day_paths(url)]
+    stats = DatasetStats.from_dict(merge_stats_task(url, manifest.multi_hot, days))
+    publish_stats(stats)
+    return landed
+
+
 @flow(name="recurring", validate_parameters=True)
 def recurring_flow(
     line: str = DEFAULT_LINE,
@@ -96,9 +135,8 @@ def recurring_flow(
     if max_days is not None and max_days < 1:
         raise ValueError(f"max_days must be >= 1 (got {max_days})")
     with open_line(line_dir, config) as opened:
-        landing = opened.config.data.landing
-        if landing is not None:
-            ingest_flow(opened.config, raw_inputs=landed_days(landing))
+        if opened.config.data.landing is not None:
+            land_flow(opened.config)
         judged_before = len(verdicts(line_dir))
         days = opened.pending(through)
         todo = days if max_days is None else days[:max_days]

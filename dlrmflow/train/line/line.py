@@ -41,7 +41,7 @@ from typing import Any
 from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.ingest.criteo import convert_criteo, landed_days
+from dlrmflow.ingest.criteo import convert_landed
 from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_manifest
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import launch_evaluation, launch_training
@@ -161,14 +161,13 @@ class Line:
 
     def land(self) -> list[int]:
         """Convert the raw days that landed in ``data.landing`` since the last call into
-        the dataset (none without a landing directory); the days written."""
+        the dataset (none without a landing directory); the days written. A converted
+        day keeps its number and file for good (``convert_landed``)."""
         landing = self.config.data.landing
         if landing is None:
             return []
-        result = convert_criteo(
-            landed_days(landing),
-            self.config.data.url,
-            row_group_size=self.config.data.row_group_size,
+        result = convert_landed(
+            landing, self.config.data.url, row_group_size=self.config.data.row_group_size
         )
         return result.written_days
 
