@@ -93,8 +93,11 @@ def line_config(line_dir: Path, config: RunConfig | None) -> RunConfig:
     must be the same run (a ``RUN_KEYS`` key or the dataset that differs is refused), and
     is this call's: how it runs (ranks, logging, checkpoints) may change."""
     path = line_dir / LINE_FILE
+    if config is not None:
+        _refuse_run_length("the configuration given", config)
     if path.is_file():
         recorded = recorded_config(json.loads(path.read_text()))
+        _refuse_run_length(str(path), recorded)
         if config is None:
             return _as_line(line_dir, recorded)
         given = _as_line(line_dir, config)  # compared as the line runs it
@@ -119,6 +122,22 @@ def _as_line(line_dir: Path, config: RunConfig) -> RunConfig:
     line.data.train_days = None
     line.data.eval_days = NONE
     return line
+
+
+# Keys that cut a run short of its days, and the value under which a line can honour them:
+# a version is its day trained whole, so a cap would record days its weights never saw.
+RUN_LENGTH = {"train.max_steps": None, "train.epochs": 1}
+
+
+def _refuse_run_length(source: str, config: RunConfig) -> None:
+    for key, allowed in RUN_LENGTH.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value != allowed:
+            raise LineError(
+                f"{source}: {key}={value}: a line trains each new day whole, once (a "
+                f"version a day), so it cannot honour {key}; leave it unset"
+            )
 
 
 def _refuse_another_run(path: Path, recorded: RunConfig, config: RunConfig) -> None:

@@ -133,6 +133,19 @@ def test_the_line_command_starts_continues_and_says_when_nothing_is_new(
     )
 
 
+def test_a_line_refuses_a_run_length_it_cannot_honour_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    data = _grow(tmp_path / "data", 3)
+    line = tmp_path / "line"
+    for key, value in (("train.max_steps", "5"), ("train.epochs", "2")):
+        args = ["line", "--line", str(line), "--data", data, "--set", f"{key}={value}"]
+        code, _, err = run_cli(monkeypatch, capsys, *args, "--through", "2")
+        assert code == 1 and len(err) == 1, err
+        assert f"{key}={value}: a line trains each new day whole" in err[0]
+        assert not (line / "config.json").exists()  # not started: a corrected call starts it
+
+
 def test_a_line_killed_anywhere_resumes_to_where_the_whole_line_ends(tmp_path: Path) -> None:
     data = _grow(tmp_path / "data", 3)
     config = _config(data, tmp_path / "x")
