@@ -654,6 +654,15 @@ class TieredEmbeddingBag(nn.Module):
 
     # -- the file -------------------------------------------------------------------------
 
+    def fbgemm_refusal(self) -> str:
+        """Why FBGEMM's kernels cannot run this bag's steps (``model.kernels=fbgemm``
+        says so in ``kernels_reason`` rather than leaving the choice unexplained)."""
+        return (
+            "its rows live on disk behind a DRAM cache, and each batch's updated rows go "
+            "back to that cache between the backward and the next lookup, which FBGEMM's "
+            "fused backward would skip"
+        )
+
     def _region_shapes(self) -> list[tuple[int, int, int]]:
         """(first global row, rows, record width) of each group's region."""
         return [

@@ -98,6 +98,15 @@ def kernels_reason(runner: StepRunner, config: RunConfig) -> str:
             and b.backend != "fbgemm"
         }
     )
+    if backends.resolve(config.model.kernels, dense) == "fbgemm":
+        # Bags that are no table-batched bag (tables on disk) never run FBGEMM: say why.
+        exceptions += sorted(
+            {
+                f"{type(b).__name__} bags run their own kernels: {b.fbgemm_refusal()}"
+                for b in runner.embedding_bags()
+                if not isinstance(b, TableBatchedEmbeddingBag) and hasattr(b, "fbgemm_refusal")
+            }
+        )
     return "; ".join([why, *exceptions])
 
 

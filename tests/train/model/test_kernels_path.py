@@ -268,3 +268,16 @@ def test_fbgemm_trains_the_sharded_collection(tiny_dataset: str, tmp_path: Path)
     assert "reduces this bag's gradients across ranks" in replicated["kernels_reason"]
     assert forced["steps"] == replicated["steps"] == 2
     _assert_close(tmp_path / "fbgemm", tmp_path / "dp")
+
+
+@fbgemm_runs
+def test_fbgemm_with_tables_on_disk_says_why_fbgemm_does_not_run_them(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    # A budget below the tables' bytes puts them on disk, behind a DRAM cache.
+    cfg = tiny_run_config(tiny_dataset, tmp_path, max_steps=2, embedding_memory_bytes=100_000)
+    cfg.model.kernels = "fbgemm"
+    result = train(cfg)
+    assert result.kernels["tbe"] == "tiered"
+    assert result.kernels_reason.startswith("model.kernels=fbgemm; TieredEmbeddings bags run")
+    assert "rows live on disk behind a DRAM cache" in result.kernels_reason
