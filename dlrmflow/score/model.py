@@ -104,6 +104,19 @@ def identify_model(path: str | Path) -> ModelIdentity:
     return ModelIdentity(CHECKPOINT, str(info.path.resolve()), _checkpoint_digest(info), info.step)
 
 
+def trained_on_multi_hot(identity: ModelIdentity) -> bool | None:
+    """Whether the model ``identity`` pins trained on multi-hot data (None: not recorded),
+    read from its checkpoint's manifest or its export's metadata without loading it."""
+    if identity.kind == SERVABLE:
+        from dlrmflow.train.run.servable import archive_metadata
+
+        recorded = (archive_metadata(Path(identity.path)) or {}).get("trained_multi_hot")
+        return None if recorded is None else bool(recorded)
+    from dlrmflow.train.run.checkpoint import trained_multi_hot
+
+    return trained_multi_hot(find_checkpoint(identity.path).manifest)
+
+
 def _run_dir_of(checkpoint: Path) -> Path:
     """The run directory of a checkpoint directory (``RUN_DIR/checkpoints/step_N``)."""
     return checkpoint.parent.parent

@@ -20,7 +20,7 @@ from dlrmflow.config import ConfigError
 from dlrmflow.days import select_days
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.ingest.schema import LABEL
-from dlrmflow.score.model import identify_model
+from dlrmflow.score.model import identify_model, trained_on_multi_hot
 from dlrmflow.score.output import (
     SCORES_FILE,
     OutputIdentity,
@@ -34,6 +34,7 @@ from dlrmflow.score.output import (
 from dlrmflow.score.worker import labeled_days, score_shares, share_limit
 from dlrmflow.supervise import interrupt_on_signals
 from dlrmflow.train.run.checkpoint import dataset_digest
+from dlrmflow.train.run.evaluate import refuse_multi_hot
 from dlrmflow.train.run.rundir import run_dir_lock
 
 DAYS_KEY = "--days"
@@ -119,6 +120,7 @@ def score_dataset(
     check_dataset(
         data, manifest, training=False, eval_days=[d for d in chosen if rows_by_day[d] > 0]
     )
+    refuse_multi_hot(trained_on_multi_hot(identity), manifest, data, identity.path)
     wanted = OutputIdentity(
         identity.record(), max_rows, {day: day_digest(manifest, day) for day in chosen}
     )

@@ -30,7 +30,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import describe
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.ingest.manifest import Manifest
+from dlrmflow.ingest.manifest import Manifest, read_manifest
 from dlrmflow.outputs import nearly_full
 from dlrmflow.supervise import signals_deferred
 from dlrmflow.train.model.dlrm import DLRM
@@ -87,6 +87,8 @@ class Checkpoint:
     rows: int
     path: Path
     trained_days: list[int] | None = None  # recorded since day windows
+    # Whether it trained on multi-hot data; None: not recorded (see ``trained_multi_hot``).
+    multi_hot: bool | None = None
 
 
 @contextlib.contextmanager
@@ -318,6 +320,9 @@ class DataIdentity:
     days: tuple[int, ...]
     train_data: str
     day_digests: tuple[str, ...]  # each training day's files, in ``days``' order
+    # Whether its sparse columns hold lists: a model trained one-hot refuses to score
+    # multi-hot data (``refuse_multi_hot``). A fact of the days, not another identity.
+    multi_hot: bool = field(default=False, compare=False)
 
     @classmethod
     def of(cls, manifest: Manifest, train_days: list[int]) -> DataIdentity:
@@ -327,7 +332,7 @@ class DataIdentity:
             for day in days
         )
         whole = _digest(list(zip(days, per_day, strict=True)))
-        return cls(dataset_digest(manifest), days, whole, per_day)
+        return cls(dataset_digest(manifest), days, whole, per_day, manifest.multi_hot)
 
     def record(self) -> dict[str, Any]:
         """The checkpoint manifest's keys for it."""
@@ -336,6 +341,7 @@ class DataIdentity:
             "train_days": list(self.days),
             "train_data_digest": self.train_data,
             "train_day_digests": list(self.day_digests),
+            "train_multi_hot": self.multi_hot,
         }
 
     def continues(self, manifest: dict[str, Any]) -> bool:
@@ -619,4 +625,28 @@ def load_checkpoint(
     model.eval()
     progress = info.manifest["progress"]
     days = info.manifest.get("train_days")
-    return Checkpoint(model, config, spec, info.step, int(progress["rows"]), info.path, days)
+    return Checkpoint(
+        model,
+        config,
+        spec,
+        info.step,
+        int(progress["rows"]),
+        info.path,
+        days,
+        trained_multi_hot(info.manifest),
+    )
+
+
+def trained_multi_hot(manifest: dict[str, Any]) -> bool | None:
+    """Whether the checkpoint whose ``manifest`` this is trained on multi-hot data: as
+    recorded, else (written before it was) as its training dataset's manifest says when
+    that dataset is still the one it trained on; None when nothing tells."""
+    recorded = manifest.get("train_multi_hot")
+    if recorded is not None:
+        return bool(recorded)
+    try:
+        url = manifest["config"]["data"]["url"]
+        data = read_manifest(url)
+    except (KeyError, TypeError, OSError, ValueError, DlrmflowError):
+        return None
+    return data.multi_hot if dataset_digest(data) == manifest.get("dataset_digest") else None

@@ -50,6 +50,7 @@ from dlrmflow.train.run.checkpoint import (
     find_checkpoint,
     load_checkpoint,
     restore,
+    trained_multi_hot,
 )
 from dlrmflow.train.run.data import batch_loader, load_ids
 from dlrmflow.train.run.metrics import click_metrics
@@ -207,6 +208,23 @@ def test_loader(
     return loader
 
 
+class OneHotModel(DlrmflowError):
+    """A model trained on one-hot data asked to score a multi-hot dataset."""
+
+
+def refuse_multi_hot(trained: bool | None, manifest: Manifest, url: str, model: object) -> None:
+    """Refuse to score the multi-hot dataset at ``url`` with ``model`` when it trained on
+    one-hot data (``trained`` False; None, unknown, lets it through). Its tables never saw
+    a bag of several IDs: each list would be pooled into a vector unlike any it learned
+    from, and the scores would be wrong without a sign of it."""
+    if manifest.multi_hot and trained is False:
+        raise OneHotModel(
+            f"{url} is multi-hot (its sparse columns hold lists of IDs) and {model} was "
+            "trained on one-hot data, which never pooled a list; score it with a model "
+            "trained on multi-hot data"
+        )
+
+
 def eval_window(
     config: RunConfig, manifest: Manifest, trained: list[int] | None = None
 ) -> list[int]:
@@ -357,6 +375,7 @@ def _evaluate(
         )
         restore(info, model, None)
         step, path, trained = info.step, info.path, info.manifest.get("train_days")
+        multi_hot = trained_multi_hot(info.manifest)
     else:
         ckpt = load_checkpoint(
             checkpoint if checkpoint is not None else run_dir,
@@ -365,7 +384,7 @@ def _evaluate(
             scratch=scratch_directory(run_dir, env.rank),
         )
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
-        trained = ckpt.trained_days
+        trained, multi_hot = ckpt.trained_days, ckpt.multi_hot
     own_data = data_url is None or data_url == config.data.url
     if eval_days is not None:
         config.data.eval_days = eval_days
@@ -378,6 +397,7 @@ def _evaluate(
     ids = load_ids(config.features.ids, spec, run_dir)
     url = data_url or config.data.url
     manifest = read_manifest(url)
+    refuse_multi_hot(multi_hot, manifest, url, path)
     held_out = eval_window(config, manifest, trained if own_data else [])
     loader = test_loader(
         config, spec, ids, env, url, held_out, pin_memory=device.type == "cuda", manifest=manifest

@@ -341,7 +341,7 @@ class Servable:
         return self(batch.dense, sparse.values, sparse.offsets())
 
 
-def _archive_metadata(path: Path) -> dict[str, Any] | None:
+def archive_metadata(path: Path) -> dict[str, Any] | None:
     """The metadata JSON inside a .pt2 archive at ``path``, or None when there is none."""
     try:
         with zipfile.ZipFile(path) as archive:
@@ -360,7 +360,7 @@ def is_servable(path: str | Path) -> bool:
     path = Path(path)
     if not path.is_file():
         return False
-    data = _archive_metadata(path)
+    data = archive_metadata(path)
     return data is not None and data.get("kind") == KIND
 
 
@@ -548,6 +548,7 @@ def export_servable(
         "inputs": INPUTS,
         "table_bytes": module.table_bytes,
         "torch": torch.__version__,
+        "trained_multi_hot": ckpt.multi_hot,  # a one-hot model refuses multi-hot data
     }
     out = Path(out)
     with atomic_path(out) as temporary:
