@@ -295,6 +295,39 @@ class TrainConfig(_Section):
         return self
 
 
+class ReaderSecurityConfig(_Section):
+    """How reader services and their trainers trust each other: TLS, and a shared secret
+    that every call carries. Only file paths live here, never the secret itself, since the
+    resolved configuration is written to ``RUN_DIR/config.json`` and checkpoints."""
+
+    tls: bool = Field(
+        False,
+        description="serve and connect over TLS (grpc+tls): servers present cert_file, "
+        "trainers check it against ca_file",
+    )
+    cert_file: str | None = Field(
+        None, description="server: its PEM certificate (chain), valid for the reader's address"
+    )
+    key_file: str | None = Field(None, description="server: the PEM private key of cert_file")
+    ca_file: str | None = Field(
+        None,
+        description="trainer: PEM root certificates to check servers by (default: the system's)",
+    )
+    secret_file: str | None = Field(
+        None,
+        description="a file holding the secret every call must carry (or the environment's "
+        "DLRMFLOW_READER_SECRET); servers refuse calls without it",
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ReaderSecurityConfig:
+        # A certificate given with TLS off would serve in plain text without a word.
+        given = [k for k in ("cert_file", "key_file", "ca_file") if getattr(self, k) is not None]
+        if given and not self.tls:
+            raise ValueError(f"{', '.join(given)} given but tls is false: set tls: true")
+        return self
+
+
 class DistributedConfig(_Section):
     """How training is spread over processes: sharding, communication precision, launch."""
 
@@ -329,6 +362,7 @@ class DistributedConfig(_Section):
         description="a reader server that leaves a request or a stream's next batch "
         "unanswered this long counts as hung: its streams fail over to the next endpoint",
     )
+    reader_security: ReaderSecurityConfig = Field(default_factory=ReaderSecurityConfig)
     # Many hosts: every host runs the same command with its own node_rank (and local_addr).
     nnodes: Int = Field(1, ge=1, description="hosts in the job (>1: c10d rendezvous)")
     node_rank: Int = Field(
@@ -537,6 +571,7 @@ RESERVED_ENV = frozenset(
         "DLRMFLOW_SUPERVISOR_PID",  # the process a job's agent must not outlive (train.supervise)
         "DLRMFLOW_HEARTBEAT_DIR",  # where a job's ranks record their progress (train.supervise)
         "DLRMFLOW_COMMAND",  # the token of the command a process was started by (guard)
+        "DLRMFLOW_READER_SECRET",  # the reader services' secret (ingest.service), never a key
     }
 )
 

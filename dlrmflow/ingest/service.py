@@ -37,23 +37,37 @@ tried again in that pass. When none is left the pass fails with ``ReaderUnavaila
 naming every endpoint and its error. Bad data (``DataError``) or
 a refused request (``ValueError``: mismatched features, a state of another layout) are not
 failures of the endpoint and raise at once, naming the endpoint, file, row group and column.
+
+Trust (``ReaderSecurity``, from ``distributed.reader_security``). The batches are a team's
+logs, so a server can serve over TLS (Flight's ``grpc+tls``; trainers check its certificate
+against their roots) and require a shared secret: every call carries it as a bearer token
+that a Flight middleware compares in constant time, before any handler runs. The secret
+comes from a file the configuration names or from ``DLRMFLOW_READER_SECRET``, never from a
+command line (``ps`` shows those) nor the configuration itself (written to ``config.json``).
+A server listens on a non-loopback address only with both, unless told ``insecure``. A
+refused secret is not a failure of the endpoint: every endpoint shares the secret, so the
+pass raises ``ReaderRefusedError`` at once, naming the endpoint.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import itertools
 import json
 import logging
 import math
 import multiprocessing
+import os
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -62,6 +76,7 @@ import pyarrow.flight as flight
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torchdata.nodes import BaseNode
 
+from dlrmflow.config import ReaderSecurityConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.manifest import Manifest, join_url
 from dlrmflow.ingest.reader import (
@@ -93,28 +108,170 @@ class ReaderUnavailableError(DlrmflowError, RuntimeError):
     """No reader endpoint could serve a stream; the message names each one and its error."""
 
 
+class ReaderSecurityError(DlrmflowError, ValueError):
+    """Reader security settings that cannot be used; the message names the key or address."""
+
+
+class ReaderRefusedError(DlrmflowError, PermissionError):
+    """A reader server refused the trainer's secret; the message names the endpoint."""
+
+
+# The shared secret's variable: the environment, unlike a command line, is not shown by ps.
+SECRET_ENV = "DLRMFLOW_READER_SECRET"
+_AUTH_HEADER = "authorization"  # gRPC metadata keys are lower case
+_BEARER = b"Bearer "
+
+
 @dataclass(frozen=True)
 class Endpoint:
-    """A reader server's ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6)."""
+    """A reader server's ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6); ``tls``: reached over
+    ``grpc+tls``."""
 
     host: str
     port: int
+    tls: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> Endpoint:
+    def parse(cls, text: str, *, tls: bool = False) -> Endpoint:
         host, sep, port = text.strip().rpartition(":")
         host = host.removeprefix("[").removesuffix("]")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"reader endpoint {text!r}: expected HOST:PORT, e.g. 10.0.0.5:8815")
-        return cls(host, int(port))
+        return cls(host, int(port), tls)
 
     @property
     def location(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"grpc://{host}:{self.port}"
+        scheme = "grpc+tls" if self.tls else "grpc"
+        return f"{scheme}://{self}"
+
+    @property
+    def loopback(self) -> bool:
+        """Whether only this host can reach the address (a name other than localhost is
+        taken as reachable from outside: what it resolves to may change)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     def __str__(self) -> str:
-        return self.location.removeprefix("grpc://")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def _read_setting(key: str, path: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ReaderSecurityError(
+            f"distributed.reader_security.{key}: cannot read {path}: {e.strerror or e}"
+        ) from None
+
+
+def _secret(config: ReaderSecurityConfig, environ: Mapping[str, str]) -> bytes | None:
+    """The shared secret from ``secret_file`` or the environment (never both: which one
+    wins would be a guess), without the whitespace a file ends in."""
+    from_env = environ.get(SECRET_ENV)
+    if config.secret_file is not None and from_env is not None:
+        raise ReaderSecurityError(
+            f"distributed.reader_security.secret_file and {SECRET_ENV} both give the reader "
+            "secret; give one"
+        )
+    if config.secret_file is not None:
+        where = f"distributed.reader_security.secret_file {config.secret_file}"
+        raw = _read_setting("secret_file", config.secret_file)
+    elif from_env is not None:
+        where, raw = SECRET_ENV, from_env.encode("utf-8", "surrogateescape")
+    else:
+        return None
+    secret = raw.strip()
+    # It travels in a gRPC header: printable ASCII only.
+    if not secret or not all(0x20 <= b < 0x7F for b in secret):
+        raise ReaderSecurityError(
+            f"{where}: the reader secret must be one line of printable ASCII characters"
+        )
+    return secret
+
+
+@dataclass(frozen=True)
+class ReaderSecurity:
+    """What a reader server or trainer trusts the other by: TLS (PEM bytes) and the shared
+    secret. Loaded once, where servers are started or a trainer reads, and handed down as
+    an object: a process forked from a ``forkserver`` would see its environment as it was
+    when that server started. ``repr`` shows no key nor secret."""
+
+    tls: bool = False
+    cert_chain: bytes | None = field(default=None, repr=False)
+    private_key: bytes | None = field(default=None, repr=False)
+    root_certs: bytes | None = field(default=None, repr=False)
+    secret: bytes | None = field(default=None, repr=False)
+
+    @classmethod
+    def load(
+        cls,
+        config: ReaderSecurityConfig,
+        *,
+        serving: bool,
+        environ: Mapping[str, str] | None = None,
+    ) -> ReaderSecurity:
+        """The settings of ``config`` (``distributed.reader_security``) with their files
+        read and the secret from ``secret_file`` or ``DLRMFLOW_READER_SECRET`` (in
+        ``environ``, default ``os.environ``); ``serving``: for a server, which needs its
+        certificate and key, else for a trainer, which needs only the roots."""
+        secret = _secret(config, os.environ if environ is None else environ)
+        if not config.tls:
+            return cls(secret=secret)
+        if not serving:
+            roots = None if config.ca_file is None else _read_setting("ca_file", config.ca_file)
+            return cls(tls=True, root_certs=roots, secret=secret)
+        missing = [k for k in ("cert_file", "key_file") if getattr(config, k) is None]
+        if missing:
+            raise ReaderSecurityError(
+                f"distributed.reader_security.tls: a reader server over TLS needs "
+                f"{' and '.join('distributed.reader_security.' + k for k in missing)}"
+            )
+        assert config.cert_file is not None and config.key_file is not None
+        return cls(
+            tls=True,
+            cert_chain=_read_setting("cert_file", config.cert_file),
+            private_key=_read_setting("key_file", config.key_file),
+            secret=secret,
+        )
+
+    def connect(self, endpoint: Endpoint) -> flight.FlightClient:
+        """A client of ``endpoint`` that checks its certificate against ``root_certs``."""
+        if self.tls != endpoint.tls:  # a programming error: endpoints come from here
+            raise ValueError(f"reader {endpoint}: TLS is {endpoint.tls}, security's {self.tls}")
+        return flight.connect(endpoint.location, tls_root_certs=self.root_certs)
+
+    def call_options(self, timeout_s: float | None = None) -> flight.FlightCallOptions:
+        """Options for every call: the secret as a bearer token, and ``timeout_s``."""
+        headers = [] if self.secret is None else [(_AUTH_HEADER.encode(), _BEARER + self.secret)]
+        return flight.FlightCallOptions(timeout=timeout_s, headers=headers)
+
+    def check_exposure(self, listen: Endpoint, *, insecure: bool) -> None:
+        """Refuse to serve an address other hosts can reach without TLS and a secret, unless
+        ``insecure``: anyone reaching the port could read the data, or pose as the server."""
+        if listen.loopback or (self.tls and self.secret is not None):
+            return
+        lacking = " and ".join(
+            what
+            for what, given in (
+                ("TLS (distributed.reader_security.tls, cert_file, key_file)", self.tls),
+                (
+                    f"a secret (distributed.reader_security.secret_file or {SECRET_ENV})",
+                    self.secret,
+                ),
+            )
+            if not given
+        )
+        if not insecure:
+            raise ReaderSecurityError(
+                f"reader server on {listen}: an address other hosts can reach needs {lacking}; "
+                "listen on 127.0.0.1, or give --insecure to serve it so anyway"
+            )
+        logger.warning("reader server on %s without %s (--insecure)", listen, lacking)
 
 
 class StreamRequest(BaseModel):
@@ -170,6 +327,23 @@ class StreamFactory(Protocol):
         ...
 
 
+class _SecretCheck(flight.ServerMiddlewareFactory):
+    """Refuses every call whose bearer token is not the secret, before its handler runs."""
+
+    def __init__(self, secret: bytes) -> None:
+        super().__init__()
+        self._expected = _BEARER + secret
+
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[Any]]) -> None:
+        given = headers.get(_AUTH_HEADER, [])
+        if not given:
+            raise flight.FlightUnauthenticatedError("no reader secret given")
+        token = given[0] if isinstance(given[0], bytes) else given[0].encode("utf-8", "replace")
+        if len(given) != 1 or not hmac.compare_digest(token, self._expected):
+            raise flight.FlightUnauthenticatedError("wrong reader secret")
+        return None
+
+
 def _refuse(kind: str, message: str) -> flight.FlightServerError:
     return flight.FlightServerError(
         message, extra_info=json.dumps({"type": kind, "message": message}).encode()
@@ -194,16 +368,44 @@ class FlightBatchServer(flight.FlightServerBase):
 
     It listens as soon as it is built (``listen`` with port 0 picks a free port, see
     ``endpoint``); ``serve`` blocks until a signal. ``features`` is the digest of what its
-    streams hold; a request for another refuses. ``shutdown()`` ends every open stream at
-    its next batch (clients fail over) and waits for them.
+    streams hold; a request for another refuses. ``security``: TLS with its certificate,
+    and the secret every call must carry (none: plain gRPC, open to any caller, refused on
+    an address other hosts reach unless ``insecure``). ``shutdown()`` ends every open
+    stream at its next batch (clients fail over) and waits for them.
     """
 
-    def __init__(self, listen: Endpoint, open_stream: StreamFactory, *, features: str) -> None:
+    def __init__(
+        self,
+        listen: Endpoint,
+        open_stream: StreamFactory,
+        *,
+        features: str,
+        security: ReaderSecurity | None = None,
+        insecure: bool = False,
+    ) -> None:
+        security = ReaderSecurity() if security is None else security
+        listen = Endpoint(listen.host, listen.port, security.tls)
+        security.check_exposure(listen, insecure=insecure)
+        if security.tls and (security.cert_chain is None or security.private_key is None):
+            raise ReaderSecurityError(
+                f"reader server on {listen}: TLS needs distributed.reader_security.cert_file "
+                "and key_file"
+            )
         self.features = features
         self._open_stream = open_stream
         self._closing = threading.Event()
-        super().__init__(listen.location)
-        self.endpoint = Endpoint(listen.host, self.port)
+        super().__init__(
+            listen.location,
+            tls_certificates=(
+                [flight.CertKeyPair(security.cert_chain, security.private_key)]
+                if security.tls
+                else None
+            ),
+            middleware=None
+            if security.secret is None
+            else {"secret": _SecretCheck(security.secret)},
+        )
+        self.endpoint = Endpoint(listen.host, self.port, security.tls)
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator:
         """``reader-state``: the state a ticket's stream starts in, checked against its layout;
@@ -432,7 +634,7 @@ ServerFactory = Callable[[str], FlightBatchServer]  # ``HOST:PORT`` -> a listeni
 
 def _serve_in_child(make_server: ServerFactory, listen: str, conn: Any) -> None:
     def ready(endpoint: Endpoint) -> None:
-        conn.send(endpoint.port)
+        conn.send(endpoint)
         conn.close()
 
     try:
@@ -489,9 +691,9 @@ def server_processes(
                 reply = parent.recv()
             except EOFError:
                 reply = f"exited with code {process.exitcode}"
-            if not isinstance(reply, int):
+            if not isinstance(reply, Endpoint):
                 raise RuntimeError(f"reader server process did not start: {reply}")
-            servers.append(ReaderProcess(process, Endpoint(host, reply)))
+            servers.append(ReaderProcess(process, reply))
         yield servers
     finally:
         for process, parent in started:
@@ -612,11 +814,12 @@ class _OpenCall:
         self.client.close()
 
 
-def _do_get(endpoint: Endpoint, ticket: flight.Ticket) -> _OpenCall:
+def _do_get(endpoint: Endpoint, ticket: flight.Ticket, security: ReaderSecurity) -> _OpenCall:
     """``ticket``'s stream from ``endpoint``, once the server has accepted it."""
-    client = flight.connect(endpoint.location)
+    client = security.connect(endpoint)
     try:
-        reader = client.do_get(ticket)
+        # No deadline: it would bound the whole pass (``_Deadlines`` bounds each message).
+        reader = client.do_get(ticket, security.call_options())
         reader.schema  # noqa: B018 -- waits until the server has accepted the stream
     except BaseException:
         client.close()
@@ -635,20 +838,23 @@ class _Opening:
     the interpreter's exit, where a pool's workers are joined.
     """
 
-    def __init__(self, endpoint: Endpoint, ticket: flight.Ticket) -> None:
+    def __init__(self, endpoint: Endpoint, ticket: flight.Ticket, security: ReaderSecurity) -> None:
         self._lock = threading.Lock()
         self._settled = threading.Event()
         self._outcome: _OpenCall | Exception | None = None
         self._given_up = False  # no one takes the call any more: the thread closes it
         self._abandoned = False
         threading.Thread(
-            target=self._run, args=(endpoint, ticket), name=f"dlrmflow-open-{endpoint}", daemon=True
+            target=self._run,
+            args=(endpoint, ticket, security),
+            name=f"dlrmflow-open-{endpoint}",
+            daemon=True,
         ).start()
 
-    def _run(self, endpoint: Endpoint, ticket: flight.Ticket) -> None:
+    def _run(self, endpoint: Endpoint, ticket: flight.Ticket, security: ReaderSecurity) -> None:
         outcome: _OpenCall | Exception
         try:
-            outcome = _do_get(endpoint, ticket)
+            outcome = _do_get(endpoint, ticket, security)
         except Exception as e:
             outcome = e
         with self._lock:
@@ -770,8 +976,9 @@ class _Stream:
 
     def _action(self, kind: str, endpoint: Endpoint) -> Any:
         # A unary call: gRPC's own deadline bounds it (do_get's would bound the whole pass).
-        options = flight.FlightCallOptions(timeout=self._source.timeout_s)
-        with flight.connect(endpoint.location) as client:
+        security = self._source.security
+        options = security.call_options(self._source.timeout_s)
+        with security.connect(endpoint) as client:
             action = flight.Action(kind, self._request.encode())
             try:
                 results = list(client.do_action(action, options))
@@ -782,7 +989,7 @@ class _Stream:
     def _open(self, endpoint: Endpoint, state: dict[str, Any]) -> _OpenCall:
         """A ``do_get`` of this reader's batches from ``state`` on, accepted by the server."""
         request = self._request.model_copy(update={"state": state})
-        opening = _Opening(endpoint, flight.Ticket(request.encode()))
+        opening = _Opening(endpoint, flight.Ticket(request.encode()), self._source.security)
         self._opening = opening
         if self._closed:  # closed before ``close`` could see this opening
             opening.abandon()
@@ -802,10 +1009,20 @@ class _Stream:
                 self._fail(e)
 
     def _raise_if_marked(self, error: Exception) -> None:
+        endpoint = self._endpoints[self._at]
+        if isinstance(error, flight.FlightUnauthenticatedError):
+            # Every endpoint shares the secret: failing over would only be refused again.
+            given = "refused this trainer's secret"
+            if self._source.security.secret is None:
+                given = "requires a secret and this trainer has none"
+            raise ReaderRefusedError(
+                f"reader {endpoint} {given}: give the servers' secret in "
+                f"distributed.reader_security.secret_file or {SECRET_ENV}"
+            ) from error
         marked = _marked(error)
         if marked is not None:
             kind, message = marked
-            raise kind(f"reader {self._endpoints[self._at]}: {message}") from error
+            raise kind(f"reader {endpoint}: {message}") from error
 
     def _fail(self, error: Exception) -> None:
         """Record the endpoint in use as failed and move to the next one left, or raise."""
@@ -817,15 +1034,22 @@ class _Stream:
         if not left:
             tried = "; ".join(f"{e}: {_why(why)}" for e, why in self._failed.items())
             start = f"state {self._state}" if self._state else f"the start of epoch {r.epoch}"
-            slow = ""
+            hints = ""
             if any(isinstance(why, _NoAnswer) for why in self._failed.values()):
-                slow = " A server only slow to answer needs a longer distributed.reader_timeout_s."
+                hints = " A server only slow to answer needs a longer distributed.reader_timeout_s."
+            if any(isinstance(why, flight.FlightUnavailableError) for why in self._failed.values()):
+                # A server over TLS drops a plain-text client at once (and the reverse).
+                over = "TLS" if self._source.security.tls else "plain gRPC"
+                hints += (
+                    " A server up but over the other protocol looks down too: this trainer "
+                    f"connects over {over} (distributed.reader_security.tls)."
+                )
             raise ReaderUnavailableError(
                 f"{where}: no reader endpoint left to serve its splits from {start}. "
                 f"Tried {tried}. Reader w is served by endpoint w mod S of the "
                 "S in distributed.readers and fails over to the next ones in order; start "
                 "the servers again (the state resumes exactly) or clear distributed.readers "
-                f"to read locally.{slow}"
+                f"to read locally.{hints}"
             ) from error
         self._at = next((i for i in left if i > self._at), left[0])
         self._source._record_failover()
@@ -894,6 +1118,7 @@ class RemoteBatchSource:
     ``timeout_s`` is how long a server may take to answer a request or send a stream's
     next batch before it counts as hung and the stream fails over: longer than a server
     takes to start a stream (list the files' row groups, preprocess a window) when busy.
+    ``security``: TLS and its roots, and the secret every call carries (none: plain gRPC).
     """
 
     def __init__(
@@ -910,12 +1135,14 @@ class RemoteBatchSource:
         world_size: int = 1,
         decode: Callable[[pa.RecordBatch], Any] | None = None,
         timeout_s: float = 30.0,
+        security: ReaderSecurity | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("RemoteBatchSource needs at least one reader endpoint")
         if not 0 < timeout_s < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
-        self.endpoints = [Endpoint.parse(e) for e in endpoints]
+        self.security = ReaderSecurity() if security is None else security
+        self.endpoints = [Endpoint.parse(e, tls=self.security.tls) for e in endpoints]
         duplicates = {str(e) for e in self.endpoints if self.endpoints.count(e) > 1}
         if duplicates:
             raise ValueError(f"distributed.readers lists {', '.join(sorted(duplicates))} twice")

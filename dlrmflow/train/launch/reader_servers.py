@@ -4,7 +4,8 @@ A server fits the feature spec and ID mapping from the config and data as ``fit_
 does, runs the local reader with the ``BatchTransform`` on its share of the row groups
 (``ParquetStreams``) and sends each ``Batch`` in the wire format of
 ``dlrmflow.features.wire``; trainers read them with ``make_train_loader``. The service
-itself, and how streams are divided and fail over, is ``dlrmflow.ingest.service``.
+itself, and how streams are divided and fail over, is ``dlrmflow.ingest.service``. Its
+TLS and secret come from ``distributed.reader_security`` (and ``DLRMFLOW_READER_SECRET``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dlrmflow.ingest.service import (
     FlightBatchServer,
     ParquetStreams,
     ReaderProcess,
+    ReaderSecurity,
     serve,
     server_processes,
 )
@@ -64,7 +66,9 @@ class ReaderServer(FlightBatchServer):
     It listens as soon as it is built (``listen`` ``HOST:0`` picks a free port, see
     ``endpoint``). ``workers`` is how many row groups it preprocesses at once (size it to
     its cores). ``transform`` builds the batch transform from the spec and IDs; the readers
-    benchmark passes one with an artificial cost. ``shutdown()`` ends every open stream at
+    benchmark passes one with an artificial cost. ``security``: its TLS and secret (none:
+    loaded from ``distributed.reader_security`` and the environment); an address other
+    hosts reach needs both unless ``insecure``. ``shutdown()`` ends every open stream at
     its next batch (clients fail over) and waits for them.
     """
 
@@ -75,12 +79,17 @@ class ReaderServer(FlightBatchServer):
         workers: int,
         *,
         transform: TransformFactory = BatchTransform,
+        security: ReaderSecurity | None = None,
+        insecure: bool = False,
     ) -> None:
         _end_with_parent()
         # Bad settings fail before the features are fitted, which may take minutes.
         if workers < 1:
             raise ValueError(f"workers must be positive, got {workers}")
-        endpoint = Endpoint.parse(listen)
+        if security is None:
+            security = ReaderSecurity.load(config.distributed.reader_security, serving=True)
+        endpoint = Endpoint.parse(listen, tls=security.tls)
+        security.check_exposure(endpoint, insecure=insecure)
         self.root = config.data.url
         manifest = read_manifest(self.root)
         spec, ids = fit_features(config, manifest)
@@ -94,7 +103,13 @@ class ReaderServer(FlightBatchServer):
             transform=batch_transform,
             encode=encode_batch,
         )
-        super().__init__(endpoint, streams, features=features_digest(spec, ids))
+        super().__init__(
+            endpoint,
+            streams,
+            features=features_digest(spec, ids),
+            security=security,
+            insecure=insecure,
+        )
 
 
 def serve_readers(
@@ -104,20 +119,22 @@ def serve_readers(
     *,
     transform: TransformFactory = BatchTransform,
     ready: Callable[[Endpoint], None] | None = None,
+    insecure: bool = False,
 ) -> None:
     """Serve ``config.data.url``'s batches on ``listen`` (``HOST:PORT``) until SIGINT/SIGTERM.
 
     ``ready`` is called with the bound endpoint once the server listens (with port 0, that
     is how to learn the port). Call it from the main thread: it installs the signal
-    handlers (see ``dlrmflow.ingest.service.serve``).
+    handlers (see ``dlrmflow.ingest.service.serve``). ``insecure``: serve an address other
+    hosts reach without TLS and a secret.
     """
-    server = ReaderServer(config, listen, workers, transform=transform)
+    server = ReaderServer(config, listen, workers, transform=transform, insecure=insecure)
 
     def started(endpoint: Endpoint) -> None:
         logger.info(
             "dlrmflow readers: serving %s on %s with %d preprocessing slot(s)",
             server.root,
-            endpoint,
+            endpoint.location,
             workers,
         )
         if ready is not None:
@@ -138,8 +155,14 @@ def reader_processes(
     """Start ``count`` ``ReaderServer`` processes on free ports at once; stop them on exit.
 
     ``transform`` must be picklable. On exit each process gets SIGTERM (its open streams
-    end), then SIGKILL if it has not ended within 5 seconds.
+    end), then SIGKILL if it has not ended within 5 seconds. The security settings are
+    loaded here, so that they are checked once and the secret is this process's
+    environment's (the processes fork from a server started earlier).
     """
-    make_server = partial(ReaderServer, config, workers=workers, transform=transform)
+    security = ReaderSecurity.load(config.distributed.reader_security, serving=True)
+    security.check_exposure(Endpoint.parse(f"{host}:0", tls=security.tls), insecure=False)
+    make_server = partial(
+        ReaderServer, config, workers=workers, transform=transform, security=security
+    )
     with server_processes(make_server, count, host=host, preload=[__name__]) as servers:
         yield servers

@@ -285,7 +285,7 @@ def _remote_source(
     """The ``Batch``es of ``config.distributed.readers`` for ``paths`` (under ``data.url``),
     from a server that hangs failing over after ``distributed.reader_timeout_s``."""
     # Imported here: only trainers that read from reader servers load Flight (gRPC).
-    from dlrmflow.ingest.service import RemoteBatchSource
+    from dlrmflow.ingest.service import ReaderSecurity, RemoteBatchSource
 
     root = config.data.url.rstrip("/") + "/"
     outside = [p for p in paths if not p.startswith(root)]
@@ -307,4 +307,7 @@ def _remote_source(
         world_size=world_size,
         decode=decode_batch,
         timeout_s=config.distributed.reader_timeout_s,
+        # The secret is read here, in the rank, from its file or the environment: it is
+        # never part of the configuration the launcher writes down.
+        security=ReaderSecurity.load(config.distributed.reader_security, serving=False),
     )

@@ -327,6 +327,8 @@ def _reader_service(net: Namespaces, config_file: Path) -> Iterator[None]:
     server = net.start(
         "r",
         *["readers", "serve", "--config", str(config_file), "--listen", READERS],
+        # A link-local address in a namespace of its own: no other host is there to read.
+        "--insecure",
         *["--workers", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
