@@ -34,9 +34,10 @@ def line(
     from dlrmflow.train.line.line import train_line
 
     made = train_line(line_dir, _config(line_dir, data, config, set_), through=through)
+    report = _report(line_dir, {"trained": [asdict(v) for v in made]})  # may fail: first
     if not made:
         typer.echo(f"{line_dir}: no new day to train on", err=True)
-    echo_json(_report(line_dir, {"trained": [asdict(v) for v in made]}))
+    echo_json(report)
 
 
 def backfill(

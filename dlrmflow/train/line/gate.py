@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrmflow.config import GateConfig
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.export import export_model
 
@@ -31,6 +32,10 @@ MODELS_DIR = "models"
 CURRENT = "current"
 MODEL_FILE = "model.safetensors"
 RECORD_FILE = "model.json"
+
+
+class ChampionError(DlrmflowError):
+    """``models/current`` does not name a published version."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +88,33 @@ def judge(
 
 
 def champion(line_dir: Path) -> int | None:
-    """The version serving now (``models/current``), or None before the first promotion."""
-    link = line_dir / MODELS_DIR / CURRENT
-    if not link.is_symlink():
+    """The version serving now (``models/current``), or None before the first promotion.
+
+    Publishing only ever moves ``current`` forward, so the champion is the newest
+    published version (``models/NNNN`` with its ``model.json``). A ``current`` that is
+    not a link to one (dangling, another name, a regular file, or missing once a version
+    was published) is one line naming it and the command that repairs it: the gate must
+    not judge against no champion, or the wrong one."""
+    models = line_dir / MODELS_DIR
+    link = models / CURRENT
+    published = sorted(
+        path.name
+        for path in (models.glob("[0-9][0-9][0-9][0-9]") if models.is_dir() else [])
+        if (path / RECORD_FILE).is_file()
+    )
+    if link.is_symlink():
+        target = os.readlink(link)
+        if target in published:
+            return int(target)
+        cause = f"points at {target!r}, which is not a published version (models/NNNN)"
+    elif link.exists():
+        cause = "is not a symbolic link to the champion's models/NNNN"
+    elif published:
+        cause = f"is missing, but version {published[-1]} was published"
+    else:
         return None
-    return int(os.readlink(link))
+    repair = f"ln -sfn {published[-1]} {link}" if published else f"rm {link}"
+    raise ChampionError(f"{link}: {cause}; the champion is the newest published version: {repair}")
 
 
 def publish(line_dir: Path, checkpoint: Path, record: dict[str, Any], verdict: Verdict) -> Path:

@@ -48,7 +48,12 @@ from dlrmflow.train.launch.job import launch_evaluation, launch_training
 from dlrmflow.train.line.gate import Verdict, champion, judge, publish
 from dlrmflow.train.line.registry import log_version, mark_champion
 from dlrmflow.train.line.unseen import unseen_ids
-from dlrmflow.train.run.checkpoint import DataIdentity, read_checkpoint
+from dlrmflow.train.run.checkpoint import (
+    CHECKPOINTS_DIR,
+    DataIdentity,
+    list_checkpoints,
+    read_checkpoint,
+)
 from dlrmflow.train.run.resume import RUN_KEYS
 from dlrmflow.train.run.rundir import run_dir_lock
 
@@ -91,24 +96,60 @@ def line_config(line_dir: Path, config: RunConfig | None) -> RunConfig:
     """The line's configuration: ``config`` when the line starts (written to
     ``config.json``), the recorded one afterwards. A ``config`` given to a started line
     must be the same run (a ``RUN_KEYS`` key or the dataset that differs is refused), and
-    is this call's: how it runs (ranks, logging, checkpoints) may change."""
+    is this call's: how it runs (ranks, logging, checkpoints) may change.
+
+    A line has started once it has a version or a checkpoint. Before, a given ``config``
+    replaces the recorded one: a first call that failed (a mistyped ``--data``) leaves
+    nothing a corrected call must match. An unreadable ``config.json`` is one line naming
+    it; given the configuration again, the line rewrites it, checked against the newest
+    version's checkpoint (which records the configuration it trained with)."""
     path = line_dir / LINE_FILE
     if config is not None:
         _refuse_run_length("the configuration given", config)
-    if path.is_file():
-        recorded = recorded_config(json.loads(path.read_text()))
+    if not path.is_file() and config is None:
+        raise LineError(f"{line_dir}: no {LINE_FILE}; start the line with a configuration")
+    recorded = _recorded(path, config) if path.is_file() else None
+    if recorded is not None:
         _refuse_run_length(str(path), recorded)
         if config is None:
             return _as_line(line_dir, recorded)
-        given = _as_line(line_dir, config)  # compared as the line runs it
-        _refuse_another_run(path, recorded, given)
-        return given
-    if config is None:
-        raise LineError(f"{line_dir}: no {LINE_FILE}; start the line with a configuration")
+    assert config is not None
+    given = _as_line(line_dir, config)  # compared as the line runs it
+    newest = _newest_checkpoint(line_dir)
+    if newest is not None:
+        if recorded is not None:
+            _refuse_another_run(path, recorded, given)
+            return given
+        trained = _as_line(line_dir, recorded_config(read_checkpoint(newest).manifest["config"]))
+        _refuse_another_run(newest, trained, given)
     line_dir.mkdir(parents=True, exist_ok=True)
-    line = _as_line(line_dir, config)
-    write_atomic(path, json.dumps(line.model_dump(mode="json"), indent=1) + "\n")
-    return line
+    write_atomic(path, json.dumps(given.model_dump(mode="json"), indent=1) + "\n")
+    return given
+
+
+def _recorded(path: Path, config: RunConfig | None) -> RunConfig | None:
+    """The configuration ``config.json`` records; None when it cannot be read and a
+    ``config`` is given to rewrite it."""
+    try:
+        return recorded_config(json.loads(path.read_text()))
+    except (ValueError, OSError) as e:
+        if config is not None:
+            return None
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise LineError(
+            f"{path}: unreadable ({cause}); give the line's configuration again "
+            "(--config FILE, or --data and --set as it started) to rewrite it"
+        ) from e
+
+
+def _newest_checkpoint(line_dir: Path) -> Path | None:
+    """What the line has trained: its newest version's checkpoint, else the run's newest
+    (a first day killed before its version was written); None before any training."""
+    made = versions(line_dir)
+    if made:
+        return line_dir / VERSIONS_DIR / made[-1].name / "checkpoint"
+    found = list_checkpoints(line_dir / RUN_DIR)
+    return found[-1].path if found else None
 
 
 def _as_line(line_dir: Path, config: RunConfig) -> RunConfig:
@@ -162,11 +203,26 @@ def versions(line_dir: Path) -> list[Version]:
 
 
 def history(line_dir: Path) -> list[dict[str, Any]]:
-    """The next-day validation records, one per day, in day order."""
+    """The next-day validation records, one per day, in day order: ``history.jsonl``'s,
+    and each version's own (``version.json`` keeps the record of the day it trained on),
+    so a history removed or cut short is whole again. A line that is not a record is one
+    line naming the file, the line and the cause."""
+    records = {v.validation["day"]: v.validation for v in versions(line_dir) if v.validation}
     path = line_dir / HISTORY_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+            records[int(record["day"])] = record
+        except (ValueError, KeyError, TypeError) as e:
+            raise LineError(
+                f"{path}: line {number} is not a validation record ({e}); remove that line "
+                f"(or the file: the trained days' records are kept in versions/NNNN/"
+                f"{VERSION_FILE} too, and a day not trained yet is validated again)"
+            ) from e
+    return [records[day] for day in sorted(records)]
 
 
 class Line:
@@ -243,7 +299,7 @@ class Line:
         validation = None
         if parent is not None:
             digest = day_digest(read_manifest(self.config.data.url), day)
-            validation = _validate(self.dir, self.config, day, digest, parent.days)
+            validation = _validate(self.dir, self.config, day, digest, parent)
             _gate(self.dir, self.config, parent, day, digest, validation)
         version = _train_day(self.dir, self.config, first, day, parent, validation)
         self.versions.append(version)
@@ -257,9 +313,27 @@ def open_line(line_dir: str | Path, config: RunConfig | None = None) -> Iterator
     line_dir = Path(line_dir)
     with run_dir_lock(line_dir, "dlrmflow line"):
         opened = Line(line_dir, line_config(line_dir, config))
+        _restore_run(line_dir, opened.versions)
         for version in opened.versions:  # one a killed call wrote but did not log
             log_version(opened.config, line_dir, line_dir / VERSIONS_DIR / version.name)
         yield opened
+
+
+def _restore_run(line_dir: Path, made: list[Version]) -> None:
+    """Give a run directory that lost its checkpoints (``LINE/run/`` deleted) the newest
+    version's, hard-linked: it is the run's checkpoint at the end of that version's day,
+    so the line continues bitwise where it stood instead of training every day again."""
+    run = line_dir / RUN_DIR
+    if not made or list_checkpoints(run):
+        return
+    source = line_dir / VERSIONS_DIR / made[-1].name / "checkpoint"
+    step = int(read_checkpoint(source).manifest["step"])
+    target = run / CHECKPOINTS_DIR / f"step_{step:09d}"
+    partial = target.with_name(f".restored-{target.name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, partial, copy_function=os.link)
+    partial.rename(target)
 
 
 def train_line(
@@ -327,6 +401,11 @@ def _gate(
         against = None
         if serving is not None:
             served = line_dir / VERSIONS_DIR / f"{serving:04d}" / "checkpoint"
+            if not (served / "manifest.json").is_file():
+                raise LineError(
+                    f"{served}: the champion's checkpoint is gone, and the gate scores the "
+                    "champion with it: restore the version's directory"
+                )
             against = (serving, _score(line, day, served))
         judged = judge(version.number, day, metrics, against, line.gate)
         verdict = replace(judged, day_digest=digest)
@@ -347,18 +426,19 @@ def verdicts(line_dir: Path) -> list[Verdict]:
 
 
 def _validate(
-    line_dir: Path, line: RunConfig, day: int, digest: str, trained: list[int]
+    line_dir: Path, line: RunConfig, day: int, digest: str, version: Version
 ) -> dict[str, Any]:
-    """The newest version (which trained on ``trained``; its checkpoint is the run's
-    newest) scored on ``day``, with the share of the day's IDs it never saw (``unseen``),
-    once: a day already in the history keeps its record, unless it was scored on other
-    files of the day (``digest``, the record's ``day_digest``), which it then replaces."""
+    """The newest ``version`` (its own checkpoint, whatever the run directory holds)
+    scored on ``day``, with the share of the day's IDs it never saw (``unseen``), once: a
+    day already in the history keeps its record, unless it was scored on other files of
+    the day (``digest``, the record's ``day_digest``), which it then replaces."""
     records = history(line_dir)
     for record in records:
         if record["day"] == day and record.get("day_digest") == digest:
             return record
-    unseen = unseen_ids(line_dir, line.data.url, day, trained)
-    record = {**_score(line, day), "unseen_ids": unseen, "day_digest": digest}
+    unseen = unseen_ids(line_dir, line.data.url, day, version.days)
+    checkpoint = line_dir / VERSIONS_DIR / version.name / "checkpoint"
+    record = {**_score(line, day, checkpoint), "unseen_ids": unseen, "day_digest": digest}
     kept = [r for r in records if r["day"] != day]
     text = "".join(json.dumps(r) + "\n" for r in sorted([*kept, record], key=lambda r: r["day"]))
     # Rewritten whole and renamed: a kill leaves the old history or the new, never half.

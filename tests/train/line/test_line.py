@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,6 +145,63 @@ def test_a_line_refuses_a_run_length_it_cannot_honour_in_one_line(
         assert code == 1 and len(err) == 1, err
         assert f"{key}={value}: a line trains each new day whole" in err[0]
         assert not (line / "config.json").exists()  # not started: a corrected call starts it
+
+
+def test_a_broken_line_fails_in_one_line_naming_the_file_and_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    data = _grow(tmp_path / "data", 2)
+    line = tmp_path / "line"
+    sizes = [
+        "--set", "train.batch_size=400", "--set", "train.num_workers=0",
+        "--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16, 8]",
+        "--set", "gate.calibration_min=0.01", "--set", "gate.calibration_max=100",
+    ]  # fmt: skip
+
+    def cli(*args: str) -> tuple[int, str, list[str]]:
+        return run_cli(monkeypatch, capsys, "line", "--line", str(line), *args)
+
+    def fails(message: str, *args: str) -> None:
+        code, _, err = cli(*args)
+        assert code == 1 and len(err) == 1 and message in err[0], err
+
+    # A first call that failed leaves nothing a corrected call must match.
+    fails(str(tmp_path / "typo"), "--data", str(tmp_path / "typo"), *sizes)
+    code, _, err = cli("--data", data, *sizes)
+    assert code == 0, err
+    records = history(line)
+
+    recorded = (line / "config.json").read_text()
+    (line / "config.json").write_text("")
+    fails("config.json: unreadable (Expecting value: line 1 column 1")
+    (tmp_path / "line.json").write_text(recorded)  # given again, it is rewritten
+    assert cli("--config", str(tmp_path / "line.json"))[0] == 0
+    assert json.loads((line / "config.json").read_text()) == json.loads(recorded)
+
+    (line / "history.jsonl").write_text('{"day": 1, "auc"\n')
+    fails("history.jsonl: line 1 is not a validation record")
+    (line / "history.jsonl").unlink()  # the trained days' records are the versions'
+    assert cli()[0] == 0 and history(line) == records
+
+    current = line / "models" / "current"
+    for target in ("0007", "x"):  # dangling, not a version
+        current.unlink()
+        current.symlink_to(target)
+        fails(f"current: points at '{target}', which is not a published version")
+    current.unlink()
+    current.write_text("0000\n")
+    fails("current: is not a symbolic link to the champion's models/NNNN")
+    current.unlink()
+    fails(f"current: is missing, but version 0000 was published; the champion is the newest "
+          f"published version: ln -sfn 0000 {current}")  # fmt: skip
+    current.symlink_to("0000")
+
+    shutil.rmtree(line / "run")  # continued from the newest version's checkpoint
+    _grow(tmp_path / "data", 3)
+    code, out, err = cli()
+    assert code == 0, err
+    assert [v["days"] for v in json.loads(out)["trained"]] == [[0, 1, 2]]
+    assert [r["day"] for r in history(line)] == [1, 2]
 
 
 def test_a_line_killed_anywhere_resumes_to_where_the_whole_line_ends(tmp_path: Path) -> None:
