@@ -20,7 +20,11 @@ def line(
     line_dir: LineDirOpt,
     data: DataOpt = None,
     through: Annotated[
-        int | None, typer.Option(help="Train through this day at most (default: the last).")
+        int | None,
+        typer.Option(
+            help="Train through this day at most (default: the dataset's last); a day the "
+            "dataset lacks yet waits for a later call, and one trained already is no error."
+        ),
     ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -43,7 +47,11 @@ def line(
 def backfill(
     line_dir: LineDirOpt,
     through: Annotated[
-        int | None, typer.Option(help="Train through this day (default: the dataset's last).")
+        int | None,
+        typer.Option(
+            help="Train through this day at most (default: the dataset's last); a day the "
+            "dataset lacks yet waits for a later call, and one trained already is no error."
+        ),
     ] = None,
     data: DataOpt = None,
     config: ConfigOpt = None,

@@ -102,8 +102,12 @@ def test_backfill_runs_the_flow_a_day_at_a_time(
     assert code == 0 and json.loads(out)["versions"] == 3
     assert json.loads(out)["runs"][0]["message"].startswith("no new day")
 
-    code, out, err = run_cli(monkeypatch, capsys, "backfill", "--line", line, "--through", "7")
-    assert code == 1 and len(err) == 1 and "--through 7: not a day of" in err[0], err
+    for through in ("7", "0"):  # at most: days not there yet, or trained already
+        code, out, err = run_cli(
+            monkeypatch, capsys, "backfill", "--line", line, "--through", through
+        )
+        assert code == 0, err
+        assert json.loads(out)["runs"][0]["message"].startswith("no new day")
 
 
 def test_max_days_must_be_positive(prefect_api, tmp_path: Path):

@@ -247,26 +247,24 @@ class Line:
         return result.written_days
 
     def pending(self, through: int | None = None) -> list[int]:
-        """The dataset's days the line has not trained on (through ``through``), in order,
-        once the days it trained on are checked to be the files it trained on
-        (``check_data``): nothing is scored or recorded on another dataset."""
+        """The dataset's days the line has not trained on, in order, through ``through`` at
+        most: a day the dataset lacks yet is left for a later call, and one trained
+        already leaves nothing to do. The days it trained on are checked first to be the
+        files it trained on (``check_data``): nothing is scored or recorded on another
+        dataset."""
         url = self.config.data.url
+        if through is not None and through < 0:
+            raise LineError(f"--through {through}: days are numbered from 0")
         manifest = read_manifest(url)
         self.check_data(manifest)
         days = sorted({f.day for f in manifest.files})
-        if through is not None:
-            if through not in days:
-                raise LineError(
-                    f"--through {through}: not a day of {url} (days {days[0]}-{days[-1]})"
-                )
-            days = [d for d in days if d <= through]
         seen = [v.day for v in self.versions]
         if seen and seen != days[: len(seen)]:
             raise LineError(
                 f"{self.dir}: its versions trained days {seen}, which are not the first days "
                 f"of {url} ({days[: len(seen)]})"
             )
-        return days[len(seen) :]
+        return [d for d in days[len(seen) :] if through is None or d <= through]
 
     def check_data(self, manifest: Manifest) -> None:
         """Refuse a dataset whose days the line trained on are no longer the files it

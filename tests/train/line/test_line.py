@@ -68,7 +68,7 @@ def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -
     assert [v.number for v in versions(line)] == [0, 1, 2]
 
 
-def test_a_line_refuses_another_configuration_or_a_day_it_lacks(tmp_path: Path) -> None:
+def test_a_line_refuses_another_configuration_and_trains_through_at_most(tmp_path: Path) -> None:
     data = _grow(tmp_path / "data", 2)
     line = tmp_path / "line"
     train_line(line, _config(data, tmp_path / "x"), through=0)
@@ -83,8 +83,10 @@ def test_a_line_refuses_another_configuration_or_a_day_it_lacks(tmp_path: Path) 
     logged = (line / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(r)["step"] for r in logged if '"loss"' in r]
     assert second.steps == 14 and 8 in steps  # day 1's steps 8-14, logged every 2
-    with pytest.raises(LineError, match="--through 7: not a day"):
-        train_line(line, through=7)
+    # --through is "at most": past the dataset's days or below the trained ones, no error.
+    assert train_line(line, through=7) == [] and train_line(line, through=0) == []
+    with pytest.raises(LineError, match="--through -1: days are numbered from 0"):
+        train_line(line, through=-1)
     with pytest.raises(LineError, match="no config.json"):
         train_line(tmp_path / "new")
 
