@@ -76,7 +76,6 @@ import pyarrow.flight as flight
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torchdata.nodes import BaseNode
 
-from dlrmflow.config import ReaderSecurityConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.manifest import Manifest, join_url
 from dlrmflow.ingest.reader import (
@@ -160,6 +159,17 @@ class Endpoint:
         return f"{host}:{self.port}"
 
 
+class ReaderSecuritySettings(Protocol):
+    """What ``ReaderSecurity.load`` reads: the configuration's
+    ``distributed.reader_security`` (the ingest stage imports no configuration)."""
+
+    tls: bool
+    cert_file: str | None
+    key_file: str | None
+    ca_file: str | None
+    secret_file: str | None
+
+
 def _read_setting(key: str, path: str) -> bytes:
     try:
         return Path(path).expanduser().read_bytes()
@@ -169,7 +179,7 @@ def _read_setting(key: str, path: str) -> bytes:
         ) from None
 
 
-def _secret(config: ReaderSecurityConfig, environ: Mapping[str, str]) -> bytes | None:
+def _secret(config: ReaderSecuritySettings, environ: Mapping[str, str]) -> bytes | None:
     """The shared secret from ``secret_file`` or the environment (never both: which one
     wins would be a guess), without the whitespace a file ends in."""
     from_env = environ.get(SECRET_ENV)
@@ -210,7 +220,7 @@ class ReaderSecurity:
     @classmethod
     def load(
         cls,
-        config: ReaderSecurityConfig,
+        config: ReaderSecuritySettings,
         *,
         serving: bool,
         environ: Mapping[str, str] | None = None,
