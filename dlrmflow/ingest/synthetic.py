@@ -43,6 +43,7 @@ from dlrmflow.ingest.dayfile import (
     join,
     remove_temporaries,
 )
+from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import (
     DayFile,
     Manifest,
@@ -180,7 +181,12 @@ def generate_dataset(
         raise ValueError("data.url: empty dataset URL")
     if config.seed < 0:
         raise ValueError(f"data.seed must be >= 0 (got {config.seed})")
+    with dataset_lock(root, "generate"):
+        return _generate(config, root, progress)
 
+
+def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | None) -> Manifest:
+    """``generate_dataset``'s writing, under the dataset's lock."""
     truth = _ground_truth(config)
     remove_temporaries(root)
     test_day = config.days - 1

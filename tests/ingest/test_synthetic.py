@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
+import sys
 
 import fsspec
 import numpy as np
@@ -195,5 +197,46 @@ def test_negative_seed_is_rejected(tmp_path):
 def test_unwritable_location_names_the_file(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    with pytest.raises(OSError, match=r"day 0: .*not-a-directory/day=0/part-\w+\.parquet"):
+    with pytest.raises(OSError, match=r"not-a-directory: cannot be the dataset's folder: File"):
         generate_dataset(_config(blocker, rows_per_day=10))
+    inside = tmp_path / "data"
+    (inside / "day=0").mkdir(parents=True)
+    (inside / "day=0" / day_file_name(_config(inside, rows_per_day=10), 0)).mkdir()
+    with pytest.raises(OSError, match=r"day 0: .*data/day=0/part-\w+\.parquet"):
+        generate_dataset(_config(inside, rows_per_day=10))
+
+
+_HOLD_DATASET = """
+import sys, time
+from dlrmflow.ingest.lock import dataset_lock
+with dataset_lock(sys.argv[1], "generate"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_generate_into_one_folder_says_another_writer_holds_it(tmp_path):
+    """Two writers would remove each other's temporaries and publish half-written days:
+    the second fails at once in one line naming the holder, touching nothing; once the
+    holder is gone (even killed) the folder is free."""
+    url = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "DLRMFLOW_HELD_RUN_DIRS"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_DATASET, str(url)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    generate = [sys.executable, "-m", "dlrmflow", "generate", "--out", str(url)]
+    generate += ["--set", "data.days=2", "--set", "data.rows_per_day=50"]
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        refused = subprocess.run(generate, capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert refused.returncode == 1
+    [line] = refused.stderr.strip().splitlines()
+    assert f"{url} is in use by pid {holder.pid}" in line, line
+    assert "another writer holds the dataset" in line, line
+    assert not list(url.glob("day=*")) and not (url / "manifest.json").exists()
+    done = subprocess.run(generate, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (url / "manifest.json").is_file()

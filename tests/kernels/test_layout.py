@@ -48,6 +48,7 @@ FORBIDDEN = {
         "outputs",
         "supervise",
         "guard",
+        "locks",
     },
 }
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from dlrmflow.config import DistributedConfig, RunConfig
 from dlrmflow.days import Window, window_text
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.locks import held_lock_fds
 from dlrmflow.supervise import (
     Job,
     JobStopped,
@@ -45,7 +46,6 @@ from dlrmflow.supervise import (
 from dlrmflow.train.launch.agent import FAILURES, STARTUP_FAILED
 from dlrmflow.train.launch.multihost import Hosts, StartupFailed
 from dlrmflow.train.run.evaluate import evaluate
-from dlrmflow.train.run.rundir import held_lock_fds
 from dlrmflow.train.run.trainer import TrainResult, train
 
 CONFIG_FILE = "config.json"
