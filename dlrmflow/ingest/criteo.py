@@ -51,6 +51,7 @@ from dlrmflow.ingest.dayfile import (
     file_name,
     remove_temporaries,
 )
+from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import (
     DayFile,
     Manifest,
@@ -179,33 +180,36 @@ def convert_criteo(
 
     This is ``start_conversion``, ``convert_day`` for each input, then ``finish_conversion``:
     the ingest flow runs the same three steps with the days as separate (parallel) tasks.
+    The dataset folder is locked meanwhile (``dataset_lock``): a second writer fails at
+    once naming this one.
     """
-    start_conversion(
-        inputs,
-        out,
-        max_bad_fraction=max_bad_fraction,
-        row_group_size=row_group_size,
-        block_size=block_size,
-    )
-    days: list[ConvertedDay] = []
-    try:
-        for day, url in enumerate(inputs):
-            days.append(
-                convert_day(
-                    url,
-                    day,
-                    out,
-                    max_bad_fraction=max_bad_fraction,
-                    row_group_size=row_group_size,
-                    block_size=block_size,
-                    progress=progress,
+    with dataset_lock(out, "convert"):
+        start_conversion(
+            inputs,
+            out,
+            max_bad_fraction=max_bad_fraction,
+            row_group_size=row_group_size,
+            block_size=block_size,
+        )
+        days: list[ConvertedDay] = []
+        try:
+            for day, url in enumerate(inputs):
+                days.append(
+                    convert_day(
+                        url,
+                        day,
+                        out,
+                        max_bad_fraction=max_bad_fraction,
+                        row_group_size=row_group_size,
+                        block_size=block_size,
+                        progress=progress,
+                    )
                 )
-            )
-        return finish_conversion(inputs, out, days)
-    except BaseException:
-        # Against the manifest in place now: once the new one is, its files stay.
-        discard_unlisted(out, [d.path for d in days], listed_paths(out))
-        raise
+            return finish_conversion(inputs, out, days)
+        except BaseException:
+            # Against the manifest in place now: once the new one is, its files stay.
+            discard_unlisted(out, [d.path for d in days], listed_paths(out))
+            raise
 
 
 def start_conversion(
@@ -462,43 +466,44 @@ def convert_landed(
     (``generator["landed"]``), switched with the days it lists in one rename. A new day
     without a row is refused naming its file: it could be neither validated nor trained
     on. The options are ``convert_criteo``'s."""
-    plan = plan_landing(directory, out)
-    records = [f.record() for f in plan]
-    before = read_manifest(out) if any(f.converted for f in plan) else None
-    new = [f for f in plan if not f.converted]
-    if before is not None and not new and (before.generator or {}).get(LANDED_KEY) == records:
-        return _as_result(before, [])  # nothing landed, nothing to write
-    inputs = [f.url for f in plan]
-    start_conversion(
-        inputs,
-        out,
-        max_bad_fraction=max_bad_fraction,
-        row_group_size=row_group_size,
-        block_size=block_size,
-    )
-    days = [_kept_day(before, out, f) for f in plan if f.converted and before is not None]
-    try:
-        for f in new:
-            day = convert_day(
-                f.url,
-                f.day,
-                out,
-                max_bad_fraction=max_bad_fraction,
-                row_group_size=row_group_size,
-                block_size=block_size,
-                progress=progress,
-            )
-            days.append(day)
-            if day.rows == 0:
-                raise LandingError(
-                    f"{f.url}: no row ({day.lines} lines, {day.bad_lines} malformed), and an "
-                    "empty day can be neither validated nor trained on: remove it from the "
-                    "landing folder"
+    with dataset_lock(out, "convert"):
+        plan = plan_landing(directory, out)
+        records = [f.record() for f in plan]
+        before = read_manifest(out) if any(f.converted for f in plan) else None
+        new = [f for f in plan if not f.converted]
+        if before is not None and not new and (before.generator or {}).get(LANDED_KEY) == records:
+            return _as_result(before, [])  # nothing landed, nothing to write
+        inputs = [f.url for f in plan]
+        start_conversion(
+            inputs,
+            out,
+            max_bad_fraction=max_bad_fraction,
+            row_group_size=row_group_size,
+            block_size=block_size,
+        )
+        days = [_kept_day(before, out, f) for f in plan if f.converted and before is not None]
+        try:
+            for f in new:
+                day = convert_day(
+                    f.url,
+                    f.day,
+                    out,
+                    max_bad_fraction=max_bad_fraction,
+                    row_group_size=row_group_size,
+                    block_size=block_size,
+                    progress=progress,
                 )
-        return finish_conversion(inputs, out, days, landed=records)
-    except BaseException:
-        discard_unlisted(out, [d.path for d in days if not d.kept], listed_paths(out))
-        raise
+                days.append(day)
+                if day.rows == 0:
+                    raise LandingError(
+                        f"{f.url}: no row ({day.lines} lines, {day.bad_lines} malformed), and an "
+                        "empty day can be neither validated nor trained on: remove it from the "
+                        "landing folder"
+                    )
+            return finish_conversion(inputs, out, days, landed=records)
+        except BaseException:
+            discard_unlisted(out, [d.path for d in days if not d.kept], listed_paths(out))
+            raise
 
 
 def _landed_files(directory: str) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -18,11 +19,14 @@ from dlrmflow.ingest.criteo import (
     MAX_LINE_BYTES,
     MalformedDataError,
     convert_criteo,
+    convert_landed,
     day_file_name,
 )
 from dlrmflow.ingest.dayfile import content_digest
+from dlrmflow.ingest.lock import DatasetBusy
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.schema import DENSE, SPARSE, criteo_schema
+from tests.ingest.test_synthetic import HOLD_DATASET
 
 
 @pytest.fixture(scope="module")
@@ -445,3 +449,28 @@ def test_bad_arguments_are_rejected(sample: Path, tmp_path: Path) -> None:
         convert_criteo([str(sample)], str(tmp_path), max_bad_fraction=1.5)
     with pytest.raises(ValueError, match="distinct file names"):
         convert_criteo([str(sample), str(sample)], str(tmp_path))
+
+
+@pytest.mark.parametrize("how", ["convert", "landing"])
+def test_a_conversion_into_a_dataset_another_writer_holds_is_refused(criteo_sample, tmp_path, how):
+    """Conversions lock the dataset folder as generate does (see test_synthetic): while
+    another process holds it, they fail at once naming it and write nothing."""
+    out = tmp_path / "data"
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "day_0.tsv").write_bytes(criteo_sample.read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "DLRMFLOW_HELD_RUN_DIRS"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_DATASET, str(out)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(DatasetBusy, match=rf"in use by pid {holder.pid} .*another writer"):
+            if how == "convert":
+                convert_criteo([str(landing / "day_0.tsv")], str(out))
+            else:
+                convert_landed(str(landing), str(out))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not list(out.glob("day=*")) and not (out / "manifest.json").exists()

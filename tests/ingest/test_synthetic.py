@@ -206,7 +206,7 @@ def test_unwritable_location_names_the_file(tmp_path):
         generate_dataset(_config(inside, rows_per_day=10))
 
 
-_HOLD_DATASET = """
+HOLD_DATASET = """
 import sys, time
 from dlrmflow.ingest.lock import dataset_lock
 with dataset_lock(sys.argv[1], "generate"):
@@ -222,7 +222,7 @@ def test_a_second_generate_into_one_folder_says_another_writer_holds_it(tmp_path
     url = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k != "DLRMFLOW_HELD_RUN_DIRS"}
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_DATASET, str(url)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", HOLD_DATASET, str(url)], stdout=subprocess.PIPE, text=True, env=env
     )
     generate = [sys.executable, "-m", "dlrmflow", "generate", "--out", str(url)]
     generate += ["--set", "data.days=2", "--set", "data.rows_per_day=50"]
