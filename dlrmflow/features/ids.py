@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrmflow.features import jit
+from dlrmflow.ingest.strings import is_string, string_ids
 from dlrmflow.outputs import write_url
 
 if TYPE_CHECKING:
@@ -406,15 +407,23 @@ class Vocabulary(_OneHotMapper):
         return f"Vocabulary(min_count={self.min_count}, tables={self.table_rows})"
 
 
+_ID_TYPES = "int64 or string IDs, or lists of them (optionally dictionary-encoded)"
+
+
 def _flat_ids(column: pa.ChunkedArray, where: str) -> pa.ChunkedArray:
-    """The non-null IDs of an int64 or list<int64> column, lists flattened."""
-    t = column.type
+    """The non-null int64 IDs of an ID column, lists flattened, as the transform sees them:
+    strings hashed by ``string_ids`` and dictionaries decoded (a null entry is no ID)."""
+    declared = t = column.type
     if pa.types.is_list(t) or pa.types.is_large_list(t):
-        if t.value_type != pa.int64():
-            raise ValueError(f"{where}: expected int64 or list<int64> IDs, got {t}")
-        column = pc.list_flatten(column)
-    elif t != pa.int64():
-        raise ValueError(f"{where}: expected int64 or list<int64> IDs, got {t}")
+        column, t = pc.list_flatten(column), t.value_type
+    if pa.types.is_dictionary(t):
+        column, t = column.cast(t.value_type), t.value_type
+    if is_string(t):
+        return pa.chunked_array(
+            [pa.array(string_ids(chunk)) for chunk in pc.drop_null(column).chunks], pa.int64()
+        )
+    if t != pa.int64():
+        raise ValueError(f"{where}: expected {_ID_TYPES}, got {declared}")
     return pc.drop_null(column)
 
 

@@ -1,4 +1,4 @@
-"""Arrow row group -> ``Batch``: dense log transform, sparse IDs to rows, labels.
+"""Arrow row group -> ``Batch``: dense transforms, sparse IDs to rows, labels.
 
 The reader transforms each decoded row group (~65k rows) once, straight into its place in
 a shuffled window (``WindowWriter``), and cuts training batches out of the window as
@@ -12,20 +12,26 @@ nulls dropped before the IDs are mapped.
 
 Input semantics (``validate`` enforces the types and values, once per row group):
 
-* dense columns: any integer or floating type. A null or NaN is missing and becomes 0;
-  every other value becomes ``log(1 + max(x, 0))`` in float32 (numpy's vectorized
-  ``log1p``). A value float32 cannot hold is an error: ±inf, and any magnitude above
+* dense columns: any integer or floating type. With Criteo's transforms (the spec's
+  ``dense_transforms`` None) a null or NaN is missing and becomes 0; every other value
+  becomes ``log(1 + max(x, 0))`` in float32 (numpy's vectorized ``log1p``). With declared
+  ones, each column's null or NaN becomes its ``fill`` and its transform follows
+  (``_declared_dense``); they take the numpy path, never the compiled one, whose dense
+  loop is Criteo's. A value float32 cannot hold is an error: ±inf, and any magnitude above
   float32's largest (~3.4e38), which the cast would make infinite (a float64 1e300, say;
   no integer is that large). ``validate`` checks it, and so does each transform path on
   its own (the compiled one in its loop), so no path ever hands training an inf.
-* sparse columns: int64 (one ID per row; a null is an empty bag, length 0) or list<int64>
-  / large_list<int64> (a bag of IDs; a null list is an empty bag; a null element inside
-  a list is not an ID and is dropped, so the bag is shorter, just as a one-hot null gives
-  an empty bag). In both, the int64 IDs may be dictionary-encoded
-  (``dictionary<values=int64, indices=any signed integer>``): then only the dictionary's
-  distinct IDs are mapped and the rows gather them by index, with exactly the result of
-  the plain column (a null dictionary entry is a null ID).
-* label: integer, bool or floating, exactly 0 or 1, never null.
+* sparse columns: int64 or string / large_string (one ID per row; a null is an empty bag,
+  length 0) or a list / large_list of them (a bag of IDs; a null list is an empty bag; a
+  null element inside a list is not an ID and is dropped, so the bag is shorter, just as
+  a one-hot null gives an empty bag). A string becomes an int64 ID by a stable hash of its
+  UTF-8 bytes (``ingest.strings.string_ids``, which the dataset's statistics use too) and
+  is then mapped like any int64 ID. In all of these the IDs may be dictionary-encoded
+  (``dictionary<values=int64 or string, indices=any signed integer>``): then only the
+  dictionary's distinct IDs are hashed and mapped and the rows gather them by index, with
+  exactly the result of the plain column (a null dictionary entry is a null ID).
+* label: integer or bool, exactly 0 or 1, or floating in [0, 1] (soft labels); never null
+  or NaN.
 
 A ``pa.Table`` may hold several chunks per column, and dictionary chunks may each have
 their own dictionary.
@@ -45,8 +51,10 @@ from dlrmflow.features import jit
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
 from dlrmflow.features.ids import IdMapper
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.ingest.strings import is_string, string_ids
+from dlrmflow.schema import DenseFeature
 
-_ID_TYPES = "int64 or list<int64> IDs (optionally dictionary-encoded)"
+_ID_TYPES = "int64 or string IDs, or lists of them (optionally dictionary-encoded)"
 # Rows of a row group whose dense values are clamped, logged and placed at a time: 8192
 # rows of 13 features are 416 KiB, which stay in the core's cache between the steps.
 _DENSE_SLICE = 8192
@@ -108,6 +116,55 @@ def _range_error(name: str, count: int, example: float | None) -> ValueError:
     )
 
 
+def _float32_or_none(value: float | None) -> np.float32 | None:
+    return None if value is None else np.float32(value)
+
+
+def _check_transform_range(t: DenseFeature) -> None:
+    """A declared fill or clip bound must be a float32, or it would hand training an inf."""
+    for what in ("fill", "clip_min", "clip_max"):
+        value = getattr(t, what)
+        if value is not None and abs(value) > _FLOAT32_MAX:
+            raise ValueError(
+                f"column {t.column}: {what} {value!r} is beyond float32's range "
+                f"(±{_FLOAT32_MAX:.8g})"
+            )
+
+
+def _declared_dense(
+    columns: list[list[pa.Array]], n: int, transforms: Sequence[DenseFeature]
+) -> torch.Tensor:
+    """[n, columns] float32 dense features by each column's declared transform.
+
+    Each value is cast to float32 first (values beyond its range were refused before), a
+    null or NaN becomes the column's ``fill``, then ``log`` is ``log1p(max(x, 0))`` (the
+    same ops as Criteo's path), ``clip`` is ``min(max(x, clip_min), clip_max)`` with
+    float32 bounds, and ``none`` leaves the value as it is. Every step works element by
+    element, so the result does not depend on how the rows are chunked.
+    """
+    out = np.empty((len(columns), n), np.float32)
+    for block, chunks, t in zip(out, columns, transforms, strict=True):
+        start = 0
+        for arr in chunks:
+            part = block[start : start + len(arr)]
+            start += len(arr)
+            # Garbage under a null may overflow the cast: quietly, it is replaced below.
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.copyto(part, _primitive(arr), casting="unsafe")
+            missing = np.isnan(part)
+            valid = _valid(arr)
+            if valid is not None:
+                missing |= ~valid
+            np.putmask(part, missing, np.float32(t.fill))
+        if t.transform == "log":
+            np.fmax(block, np.float32(0), out=block)
+            _log1p(block)
+        elif t.transform == "clip":
+            low, high = _float32_or_none(t.clip_min), _float32_or_none(t.clip_max)
+            np.minimum(np.maximum(block, low, out=block), high, out=block)
+    return torch.from_numpy(np.ascontiguousarray(out.T))
+
+
 def _label_type_ok(t: pa.DataType) -> bool:
     return _dense_type_ok(t) or pa.types.is_boolean(t)
 
@@ -116,11 +173,15 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
+def _is_plain_id(t: pa.DataType) -> bool:
+    return t == pa.int64() or is_string(t)
+
+
 def _is_id(t: pa.DataType) -> bool:
-    """int64, or int64 values behind signed dictionary indices."""
+    """int64 or string, or such values behind signed dictionary indices."""
     if pa.types.is_dictionary(t):
-        return t.value_type == pa.int64() and pa.types.is_signed_integer(t.index_type)
-    return t == pa.int64()
+        return _is_plain_id(t.value_type) and pa.types.is_signed_integer(t.index_type)
+    return _is_plain_id(t)
 
 
 def _id_type_ok(t: pa.DataType) -> bool:
@@ -162,6 +223,12 @@ def _primitive(arr: pa.Array) -> np.ndarray:
     if buf is None or len(arr) == 0:
         return np.zeros(len(arr), dtype)
     return np.frombuffer(buf, dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
+def _ids_of(arr: pa.Array) -> np.ndarray:
+    """The int64 IDs of a plain (not dictionary) ID array, garbage under nulls: a view of
+    an int64 array's values, or a string array's strings hashed (``string_ids``)."""
+    return string_ids(arr) if is_string(arr.type) else _primitive(arr)
 
 
 def _bools(arr: pa.Array) -> np.ndarray:
@@ -237,15 +304,19 @@ class _Segment:
 
 
 def _segment(name: str, arr: pa.Array, keep: np.ndarray | None) -> _Segment:
-    """The kept IDs of an int64 or dictionary array (``keep`` None: all of them)."""
+    """The kept IDs of an int64, string or dictionary array (``keep`` None: all of them).
+
+    Strings are hashed first, all of them (nulls too: hashing a slot costs less than
+    compacting the strings), and a dictionary's entries only once each.
+    """
     if not pa.types.is_dictionary(arr.type):
-        ids = _primitive(arr)
+        ids = _ids_of(arr)
         # np.compress, not ids[keep]: boolean indexing is ~3x slower on random masks.
         return _Segment(name, ids if keep is None else np.compress(keep, ids))
     indices = _primitive(arr.indices)
     if keep is not None:
         indices = np.compress(keep, indices)
-    dictionary = _primitive(arr.dictionary)
+    dictionary = _ids_of(arr.dictionary)
     if len(dictionary) == 0:
         # No entry, so no slot holds an ID: whatever is mapped here is dropped as null.
         return _Segment(name, np.zeros(len(indices), np.int64))
@@ -285,8 +356,9 @@ class _Layout:
     used: tuple[int, ...]  # every column above
     one_hot: bool  # no sparse column is a list: the sample-major one-hot form
     dense_one_type: bool  # dense columns can be concatenated into one array
-    # The compiled path applies: one-hot plain int64 IDs, a mapper with ``map_one_hot``
-    # (``HashIds``) and dense columns of one type numba handles (not float16).
+    # The compiled path applies: one-hot plain int64 or string IDs (hashed to int64
+    # first), a mapper with ``map_one_hot``, Criteo's dense transform (``dense_transforms``
+    # None) over columns of one type numba handles (not float16), and no float16 label.
     compiled: bool
 
 
@@ -356,6 +428,8 @@ class BatchTransform:
                     f"feature {f.name}: the ID mapper has {n} rows but the spec's table has "
                     f"{f.num_embeddings}"
                 )
+        for t in spec.dense_transforms or ():
+            _check_transform_range(t)
         self.spec = spec
         self.ids = ids
         self._names = spec.sparse_names
@@ -415,8 +489,12 @@ class BatchTransform:
         dense_columns = [columns[i] for i in layout.dense]
         for name, chunks in zip(self.spec.dense, dense_columns, strict=True):
             _check_dense_range(name, chunks)
+        if self.spec.dense_transforms is None:
+            dense = self._dense(dense_columns, n, layout.dense_one_type)
+        else:
+            dense = _declared_dense(dense_columns, n, self.spec.dense_transforms)
         return Batch(
-            dense=self._dense(dense_columns, n, layout.dense_one_type),
+            dense=dense,
             sparse=sparse,
             labels=torch.from_numpy(self._labels(columns[layout.label])),
         )
@@ -500,7 +578,7 @@ class BatchTransform:
             start += size
             ids = [columns[i][c] for i in layout.sparse]
             valid = [_valid(a) for a in ids]
-            self.ids.map_one_hot(self._names, [_primitive(a) for a in ids], valid, out.ids, at)
+            self.ids.map_one_hot(self._names, [_ids_of(a) for a in ids], valid, out.ids, at)
             values = [columns[i][c] for i in layout.dense]
             frozen = tuple(jit.frozen(_primitive(a)) for a in values)
             masks = jit.masks([_valid(a) for a in values])
@@ -539,12 +617,15 @@ class BatchTransform:
         dense_types = {schema.field(i).type for i in dense}
         compiled = (
             one_hot
+            # Its dense loop is Criteo's transform; declared ones take the numpy path.
+            and self.spec.dense_transforms is None
             and hasattr(self.ids, "map_one_hot")
             and bool(dense)
             and bool(sparse)
             and not any(pa.types.is_dictionary(schema.field(i).type) for i in sparse)
             and len(dense_types) == 1
             and not pa.types.is_float16(next(iter(dense_types)))
+            and not pa.types.is_float16(schema.field(label).type)
         )
         return _Layout(
             schema=schema,
@@ -677,12 +758,20 @@ class BatchTransform:
             bounds = pc.min_max(col)
             if bounds["min"].as_py() >= 0 and bounds["max"].as_py() <= 1:
                 return
-        # not_equal is true for NaN, so a NaN label is caught with the 0.5s and 2s.
-        bad = pc.and_(pc.not_equal(col, 0), pc.not_equal(col, 1))
+        if pa.types.is_float16(col.type):
+            col = col.cast(pa.float32())  # exact; Arrow has no float16 comparisons
+        if pa.types.is_floating(col.type):
+            # Soft labels: any value in [0, 1]. A comparison with NaN is false, so a NaN
+            # label is among the bad ones.
+            bad = pc.invert(pc.and_(pc.greater_equal(col, 0), pc.less_equal(col, 1)))
+            wanted = "in [0, 1]"
+        else:
+            bad = pc.and_(pc.not_equal(col, 0), pc.not_equal(col, 1))
+            wanted = "0 or 1"
         n_bad = pc.sum(bad).as_py() or 0
         if n_bad:
             example = pc.filter(col, bad)[0].as_py()
-            raise ValueError(f"column {name}: {n_bad} label(s) not 0 or 1 (e.g. {example!r})")
+            raise ValueError(f"column {name}: {n_bad} label(s) not {wanted} (e.g. {example!r})")
 
     @staticmethod
     def _check_indices(name: str, col: pa.ChunkedArray) -> None:

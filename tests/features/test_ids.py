@@ -177,10 +177,10 @@ C2_FILE2 = [[1], [2, 2], [], None, [4], [1]]
 @pytest.fixture
 def two_files(tmp_path):
     """Two Parquet files (the second in row groups of 2): C1 one-hot, C2 multi-hot."""
-    schema = pa.schema([("C1", pa.int64()), ("C2", pa.list_(pa.int64())), ("I1", pa.string())])
+    schema = pa.schema([("C1", pa.int64()), ("C2", pa.list_(pa.int64())), ("I1", pa.float64())])
     paths = []
     for i, (c1, c2) in enumerate([(C1_FILE1, C2_FILE1), (C1_FILE2, C2_FILE2)]):
-        table = pa.table({"C1": c1, "C2": c2, "I1": ["x"] * 6}, schema=schema)
+        table = pa.table({"C1": c1, "C2": c2, "I1": [0.5] * 6}, schema=schema)
         path = str(tmp_path / f"day{i}.parquet")
         pq.write_table(table, path, row_group_size=2 if i else 6)
         paths.append(path)
