@@ -10,14 +10,29 @@ server, the deployments, runs and artifacts stay there.
 Deployments name their flows by module path (``dlrmflow.flows.train.train_flow``), not by
 file, so a run finds its code wherever the package is installed. ``build_deployments`` is
 shared with ``dlrmflow.flows.deploy``, which registers the same deployments to a work pool.
+
+A stopping signal (SIGTERM, SIGINT, SIGHUP) stops the runner first: its in-flight runs are
+cancelled and their processes ended, the schedule is paused. Then the signal does what it
+does to the rest of the process: under ``dlrmflow serve``, one line and the shell's exit
+code (143 for SIGTERM), as for every command. Left to Prefect, SIGTERM met the handler
+its runner installs in place of the command's, and ``serve`` ended as if nothing had
+stopped it (``_Runner``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
-from prefect import Flow, serve
+from prefect import Flow
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.runner import Runner
 
 from dlrmflow.config import RunConfig
 from dlrmflow.flows.api import require_api
@@ -26,6 +41,7 @@ from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import ingest_flow
 from dlrmflow.flows.recurring import DEFAULT_LINE, recurring_flow
 from dlrmflow.flows.train import train_flow
+from dlrmflow.supervise import STOP_SIGNALS
 
 DEPLOYMENT_NAME = "dlrmflow"
 FLOWS: dict[str, Flow[..., Any]] = {
@@ -35,6 +51,12 @@ FLOWS: dict[str, Flow[..., Any]] = {
     "end_to_end": end_to_end,
     "recurring": recurring_flow,
 }
+# How long the runner may take to stop after a stopping signal before the signal has its
+# usual effect regardless: longer than Prefect's grace for a cancelled run's process to
+# exit before it is killed, so that runs are stopped by the runner, not swept.
+STOP_S = 60.0
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 def build_deployments(
@@ -87,7 +109,8 @@ def serve_flows(
     name: str = DEPLOYMENT_NAME,
     line: str = DEFAULT_LINE,
 ) -> None:
-    """Serve the flows as deployments until interrupted (Ctrl-C or SIGTERM).
+    """Serve the flows as deployments until stopped by a signal (Ctrl-C, SIGTERM, SIGHUP),
+    which cancels the runs in flight before it ends the process as it would have.
 
     ``config`` (default: the defaults) is every deployment's default parameter; a run can
     override it. ``limit`` caps the flow runs executing at once: one by default, because
@@ -103,4 +126,88 @@ def serve_flows(
         name=name,
         line=line,
     )
-    serve(*deployments, limit=limit)
+    runner = _Runner(pause_on_shutdown=True, limit=limit)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    with runner.stopped_by_signals():
+        _display_start_message(deployments)
+        asyncio.run(runner.start())
+
+
+def _display_start_message(deployments: list[RunnerDeployment]) -> None:
+    """Prefect's own message (what ``prefect.serve`` prints), when this Prefect has it."""
+    from prefect import flows
+
+    display = getattr(flows, "_display_serve_start_message", None)
+    if display is not None:
+        display(*deployments)
+
+
+class _Runner(Runner):
+    """Prefect's runner, stopped in order by SIGTERM, SIGINT and SIGHUP.
+
+    ``Runner.start`` installs ``handle_sigterm`` for SIGTERM, in place of whatever handled
+    it; Prefect's exits 0 before the runner has started and, once it has, stops the runner
+    and lets ``start`` return, so that a stopped ``serve`` looks like one that ended by
+    itself. This one, installed for every stopping signal for as long as the runner
+    serves (``stopped_by_signals``), stops the runner, and once it has stopped calls the
+    handler the signal had before (``dlrmflow``'s: one line, exit 128 + the signal). A
+    signal that comes while there is nothing to stop in order (the runner not started, or
+    already stopping: a second signal), or ``STOP_S`` after the first, goes straight to
+    that handler. A signal the process ignored stays ignored.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stopped_by: int | None = None
+        self._previous: dict[int, _Handler] = {}
+        self._deadline: threading.Timer | None = None
+
+    @contextlib.contextmanager
+    def stopped_by_signals(self) -> Iterator[None]:
+        """For the block (that runs the runner), stopping signals stop it; at the block's end,
+        the signal that did is handed on to its previous handler, so that the caller ends as
+        it would have at that signal. In the main thread only, as Prefect's handler."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        for sig, previous in self._previous.items():
+            if previous is not signal.SIG_IGN:
+                signal.signal(sig, self.handle_sigterm)
+        try:
+            yield
+        finally:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            if self.stopped_by is not None:
+                self._hand_over(self.stopped_by, None)
+            self._restore()
+
+    def handle_sigterm(self, signum: int, frame: FrameType | None = None) -> None:
+        """The handler of every stopping signal (see the class)."""
+        if self._previous.get(signum) is signal.SIG_IGN:
+            return  # ignored before Prefect's start replaced the handler (nohup)
+        if self.stopped_by is None and self.started and not self.stopping:
+            self.stopped_by = signum
+            self.stopping = True  # a second signal is handed on
+            self.execute_in_background(self.astop)
+            self._deadline = threading.Timer(STOP_S, os.kill, (os.getpid(), signum))
+            self._deadline.daemon = True
+            self._deadline.start()
+            return
+        self._hand_over(signum, frame)
+
+    def _hand_over(self, signum: int, frame: FrameType | None) -> None:
+        """Restore the previous handlers and let the one of ``signum`` handle it."""
+        self._restore()
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signum)
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            if previous is not None:
+                signal.signal(sig, previous)
