@@ -1,4 +1,5 @@
-"""Commands that make and describe datasets: ``generate``, ``convert`` and ``stats``."""
+"""Commands that make and describe datasets: ``generate``, ``convert``, ``register`` and
+``stats``."""
 
 from __future__ import annotations
 
@@ -123,3 +124,36 @@ def stats(
     result = dataset_stats(url)
     write_stats(url, result)
     echo_json(result.to_dict())
+
+
+def register(
+    data: Annotated[
+        str, typer.Option(help="Root of the day-partitioned Parquet (day=N/ or dt=YYYY-MM-DD/).")
+    ],
+    schema: Annotated[
+        str, typer.Option(help="The feature schema: a YAML file (label, dense, sparse).")
+    ],
+) -> None:
+    """Register day-partitioned Parquet where it lies under a declared feature schema.
+
+    Checks every file's columns against the schema, writes manifest.json and stats.json
+    beside the data (nothing is copied); the last day is the test day. Registering again
+    after a day lands reads only the new files' labels."""
+    from dlrmflow.ingest.register import register_dataset
+    from dlrmflow.schema import read_schema
+
+    declared = read_schema(schema)
+    bar = Progress(None, "register")
+    manifest = register_dataset(data, declared, progress=bar)
+    bar.close()
+    echo_json(
+        {
+            "url": data,
+            "rows": manifest.rows,
+            "days": manifest.days,
+            "test_day": manifest.test_day,
+            "positive_rate": manifest.positive_rate,
+            "partitions": (manifest.generator or {}).get("partitions"),
+            "cardinalities": manifest.cardinalities,
+        }
+    )

@@ -1,4 +1,6 @@
-"""The feature spec: which columns feed the model and how big each embedding table is."""
+"""The feature spec: which columns feed the model, how each dense column is transformed and
+how big each embedding table is, made from the dataset's declared schema
+(``dlrmflow.schema``; Criteo's layout when it declares none)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from typing import Literal
 
 from dlrmflow.config import FeaturesConfig, ModelConfig
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE
+from dlrmflow.ingest.schema import LABEL
+from dlrmflow.schema import DenseFeature, FeatureSchema, criteo_schema, parse_schema
 
 # Hash tables are never smaller than this: tiny features (2-3 values) would otherwise see
 # their few IDs collide, and a 1024-row table costs nothing.
@@ -27,11 +30,23 @@ class SparseFeature:
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """Dense column names, sparse features and the label column, in model order."""
+    """Dense column names, sparse features and the label column, in model order.
+
+    ``dense_transforms``: each dense column's null fill and transform, in ``dense`` order;
+    None is Criteo's for every column (nulls as 0, then ``log(1 + max(x, 0))``), which
+    the compiled transform runs and which specs written before schemas mean.
+    """
 
     dense: tuple[str, ...]
     sparse: tuple[SparseFeature, ...]
     label: str = LABEL
+    dense_transforms: tuple[DenseFeature, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dense_transforms is not None:
+            columns = tuple(t.column for t in self.dense_transforms)
+            if columns != self.dense:
+                raise ValueError(f"dense transforms of {columns}, columns {self.dense}")
 
     @property
     def columns(self) -> list[str]:
@@ -43,15 +58,27 @@ class FeatureSpec:
         return [f.name for f in self.sparse]
 
     def to_dict(self) -> dict:
-        """Plain data for a checkpoint, so table sizes are known without the dataset."""
-        return asdict(self)
+        """Plain data for a checkpoint, so table sizes and transforms are known without the
+        dataset (Criteo's transforms left out: such a spec reads as it always did)."""
+        data = {
+            "dense": list(self.dense),
+            "sparse": [asdict(f) for f in self.sparse],
+            "label": self.label,
+        }
+        if self.dense_transforms is not None:
+            data["dense_transforms"] = [t.model_dump(mode="json") for t in self.dense_transforms]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> FeatureSpec:
+        transforms = data.get("dense_transforms")
         return cls(
             dense=tuple(data["dense"]),
             sparse=tuple(SparseFeature(**f) for f in data["sparse"]),
             label=data["label"],
+            dense_transforms=None
+            if transforms is None
+            else tuple(DenseFeature.model_validate(t) for t in transforms),
         )
 
     @classmethod
@@ -62,20 +89,25 @@ class FeatureSpec:
         model: ModelConfig,
         table_rows: dict[str, int] | None = None,
     ) -> FeatureSpec:
-        """The spec for a Criteo-layout dataset.
+        """The spec for ``manifest``'s dataset, from its declared schema (``dataset_schema``).
 
-        A table has ``table_rows[name]`` rows when given (a vocabulary's size). Otherwise
-        IDs are hashed: with a known cardinality (synthetic data) into ``hash_size_factor``
-        buckets per distinct ID, at least ``MIN_HASH_ROWS``, so that few IDs share a row;
-        with none (converted Criteo data) into ``max_rows_per_table`` buckets. Hash tables
-        never exceed ``max_rows_per_table``.
+        A table has ``table_rows[name]`` rows when given (a vocabulary's size), else the
+        schema's ``rows`` for the feature. Otherwise IDs are hashed: with a known
+        cardinality (synthetic and registered data) into ``hash_size_factor`` buckets per
+        distinct ID, at least ``MIN_HASH_ROWS``, so that few IDs share a row; with none
+        (converted Criteo data) into ``max_rows_per_table`` buckets. Hash tables never
+        exceed ``max_rows_per_table``.
         """
+        schema = dataset_schema(manifest)
         cards = manifest.cardinalities or {}
         cap = features.max_rows_per_table
         sparse = []
-        for name in SPARSE:
+        for feature in schema.sparse:
+            name = feature.column
             if table_rows is not None:
                 rows = table_rows[name]
+            elif feature.rows is not None:
+                rows = feature.rows
             elif name in cards:
                 wanted = math.ceil(cards[name] * features.hash_size_factor)
                 rows = min(max(wanted, MIN_HASH_ROWS), cap)
@@ -84,4 +116,17 @@ class FeatureSpec:
             sparse.append(
                 SparseFeature(name, max(int(rows), 1), model.embedding_dim, features.pooling)
             )
-        return cls(dense=DENSE, sparse=tuple(sparse))
+        plain = all(d.plain_log for d in schema.dense)
+        return cls(
+            dense=schema.dense_names,
+            sparse=tuple(sparse),
+            label=schema.label,
+            dense_transforms=None if plain else schema.dense,
+        )
+
+
+def dataset_schema(manifest: Manifest) -> FeatureSchema:
+    """The feature schema ``manifest`` records (``dlrmflow register``), else Criteo's."""
+    if manifest.features is None:
+        return criteo_schema()
+    return parse_schema(manifest.features, "manifest.json: features")

@@ -228,6 +228,30 @@ def footer_identity(metadata: pq.FileMetaData) -> tuple[int | None, str | None]:
     return day_number, digest.decode("ascii", "replace") if digest is not None else None
 
 
+# A registered file's identity in a manifest: the SHA-256 of its Parquet footer (the file
+# metadata: every row group's offsets, sizes and statistics), which a rewritten or replaced
+# file changes without the data being read.
+FOOTER_DIGEST = "footer-sha256:"
+
+
+def footer_digest(f: IO[bytes], size: int) -> str:
+    """``FOOTER_DIGEST`` and the SHA-256 of the Parquet footer of the open file ``f`` of
+    ``size`` bytes (its last 8 bytes: the footer's length and ``PAR1``)."""
+    if size < 12:
+        raise ValueError(f"{size} bytes: too short for a Parquet file")
+    f.seek(size - 8)
+    tail = f.read(8)
+    if tail[4:] != b"PAR1":
+        raise ValueError("no Parquet magic at its end")
+    length = int.from_bytes(tail[:4], "little")
+    if length + 12 > size:
+        raise ValueError(f"its footer of {length} bytes does not fit in {size}")
+    f.seek(size - 8 - length)
+    footer = f.read(length)
+    f.seek(0)
+    return FOOTER_DIGEST + hashlib.sha256(footer).hexdigest()
+
+
 def content_digest(url: str) -> str:
     """The digest of a day file recomputed from its bytes: SHA-256 of all before the footer.
 

@@ -23,7 +23,9 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from dlrmflow.ingest.dayfile import (
+    FOOTER_DIGEST,
     NotRegularFile,
+    footer_digest,
     footer_identity,
     open_regular,
     remove_unlisted,
@@ -89,6 +91,17 @@ class Manifest(BaseModel):
     bayes_auc: float | None = None
     bayes_logloss: float | None = None
     generator: dict[str, Any] | None = None
+    # The declared feature schema (``dlrmflow.schema``) of a registered dataset; None:
+    # Criteo's layout. Left out of the JSON when None, so a manifest written before
+    # schemas (and its digest, which checkpoints keep) reads and writes back unchanged.
+    features: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_schema(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("features") is None:
+            data.pop("features", None)
+        return data
 
     def day_paths(
         self, root: str, days: list[int] | None = None, held_out: list[int] | None = None
@@ -243,13 +256,18 @@ def _file_problems(url: str, files: list[DayFile]) -> list[str]:
         )
         try:
             with f:
+                registered = listed.digest is not None and listed.digest.startswith(FOOTER_DIGEST)
+                footer = footer_digest(f, stamp.size) if registered else None
                 metadata = pq.ParquetFile(f).metadata
         except Exception as e:  # whatever stops a footer being read is the file's fault
             unreadable = f"not a readable Parquet file ({type(e).__name__}: {e})"
             return f"{unreadable}; it {size}" if resized else unreadable
         if metadata.num_rows != listed.rows:
             return f"has {metadata.num_rows} rows, the manifest says {listed.rows}"
-        if listed.digest is not None:
+        if footer is not None:
+            if footer != listed.digest:
+                return "rewritten or replaced since it was registered: its footer differs"
+        elif listed.digest is not None:
             _, digest = footer_identity(metadata)
             if digest is None:
                 return (

@@ -34,6 +34,7 @@ the distinct IDs, by Che's approximation over one training pass (``lru_hit_rates
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -47,6 +48,7 @@ from dlrmflow.ingest.dayfile import NotRegularFile, open_regular
 from dlrmflow.ingest.manifest import STATS_NAME, Manifest, join_url, read_manifest, write_json
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema
+from dlrmflow.ingest.strings import string_ids
 
 # 2**14 registers: 0.8% error for 16 KiB a feature; more buys little for table sizing.
 HLL_PRECISION = 14
@@ -67,13 +69,14 @@ _CHE_BISECTIONS = 60  # halvings of the bracket on each LRU window: far below th
 
 @dataclass(frozen=True)
 class DenseStats:
-    """One integer count column. ``mean`` is over the present values (None if all missing)."""
+    """One numeric column. ``mean`` is over the present values (None if all missing); a
+    floating column's NaN counts as missing, as the feature transform takes it."""
 
     name: str
     present: int
     missing: int
-    min: int | None
-    max: int | None
+    min: float | None
+    max: float | None
     mean: float | None
     negatives: int  # Criteo's I2 has a few; transforms that take logs must clip them
 
@@ -168,10 +171,10 @@ class DatasetStats:
 def dataset_stats(url: str, manifest: Manifest | None = None) -> DatasetStats:
     """Scan every day file of the dataset at ``url`` and return its column statistics.
 
-    Each file must have the Criteo columns with the types of the manifest's layout (one-hot
-    or multi-hot); a missing column, a type that drifted, a label that is null or not 0/1,
-    or a row group that cannot be decoded raises ``DataError`` naming the file, the row
-    group and the column.
+    Each file must have the columns of the manifest's schema with its types (Criteo's
+    layout, one-hot or multi-hot, where it declares none); a missing column, a type that
+    drifted, a label that is null or outside [0, 1], or a row group that cannot be decoded
+    raises ``DataError`` naming the file, the row group and the column.
 
     This is ``file_stats`` of each day file, merged with ``merge_stats``: the ingest flow
     runs the same steps with one (cached, parallel) task per day. Every total merges
@@ -179,18 +182,75 @@ def dataset_stats(url: str, manifest: Manifest | None = None) -> DatasetStats:
     result is the same bit for bit however the files are grouped or ordered.
     """
     manifest = manifest if manifest is not None else read_manifest(url)
-    parts = (file_stats(path, manifest.multi_hot) for path in manifest.day_paths(url))
-    return merge_stats(url, manifest.multi_hot, parts)
+    columns, expected = _declared(manifest)
+    parts = (
+        file_stats(path, manifest.multi_hot, columns=columns, expected=expected)
+        for path in manifest.day_paths(url)
+    )
+    return merge_stats(url, manifest.multi_hot, parts, columns=columns)
 
 
-def file_stats(path: str, multi_hot: bool = False) -> StatsAccumulator:
+def _declared(manifest: Manifest) -> tuple[Columns | None, pa.Schema | None]:
+    """The columns of a registered dataset's schema and their Arrow types (None, None:
+    Criteo's layout)."""
+    if manifest.features is None:
+        return None, None
+    declared = manifest.features
+    columns = Columns(
+        declared["label"],
+        tuple(d["column"] for d in declared.get("dense", ())),
+        tuple(f["column"] for f in declared["sparse"]),
+    )
+    types = {f["name"]: f["type"] for f in manifest.schema_}
+    return columns, pa.schema([(name, _parse_type(types[name])) for name in columns.all])
+
+
+def _parse_type(text: str) -> pa.DataType:
+    """An Arrow type from the text ``str(type)`` gave (as manifests record it)."""
+    return pa.type_for_alias(text) if "<" not in text else _nested_type(text)
+
+
+def _nested_type(text: str) -> pa.DataType:
+    inner = text[text.index("<") + 1 : text.rindex(">")]
+    kind = text[: text.index("<")]
+    if kind in ("list", "large_list"):
+        value = _parse_type(inner.split(": ", 1)[-1])
+        return pa.list_(value) if kind == "list" else pa.large_list(value)
+    if kind == "dictionary":
+        parts = dict(p.split("=", 1) for p in inner.split(", "))
+        return pa.dictionary(_parse_type(parts["indices"]), _parse_type(parts["values"]))
+    raise ValueError(f"unknown Arrow type {text!r}")
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The label, dense and sparse columns whose statistics are gathered."""
+
+    label: str = LABEL
+    dense: tuple[str, ...] = DENSE
+    sparse: tuple[str, ...] = SPARSE
+
+    @property
+    def all(self) -> list[str]:
+        return [self.label, *self.dense, *self.sparse]
+
+
+def file_stats(
+    path: str,
+    multi_hot: bool = False,
+    *,
+    columns: Columns | None = None,
+    expected: pa.Schema | None = None,
+) -> StatsAccumulator:
     """The running totals of one day file (``merge_stats`` turns them into statistics).
 
-    Memory is one row group plus 16 KiB of sketch per categorical feature, whatever the
-    file's size. Raises ``DataError`` as ``dataset_stats`` does.
+    ``columns`` and their ``expected`` types are a registered dataset's (default: Criteo's
+    layout, one-hot or ``multi_hot``). Memory is one row group plus 16 KiB of sketch per
+    categorical feature, whatever the file's size. Raises ``DataError`` as
+    ``dataset_stats`` does.
     """
-    expected = criteo_schema(multi_hot)
-    acc = StatsAccumulator()
+    expected = criteo_schema(multi_hot) if expected is None else expected
+    acc = StatsAccumulator(columns)
     try:
         f, _ = open_regular(path)  # a FIFO in a file's place is refused, never waited on
     except NotRegularFile as e:
@@ -206,16 +266,18 @@ def file_stats(path: str, multi_hot: bool = False) -> StatsAccumulator:
         for group in range(parquet.metadata.num_row_groups):
             where = f"{path}, row group {group}"
             try:
-                table = parquet.read_row_group(group)
+                table = parquet.read_row_group(group, columns=acc.columns.all)
             except Exception as e:
                 raise DataError(f"{where}: cannot decode: {e}") from e
             acc.add(table, where)
     return acc
 
 
-def merge_stats(url: str, multi_hot: bool, parts: Iterable[StatsAccumulator]) -> DatasetStats:
+def merge_stats(
+    url: str, multi_hot: bool, parts: Iterable[StatsAccumulator], columns: Columns | None = None
+) -> DatasetStats:
     """The statistics of the dataset at ``url`` whose files have the totals ``parts``."""
-    acc = StatsAccumulator()
+    acc = StatsAccumulator(columns)
     for part in parts:
         acc.merge(part)
     return acc.result(url, multi_hot)
@@ -268,19 +330,32 @@ class StatsAccumulator:
     """Running totals of every column: ``add`` takes one row group, ``merge`` another
     accumulator's totals (exactly: the result is as if its row groups had been added)."""
 
-    def __init__(self) -> None:
+    def __init__(self, columns: Columns | None = None) -> None:
+        self.columns = Columns() if columns is None else columns
         self.rows = self.positives = self.row_groups = 0
-        self.dense = {name: _DenseTotals() for name in DENSE}
-        self.sparse = {name: _SparseTotals() for name in SPARSE}
+        self.dense = {name: _DenseTotals() for name in self.columns.dense}
+        self.sparse = {name: _SparseTotals() for name in self.columns.sparse}
 
     def add(self, table: pa.Table, where: str) -> None:
-        labels = table.column(LABEL)
+        label = self.columns.label
+        labels = table.column(label)
         if labels.null_count:
-            raise DataError(f"{where}: column {LABEL}: {labels.null_count} null labels")
-        positives = pc.sum(labels).as_py() or 0
-        bad = pc.sum(pc.invert(pc.is_in(labels, pa.array([0, 1], labels.type)))).as_py()
-        if bad:
-            raise DataError(f"{where}: column {LABEL}: {bad} values that are not 0 or 1")
+            raise DataError(f"{where}: column {label}: {labels.null_count} null labels")
+        if pa.types.is_floating(labels.type):
+            # Soft labels: any value in [0, 1]; the positives are their sum, rounded.
+            bad = pc.sum(pc.invert(pc.and_(pc.greater_equal(labels, 0), pc.less_equal(labels, 1))))
+            if bad.as_py():
+                raise DataError(
+                    f"{where}: column {label}: {bad.as_py()} values outside [0, 1] or NaN"
+                )
+            positives = round(pc.sum(labels.cast(pa.float64())).as_py() or 0)
+        else:
+            if pa.types.is_boolean(labels.type):
+                labels = labels.cast(pa.int8())
+            positives = pc.sum(labels).as_py() or 0
+            bad = pc.sum(pc.invert(pc.is_in(labels, pa.array([0, 1], labels.type)))).as_py()
+            if bad:
+                raise DataError(f"{where}: column {label}: {bad} values that are not 0 or 1")
         self.rows += table.num_rows
         self.positives += positives
         self.row_groups += 1
@@ -317,10 +392,13 @@ class StatsAccumulator:
 class _DenseTotals:
     def __init__(self) -> None:
         self.present = self.missing = self.negatives = self.total = 0
-        self.min: int | None = None
-        self.max: int | None = None
+        self.min: float | None = None
+        self.max: float | None = None
 
     def add(self, column: pa.ChunkedArray) -> None:
+        floating = pa.types.is_floating(column.type)
+        if floating:  # NaN is missing, as the feature transform takes it
+            column = pc.if_else(pc.is_nan(column), None, column)
         present = len(column) - column.null_count
         self.present += present
         self.missing += column.null_count
@@ -330,15 +408,20 @@ class _DenseTotals:
         low, high = extremes["min"].as_py(), extremes["max"].as_py()
         self.min = low if self.min is None else min(self.min, low)
         self.max = high if self.max is None else max(self.max, high)
-        # Exact integer sums: the mean does not depend on the order row groups come in.
-        self.total += pc.sum(column.cast(pa.int64())).as_py()
+        if floating:
+            # Summed in float64, row group by row group in file order, correctly rounded.
+            self.total = math.fsum([self.total, pc.sum(column.cast(pa.float64())).as_py()])
+        else:
+            # Exact integer sums: the mean does not depend on the order row groups come in.
+            self.total += pc.sum(column.cast(pa.int64())).as_py()
         self.negatives += pc.sum(pc.less(column, 0)).as_py()
 
     def merge(self, other: _DenseTotals) -> None:
         self.present += other.present
         self.missing += other.missing
         self.negatives += other.negatives
-        self.total += other.total
+        both = (self.total, other.total)
+        self.total = math.fsum(both) if any(isinstance(t, float) for t in both) else sum(both)
         if other.min is not None:
             self.min = other.min if self.min is None else min(self.min, other.min)
         if other.max is not None:
@@ -386,18 +469,18 @@ class _SparseTotals:
 
     def add(self, column: pa.ChunkedArray) -> None:
         self.missing += column.null_count
-        if pa.types.is_list(column.type):
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
             lengths = pc.list_value_length(column)
             self.empty += pc.sum(pc.equal(lengths, 0)).as_py() or 0
             self.max_length = max(self.max_length, pc.max(lengths).as_py() or 0)
-            values = pc.list_flatten(column)
+            values = pc.list_flatten(column).drop_null()
         else:
             values = column.drop_null()
             self.max_length = max(self.max_length, 1 if len(values) else 0)
         self.ids += len(values)
         if len(values) == 0:
             return
-        hashed = _hash_ids(values.to_numpy())
+        hashed = _hash_ids(_int64_ids(values))
         skew = self._skew()
         skew.add_hashes(hashed)
         self._keep_skew(skew)
@@ -617,6 +700,17 @@ def interpolate_hit_rate(points: Sequence[Sequence[float]], fraction: float) -> 
     if fraction < xs[0]:
         return float(hs[0] * fraction / xs[0])
     return float(np.interp(np.log(fraction), np.log(xs), hs))
+
+
+def _int64_ids(values: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A column's IDs as int64: string IDs by the stable hash the feature transform uses
+    (``ingest.strings``), so that distinct counts are those of the IDs it maps."""
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+        return np.concatenate([string_ids(c) for c in chunks]) if chunks else np.zeros(0, np.int64)
+    return np.asarray(values.to_numpy(), dtype=np.int64)
 
 
 def _hash_ids(values: np.ndarray) -> np.ndarray:

@@ -18,8 +18,8 @@ from typing import Any
 
 from dlrmflow.config import ConfigError
 from dlrmflow.days import select_days
+from dlrmflow.features.spec import dataset_schema
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
-from dlrmflow.ingest.schema import LABEL
 from dlrmflow.score.model import identify_model, trained_on_multi_hot
 from dlrmflow.score.output import (
     SCORES_FILE,
@@ -179,7 +179,7 @@ def score_dataset(
         "rows_scored": sum(p.rows for p in parts if p.path not in before),
         "parts": len(parts),
         "parts_kept": sum(1 for p in parts if p.path in before),
-        "labeled": labeled_days(manifest, LABEL),
+        "labeled": labeled_days(manifest, dataset_schema(manifest).label),
         "nproc": nproc,
         "seconds": time.perf_counter() - start,
         "total_rows": written["rows"],

@@ -19,7 +19,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.days import windows
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
-from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.spec import FeatureSpec, dataset_schema
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, features_digest
 from dlrmflow.ingest.manifest import Manifest
@@ -30,7 +30,6 @@ from dlrmflow.ingest.reader import (
     make_loader,
     pass_steps,
 )
-from dlrmflow.ingest.schema import SPARSE
 from dlrmflow.supervise import beat
 
 if TYPE_CHECKING:
@@ -86,7 +85,7 @@ def fit_features(
         else:
             vocab = build_vocabulary(
                 train_paths(config, manifest),
-                list(SPARSE),
+                list(dataset_schema(manifest).sparse_names),
                 min_count=config.features.min_count,
                 max_size=config.features.max_rows_per_table - 1,
             )

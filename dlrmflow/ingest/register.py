@@ -1,0 +1,308 @@
+"""Registering a dataset where it lies: day-partitioned Parquet that already exists becomes
+a dataset every stage reads, without copying a byte of it.
+
+A team's logs are already Parquet, partitioned by day in Hive's style (``day=N/`` or
+``dt=YYYY-MM-DD/`` folders). ``register_dataset`` reads every file's footer and checks its
+columns against the declared schema (``dlrmflow.schema``), reads the label column for each
+file's rows and positive rate, gathers the features' statistics (distinct IDs size the
+hash tables, as generated data's cardinalities do), and writes ``manifest.json`` and
+``stats.json`` beside the data: nothing else is written. Days are numbered 0, 1, ... in
+partition order (``dt=`` dates sort as dates); the last is the test day.
+
+Each file's identity is its size and the digest of its Parquet footer (the metadata of
+every row group), which a rewritten or replaced file changes without the data being read
+again (``check_dataset`` holds the files to it before any run). Registering again keeps
+the files whose size and footer are unchanged without reading their labels.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dlrmflow.ingest.dayfile import footer_digest, open_regular
+from dlrmflow.ingest.lock import dataset_lock
+from dlrmflow.ingest.manifest import (
+    MANIFEST_NAME,
+    DayFile,
+    Manifest,
+    join_url,
+    read_manifest,
+    write_manifest,
+)
+from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.schema import schema_to_json
+from dlrmflow.ingest.stats import Columns, file_stats, merge_stats, write_stats
+from dlrmflow.schema import FeatureSchema
+
+SOURCE = "registered"
+_DAY = re.compile(r"day=(\d+)")
+_DATE = re.compile(r"dt=(\d{4}-\d{2}-\d{2})")
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One day's folder: its day number, what names it and the Parquet files in it."""
+
+    day: int
+    name: str
+    files: tuple[str, ...]  # paths relative to the dataset root, in name order
+
+
+def find_partitions(url: str) -> list[Partition]:
+    """The day partitions under ``url``: ``day=N`` folders by N, or ``dt=YYYY-MM-DD``
+    folders by date, numbered 0, 1, ... Files whose names start with ``_`` or ``.``
+    (``_SUCCESS``, checksums) are not data. A mix of both kinds, a folder holding no
+    Parquet file, two folders of one day or a date that is not one fail naming it."""
+    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        raise DataError(f"{url}: no such folder") from None
+    found: list[tuple[object, str, str]] = []
+    kinds = set()
+    for entry in entries:
+        if entry["type"] != "directory":
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        day, when = _DAY.fullmatch(name), _DATE.fullmatch(name)
+        if day:
+            kinds.add("day=")
+            found.append((int(day.group(1)), name, entry["name"]))
+        elif when:
+            kinds.add("dt=")
+            try:
+                found.append((date.fromisoformat(when.group(1)), name, entry["name"]))
+            except ValueError:
+                raise DataError(f"{url}/{name}: not a date") from None
+    if not found:
+        raise DataError(
+            f"{url}: no day partitions; expected day=N/ or dt=YYYY-MM-DD/ folders of Parquet"
+        )
+    if len(kinds) > 1:
+        raise DataError(f"{url}: day=N/ and dt=YYYY-MM-DD/ folders together; use one kind")
+    keys = [k for k, _, _ in found]
+    repeated = sorted({str(k) for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise DataError(f"{url}: two folders of day {repeated[0]}")
+    partitions = []
+    for number, (_, name, path) in enumerate(sorted(found, key=lambda f: f[0])):
+        files = sorted(
+            p.rstrip("/").rsplit("/", 1)[-1]
+            for p in fs.ls(path, detail=False)
+            if not p.rstrip("/").rsplit("/", 1)[-1].startswith(("_", ".")) and fs.isfile(p)
+        )
+        if not files:
+            raise DataError(f"{url}/{name}: no data file")
+        partitions.append(Partition(number, name, tuple(f"{name}/{f}" for f in files)))
+    return partitions
+
+
+def register_dataset(
+    url: str,
+    schema: FeatureSchema,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Register the day-partitioned Parquet at ``url`` under ``schema`` (see the module's
+    docstring) and return its manifest. ``progress(n)`` is called with the rows of each
+    file read. Any file that does not fit the schema fails in one line naming the file,
+    row group and column, with nothing written."""
+    with dataset_lock(url, "register"):
+        return _register(url, schema, progress)
+
+
+def _register(url: str, schema: FeatureSchema, progress: Callable[[int], None] | None) -> Manifest:
+    partitions = find_partitions(url)
+    if len(partitions) < 2:
+        raise DataError(
+            f"{url}: one day partition; a dataset needs a day to train on and a test day"
+        )
+    before = _previous(url)
+    types: dict[str, tuple[pa.DataType, str]] = {}  # column -> (type, the first file with it)
+    files: list[DayFile] = []
+    columns = Columns(schema.label, schema.dense_names, schema.sparse_names)
+    for partition in partitions:
+        for path in partition.files:
+            full = join_url(url, path)
+            size, digest, arrow = _footer(full)
+            _check_columns(full, arrow, schema, types)
+            kept = before.get(path)
+            if kept is not None and (kept.bytes, kept.digest, kept.day) == (
+                size,
+                digest,
+                partition.day,
+            ):
+                files.append(kept)
+                continue
+            rows, positives = _labels(full, schema.label)
+            if progress is not None:
+                progress(rows)
+            files.append(
+                DayFile(
+                    day=partition.day,
+                    path=path,
+                    rows=rows,
+                    positive_rate=positives / rows if rows else 0.0,
+                    digest=digest,
+                    bytes=size,
+                )
+            )
+    expected = pa.schema([(name, types[name][0]) for name in schema.columns])
+    stats = merge_stats(
+        url,
+        _multi_hot(expected, schema),
+        (file_stats(join_url(url, f.path), columns=columns, expected=expected) for f in files),
+        columns=columns,
+    )
+    rows = sum(f.rows for f in files)
+    positives = sum(f.positive_rate * f.rows for f in files)
+    manifest = Manifest(
+        source=SOURCE,
+        rows=rows,
+        days=len(partitions),
+        test_day=partitions[-1].day,
+        positive_rate=positives / rows if rows else 0.0,
+        multi_hot=_multi_hot(expected, schema),
+        files=files,
+        schema=schema_to_json(expected),
+        cardinalities={s.name: max(s.distinct, 1) for s in stats.sparse},
+        generator={"partitions": [p.name for p in partitions]},
+        features=schema.to_dict(),
+    )
+    write_stats(url, stats)
+    write_manifest(url, manifest)
+    return manifest
+
+
+def _previous(url: str) -> dict[str, DayFile]:
+    """The files a registration before this one listed, by path (none if it was not one)."""
+    fs, root = fsspec.core.url_to_fs(url)
+    if not fs.exists(join_url(root, MANIFEST_NAME)):
+        return {}
+    try:
+        manifest = read_manifest(url)
+    except (OSError, ValueError):
+        return {}
+    if manifest.source != SOURCE:
+        raise DataError(
+            f"{url}: holds a {manifest.source} dataset (its manifest.json); register "
+            "Parquet that no other command wrote"
+        )
+    return {f.path: f for f in manifest.files}
+
+
+def _footer(url: str) -> tuple[int, str, pa.Schema]:
+    try:
+        f, stamp = open_regular(url)
+        with f:
+            digest = footer_digest(f, stamp.size)
+            arrow = pq.ParquetFile(f).schema_arrow
+    except (OSError, ValueError) as e:
+        raise DataError(f"{url}: not a readable Parquet file: {e}") from None
+    except Exception as e:
+        raise DataError(f"{url}: not a readable Parquet file: {type(e).__name__}: {e}") from None
+    return stamp.size, digest, arrow
+
+
+def _check_columns(
+    url: str,
+    arrow: pa.Schema,
+    schema: FeatureSchema,
+    seen: dict[str, tuple[pa.DataType, str]],
+) -> None:
+    """Every declared column present in ``arrow`` with a type its role takes, and the
+    type every file before had (``seen``, filled from the first file)."""
+    roles = [(schema.label, "label", _label_type)]
+    roles += [(name, "dense feature", _dense_type) for name in schema.dense_names]
+    roles += [(name, "sparse feature", _id_type) for name in schema.sparse_names]
+    for name, role, fits in roles:
+        index = arrow.get_field_index(name)
+        if index < 0:
+            raise DataError(f"{url}: column {name}: missing (the schema's {role})")
+        kind = arrow.field(index).type
+        if not fits(kind):
+            raise DataError(f"{url}: column {name}: type {kind} cannot be a {role}")
+        first = seen.setdefault(name, (kind, url))
+        if not _same(first[0], kind):
+            raise DataError(
+                f"{url}: column {name}: type {kind}, but {first[1]} has {first[0]}: every "
+                "day must have the same types"
+            )
+
+
+def _label_type(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _dense_type(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _scalar_id(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        return _scalar_id(t.value_type)
+    return t == pa.int64() or pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _id_type(t: pa.DataType) -> bool:
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _scalar_id(t.value_type)
+    return _scalar_id(t)
+
+
+def _same(a: pa.DataType, b: pa.DataType) -> bool:
+    """Equal types, a list's item field name aside (writers name it "item" or "element")."""
+    if (pa.types.is_list(a) and pa.types.is_list(b)) or (
+        pa.types.is_large_list(a) and pa.types.is_large_list(b)
+    ):
+        return a.value_type == b.value_type
+    return a == b
+
+
+def _multi_hot(arrow: pa.Schema, schema: FeatureSchema) -> bool:
+    return any(
+        pa.types.is_list(arrow.field(n).type) or pa.types.is_large_list(arrow.field(n).type)
+        for n in schema.sparse_names
+    )
+
+
+def _labels(url: str, label: str) -> tuple[int, float]:
+    """Rows and positives (the labels' sum) of one file, every label checked: never null,
+    0/1 (integers, booleans) or within [0, 1] (floats)."""
+    f, _ = open_regular(url)
+    rows, positives = 0, 0.0
+    with f:
+        parquet = pq.ParquetFile(f)
+        for group in range(parquet.metadata.num_row_groups):
+            where = f"{url}, row group {group}, column {label}"
+            try:
+                column = parquet.read_row_group(group, columns=[label]).column(0)
+            except Exception as e:
+                raise DataError(f"{where}: cannot decode: {e}") from None
+            if column.null_count:
+                raise DataError(f"{where}: {column.null_count} null labels")
+            if pa.types.is_boolean(column.type):
+                column = column.cast(pa.int8())
+            values = column.cast(pa.float64())
+            inside = pc.and_(pc.greater_equal(values, 0.0), pc.less_equal(values, 1.0))
+            outside = len(values) - (pc.sum(inside.cast(pa.int64())).as_py() or 0)
+            if not pa.types.is_floating(column.type):
+                outside += (
+                    pc.sum(
+                        pc.and_(pc.greater(values, 0.0), pc.less(values, 1.0)).cast(pa.int64())
+                    ).as_py()
+                    or 0
+                )
+            if outside:
+                allowed = "within [0, 1]" if pa.types.is_floating(column.type) else "0 or 1"
+                raise DataError(f"{where}: {outside} labels not {allowed}")
+            rows += len(values)
+            positives += pc.sum(values).as_py() or 0.0
+    return rows, positives
