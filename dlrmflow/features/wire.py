@@ -25,13 +25,17 @@ from dlrmflow.features.spec import FeatureSpec
 
 
 def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary) -> str:
-    """What decides the tensors of a batch: column names, table sizes and the ID mapping.
+    """What decides the tensors of a batch: column names, dense transforms, table sizes and
+    the ID mapping.
 
     Embedding widths and pooling are left out: they shape the model, not the batches, so
     reader servers need no model config.
     """
     h = hashlib.sha256()
     h.update(json.dumps([spec.label, list(spec.dense)]).encode())
+    if spec.dense_transforms is not None:  # Criteo's transforms leave the digest as it was
+        transforms = [t.model_dump(mode="json") for t in spec.dense_transforms]
+        h.update(json.dumps(transforms, sort_keys=True).encode())
     h.update(json.dumps([[f.name, f.num_embeddings] for f in spec.sparse]).encode())
     if isinstance(ids, Vocabulary):
         for name in sorted(ids.ids):

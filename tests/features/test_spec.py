@@ -38,3 +38,24 @@ def test_unknown_cardinality_takes_the_cap_and_vocab_sizes_win():
 def test_pooling_comes_from_the_features_config():
     spec = FeatureSpec.for_dataset(_manifest(None), FeaturesConfig(pooling="mean"), ModelConfig())
     assert {f.pooling for f in spec.sparse} == {"mean"}
+
+
+def test_the_batch_digest_covers_declared_transforms_and_keeps_criteos():
+    """Reader servers and trainers compare it: another fill or clip bound gives other
+    batches, so another digest; Criteo's spec keeps the digest it always had."""
+    from dlrmflow.features.ids import HashIds
+    from dlrmflow.features.spec import FeatureSpec, SparseFeature
+    from dlrmflow.features.wire import features_digest
+    from dlrmflow.schema import DenseFeature
+
+    sparse = (SparseFeature("item", 100, 8),)
+    plain = FeatureSpec(dense=("price",), sparse=sparse, label="click")
+    ids = HashIds.from_spec(plain)
+    clip = DenseFeature(column="price", transform="clip", clip_min=0, clip_max=9)
+    clipped = FeatureSpec(("price",), sparse, "click", (clip,))
+    wider = FeatureSpec(("price",), sparse, "click", (clip.model_copy(update={"clip_max": 10}),))
+    digests = {features_digest(s, ids) for s in (plain, clipped, wider)}
+    assert len(digests) == 3
+    assert features_digest(plain, ids) == features_digest(
+        FeatureSpec.from_dict(plain.to_dict()), ids
+    )

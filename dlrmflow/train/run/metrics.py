@@ -42,7 +42,9 @@ def click_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]
 
     loss = log_loss(probs, labels)
     return {
-        "auc": float(binary_auroc(probs.float(), labels.long())),
+        # Soft labels (floats in [0, 1]) count as clicks from 0.5 up in the AUC alone; the
+        # log loss and calibration take them as they are.
+        "auc": float(binary_auroc(probs.float(), (labels >= 0.5).long())),
         "logloss": loss,
         "ne": loss / binary_entropy(positive_rate),
         "calibration": float(probs.double().mean()) / positive_rate,

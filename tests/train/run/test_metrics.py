@@ -57,3 +57,13 @@ def test_reliability_bins_hold_equal_rows_and_show_where_a_model_is_off():
     assert calibration_error(reliability_table(probs, honest)) < 0.01
     # Fewer rows than bins: no empty bin.
     assert [b["rows"] for b in reliability_table(probs[:3], labels[:3], bins=15)] == [1, 1, 1]
+
+
+def test_soft_labels_count_as_clicks_from_one_half_in_the_auc_alone():
+    probs = torch.tensor([0.9, 0.2, 0.6, 0.3, 0.7])
+    soft = torch.tensor([0.8, 0.1, 0.5, 0.4, 0.2])
+    got = click_metrics(probs, soft)
+    hard = click_metrics(probs, torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0]))
+    assert got["auc"] == hard["auc"]
+    assert got["logloss"] == log_loss(probs, soft) != hard["logloss"]
+    assert got["positive_rate"] == pytest.approx(float(soft.mean()))
