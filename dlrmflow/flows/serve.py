@@ -41,6 +41,7 @@ from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import ingest_flow
 from dlrmflow.flows.recurring import DEFAULT_LINE, recurring_flow
 from dlrmflow.flows.train import train_flow
+from dlrmflow.runtime.prefect_serve import display_serve_start_message
 from dlrmflow.supervise import STOP_SIGNALS
 
 DEPLOYMENT_NAME = "dlrmflow"
@@ -130,17 +131,8 @@ def serve_flows(
     for deployment in deployments:
         runner.add_deployment(deployment)
     with runner.stopped_by_signals():
-        _display_start_message(deployments)
+        display_serve_start_message(deployments)
         asyncio.run(runner.start())
-
-
-def _display_start_message(deployments: list[RunnerDeployment]) -> None:
-    """Prefect's own message (what ``prefect.serve`` prints), when this Prefect has it."""
-    from prefect import flows
-
-    display = getattr(flows, "_display_serve_start_message", None)
-    if display is not None:
-        display(*deployments)
 
 
 class _Runner(Runner):

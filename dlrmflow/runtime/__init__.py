@@ -14,4 +14,7 @@ the piece. Nothing here imports the rest of dlrmflow (``tests/kernels/test_layou
 - ``torchdata_threads``: stopping a torchdata ``Prefetcher``'s thread through its private
   iterator; else the thread is left to end by itself.
 - ``teardown``: a gloo job's process ended without Python's teardown, which can abort.
+- ``prefect_serve``: the message ``prefect.serve`` prints as it starts, from Prefect's
+  private helper (``dlrmflow serve`` runs its own runner); else one line naming the
+  deployments.
 """
