@@ -148,7 +148,7 @@ def _refuse_differences(
         changed.pop(TRAIN_DATA_KEY, None)
     recorded = info.manifest.get("spec")
     if recorded is not None and recorded != json.loads(json.dumps(spec.to_dict())):
-        changed.setdefault("feature spec (the tables the dataset gives)", None)
+        changed.setdefault(f"feature spec ({spec_changes(recorded, spec)})", None)
     if not changed:
         return
     shown = ", ".join(
@@ -167,6 +167,36 @@ def _refuse_differences(
     raise IncompatibleCheckpoint(
         f"checkpoint {info.path} differs from this configuration ({what}): {shown}; {hint}"
     )
+
+
+def spec_changes(recorded: dict, spec: FeatureSpec) -> str:
+    """What differs between a checkpoint's recorded feature spec and ``spec``, by feature:
+    the label, features gone or new, a table's size, a dense column's transform."""
+    before = FeatureSpec.from_dict(recorded)
+    changes = []
+    if before.label != spec.label:
+        changes.append(f"label {before.label} -> {spec.label}")
+    for kind, old, new in (
+        ("dense", list(before.dense), list(spec.dense)),
+        ("sparse", before.sparse_names, spec.sparse_names),
+    ):
+        changes += [f"{kind} feature {name} gone" for name in old if name not in new]
+        changes += [f"{kind} feature {name} new" for name in new if name not in old]
+        if not any(name not in new for name in old) and old != new and set(old) == set(new):
+            changes.append(f"{kind} features reordered")
+    tables = {f.name: f for f in before.sparse}
+    for f in spec.sparse:
+        was = tables.get(f.name)
+        if was is not None and was != f:
+            changes.append(
+                f"feature {f.name} table {was.num_embeddings} -> {f.num_embeddings} rows"
+            )
+    old_transforms = dict(zip(before.dense, before.dense_transforms or (), strict=False))
+    new_transforms = dict(zip(spec.dense, spec.dense_transforms or (), strict=False))
+    for name in spec.dense:
+        if name in before.dense and old_transforms.get(name) != new_transforms.get(name):
+            changes.append(f"feature {name} transform changed")
+    return "; ".join(changes) or "the tables the dataset gives"
 
 
 def _as_it_began(changed: dict[str, object]) -> str | None:

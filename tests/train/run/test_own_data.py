@@ -16,6 +16,7 @@ from dlrmflow.score.score import score_dataset
 from dlrmflow.train.launch.job import launch_training
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.evaluate import evaluate
+from dlrmflow.train.run.trainer import IncompatibleCheckpoint
 from tests.ingest.own_data import SCHEMA, write_own_days
 
 
@@ -58,20 +59,40 @@ def test_own_data_trains_near_its_bayes_auc_and_scores(own, tmp_path, nproc):
     assert table.num_rows == 6000 and table.column("label").null_count == 0
 
 
+def _with_features(data: str, into: Path, change) -> str:
+    """A dataset of ``data``'s files whose manifest declares ``change(features)``."""
+    manifest = json.loads((Path(data) / "manifest.json").read_text())
+    into.mkdir()
+    for path in Path(data).iterdir():
+        if path.name != "manifest.json":
+            (into / path.name).symlink_to(path)
+    manifest["features"] = change(manifest["features"])
+    (into / "manifest.json").write_text(json.dumps(manifest))
+    return str(into)
+
+
+def test_a_changed_schema_is_refused_on_resume_naming_the_feature(own, tmp_path):
+    data, _ = own
+    config = _config(data, tmp_path / "run", **{"train.max_steps": 3})
+    launch_training(config)
+    fewer = _with_features(data, tmp_path / "fewer", lambda f: {**f, "sparse": f["sparse"][:2]})
+    clipped = DenseFeature(column="price", transform="clip", clip_min=0.0, clip_max=9.0)
+    other = _with_features(
+        data, tmp_path / "other", lambda f: {**f, "dense": [clipped.model_dump(mode="json")]}
+    )
+    for url, change in ((fewer, "sparse feature tags gone"), (other, "feature price transform")):
+        with pytest.raises(IncompatibleCheckpoint, match=rf"feature spec \({change}"):
+            launch_training(apply_overrides(config, {"data.url": url, "train.max_steps": 6}))
+
+
 def test_a_declared_transform_travels_with_the_checkpoint(own, tmp_path):
     """A clipped price trains and evaluates as declared; the checkpoint keeps the transform,
     so evaluation never re-reads the schema from the data."""
     data, _ = own
-    manifest_path = Path(data) / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
     clipped = DenseFeature(column="price", transform="clip", clip_min=0.0, clip_max=30.0, fill=5.0)
-    copy = tmp_path / "data"
-    copy.mkdir()
-    for path in Path(data).iterdir():
-        (copy / path.name).symlink_to(path)
-    (copy / "manifest.json").unlink()
-    manifest["features"]["dense"] = [clipped.model_dump(mode="json")]
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    copy = _with_features(
+        data, tmp_path / "data", lambda f: {**f, "dense": [clipped.model_dump(mode="json")]}
+    )
     launch_training(_config(str(copy), tmp_path / "run", **{"train.epochs": 1}))
     ckpt = load_checkpoint(tmp_path / "run")
     assert ckpt.spec.dense_transforms == (clipped,)
