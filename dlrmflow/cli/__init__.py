@@ -36,6 +36,7 @@ for _name, _command in (
     ("config", run.config),
     ("generate", data.generate),
     ("convert", data.convert),
+    ("schema", data.schema),
     ("register", data.register),
     ("train", run.train),
     ("line", line.line),

@@ -1,5 +1,5 @@
-"""Commands that make and describe datasets: ``generate``, ``convert``, ``register`` and
-``stats``."""
+"""Commands that make and describe datasets: ``generate``, ``convert``, ``schema``,
+``register`` and ``stats``."""
 
 from __future__ import annotations
 
@@ -157,3 +157,18 @@ def register(
             "cardinalities": manifest.cardinalities,
         }
     )
+
+
+def schema(
+    data: Annotated[
+        str, typer.Option(help="Root of the day-partitioned Parquet (day=N/ or dt=YYYY-MM-DD/).")
+    ],
+) -> None:
+    """Print a feature schema guessed from day-partitioned Parquet, to edit and register.
+
+    Reads every file's footer and the first rows of a few files; each column's line says
+    its type, null share, distinct values and list lengths, and the columns left out say
+    why. Save it (> schema.yaml), edit it, then: dlrmflow register --schema schema.yaml."""
+    from dlrmflow.ingest.infer import infer_schema, schema_yaml
+
+    typer.echo(schema_yaml(infer_schema(data)), nl=False)
