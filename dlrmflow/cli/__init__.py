@@ -1,8 +1,8 @@
 """The ``dlrmflow`` command: one sub-command per stage, plus the demo and benchmarks.
 
-Grouped by what a user does: ``data`` (generate, convert, stats), ``run`` (config, train,
-plan, evaluate, export, demo), ``score`` (a model's predictions as Parquet), ``serving``
-(serve, deploy, readers serve) and ``bench``; ``options`` holds what they share. Commands
+Grouped by what a user does: ``data`` (generate, convert, schema, register, stats),
+``run`` (config, train, plan, evaluate, export, demo), ``score`` (a model's predictions as
+Parquet), ``serving`` (serve, deploy, readers serve) and ``bench``; ``options`` holds what they share. Commands
 only parse and print: the work is the library's. ``app`` below lists every command, in the
 order ``dlrmflow --help`` shows them, and ``main`` turns expected failures into one line.
 
@@ -90,11 +90,27 @@ def main() -> None:
     except Exception as e:
         # Prefect's client fails with a chain of tracebacks when its API does not answer;
         # any command whose flows talk to one says so in a line.
-        unreachable = _prefect_unreachable(e)
+        unreachable = _prefect_unreachable(e) or _object_store_failure(e)
         if unreachable is None or os.environ.get("DLRMFLOW_DEBUG"):
             raise
         typer.echo(f"error: {_one_line(unreachable)}", err=True)
         sys.exit(1)
+
+
+def _object_store_failure(error: BaseException) -> Exception | None:
+    """The one-line error when ``error`` is botocore's own (no endpoint answering, no
+    credentials found): s3fs turns the store's refusals into ``OSError`` but lets these
+    through, and they are the settings' fault, not the data's."""
+    if "botocore" not in sys.modules:
+        return None
+    from botocore.exceptions import BotoCoreError, NoCredentialsError
+
+    if isinstance(error, NoCredentialsError):
+        return OSError(
+            f"object store: {error} (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "or AWS_PROFILE)"
+        )
+    return OSError(f"object store: {error}") if isinstance(error, BotoCoreError) else None
 
 
 def _prefect_unreachable(error: BaseException) -> Exception | None:
