@@ -18,8 +18,9 @@ os.environ.setdefault(
 from dlrmflow.config import DataConfig, RunConfig, build_config  # noqa: E402
 from dlrmflow.ingest.synthetic import generate_dataset  # noqa: E402
 
-# The session's Prefect server (``prefect_server``, ``prefect_api``), for any test.
-pytest_plugins = ["tests.prefect_server"]
+# The session's Prefect server (``prefect_server``, ``prefect_api``) and S3 server
+# (``s3_server``, ``s3_bucket``), for any test.
+pytest_plugins = ["tests.prefect_server", "tests.s3_server"]
 
 # Data kept in the repository for the tests (see its README).
 TEST_DATA = Path(__file__).resolve().parent / "data"
