@@ -29,8 +29,9 @@ def line(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Train a model line a day at a time: each day its dataset has gained (and each raw
-    file that landed in data.landing), the newest version is scored on the day (next-day
+    """Train a model line a day at a time: each day its dataset has gained (each raw
+    file that landed in data.landing, each day partition new under a registered
+    dataset, registered first), the newest version is scored on the day (next-day
     validation), continued on it, and kept as the next version under LINE/versions/; a
     version that passes the gate (gate.*) against the champion on the next day is
     published under LINE/models/. The first call starts the line with its configuration;

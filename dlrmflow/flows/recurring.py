@@ -1,8 +1,9 @@
 """The ``recurring`` flow: one scheduled run of a model line (``dlrmflow.train.line``).
 
-Each run ingests the raw days that landed since the last one (``data.landing``, the
-``land`` subflow; without one, the dataset at ``data.url`` grows by other means, e.g.
-``dlrmflow generate`` with a day more), then, for every day the line has not trained
+Each run ingests the days that landed since the last one (the ``land`` subflow: raw
+files in ``data.landing``, or new day partitions under a registered dataset; otherwise
+the dataset at ``data.url`` grows by other means, e.g. ``dlrmflow generate`` with a day
+more), then, for every day the line has not trained
 on, scores the newest version on it (next-day validation), judges that version against
 the champion there (the gate, publishing it when it passes) and continues it on the day:
 a version a day. A run that finds no new day trains nothing and says so.
@@ -34,7 +35,8 @@ from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.flows.storage import shared_results
 from dlrmflow.ingest.criteo import convert_landed
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.stats import DatasetStats
+from dlrmflow.ingest.registered_days import register_new_days
+from dlrmflow.ingest.stats import DatasetStats, read_stats
 from dlrmflow.train.line.gate import champion
 from dlrmflow.train.line.line import (
     Line,
@@ -102,12 +104,37 @@ def convert_task(config: RunConfig) -> dict[str, Any]:
     return {"written_days": result.written_days, "days": result.manifest.days}
 
 
+@task(
+    name="register",
+    retries=1,
+    retry_delay_seconds=10,
+    retry_condition_fn=retry_unless_bad_input,
+    # The manifest records what was registered: a rerun registers only the new partitions.
+    cache_policy=NO_CACHE,
+)
+def register_task(config: RunConfig) -> dict[str, Any]:
+    """Register the day partitions that landed under the line's registered dataset."""
+    url = config.data.url
+    result = register_new_days(url)
+    get_run_logger().info(
+        "registered day(s) %s under %s: %d days, %d rows",
+        result.new_days or "none", url, result.manifest.days, result.manifest.rows,
+    )  # fmt: skip
+    return {"written_days": result.new_days, "days": result.manifest.days}
+
+
 @flow(name="land", validate_parameters=True)
 def land_flow(config: RunConfig) -> dict[str, Any]:
     """The ingest of a line: the files that landed in ``data.landing`` become its next
     days (``convert_landed``: a converted day keeps its number and file for good, whatever
     becomes of its raw file), then every day's feature statistics (the ingest flow's
-    cached ``stats`` tasks: a new day scans only that day) are merged into ``stats.json``."""
+    cached ``stats`` tasks: a new day scans only that day) are merged into ``stats.json``.
+    Without a landing folder the dataset is a registered one: the day partitions new
+    under it are registered (``register_new_days``, which writes its statistics too)."""
+    if config.data.landing is None:
+        landed = register_task(config)
+        publish_stats(read_stats(config.data.url))
+        return landed
     landed = convert_task(config)
     url = config.data.url
     manifest = read_manifest(url)
@@ -135,7 +162,7 @@ def recurring_flow(
     if max_days is not None and max_days < 1:
         raise ValueError(f"max_days must be >= 1 (got {max_days})")
     with open_line(line_dir, config) as opened:
-        if opened.config.data.landing is not None:
+        if opened.lands:
             land_flow(opened.config)
         judged_before = len(verdicts(line_dir))
         days = opened.pending(through)

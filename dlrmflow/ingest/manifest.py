@@ -132,6 +132,12 @@ class Manifest(BaseModel):
                     )
         return [join_url(root, f.path) for f in chosen]
 
+    def path_days(self, root: str) -> dict[str, int]:
+        """Each day file's full URL (as ``day_paths`` gives it) and its day: what the
+        reader takes a file's day from where the file itself does not record it (a
+        registered dataset's files, numbered in partition order)."""
+        return {join_url(root, f.path): f.day for f in self.files}
+
     def train_days(self) -> list[int]:
         """Every day with a file except the held-out test day, ascending.
 

@@ -48,7 +48,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
@@ -113,10 +113,13 @@ class Split:
     digest: str | None = None
 
 
-def list_splits(paths: Sequence[str]) -> list[Split]:
+def list_splits(paths: Sequence[str], days: Mapping[str, int] | None = None) -> list[Split]:
     """Every non-empty row group of ``paths``, in file then row-group order.
 
     Only the footers are read. Empty row groups are left out since they hold no work.
+    ``days``: each path's day as the dataset's manifest numbers it (``Manifest.path_days``),
+    which wins over the footer's: a registered file's footer records no day, and its
+    folder (``dt=2026-11-01``, ``day=20261101``) need not be its day's number.
     """
     splits = []
     for path in paths:
@@ -131,6 +134,8 @@ def list_splits(paths: Sequence[str]) -> list[Split]:
         except Exception as e:
             raise DataError(f"{day_path(path)}: cannot read Parquet footer: {e}") from e
         day, digest = footer_identity(metadata)
+        if days is not None and path in days:
+            day = days[path]
         for i in range(metadata.num_row_groups):
             rows = metadata.row_group(i).num_rows
             if rows > 0:
@@ -222,7 +227,10 @@ class ParquetBatchDataset:
             for split in self.splits:
                 day = split.day if split.day is not None else day_of(split.path)
                 if day is None:
-                    raise ValueError(f"{split.path}: no day in its footer or its path")
+                    raise ValueError(
+                        f"{split.path}: no day in its footer, its path or the listing "
+                        "(list_splits' days)"
+                    )
                 self._day_splits.setdefault(day, []).append(split)
             self.days = sorted(self._day_splits)
 

@@ -182,7 +182,7 @@ def dataset_stats(url: str, manifest: Manifest | None = None) -> DatasetStats:
     result is the same bit for bit however the files are grouped or ordered.
     """
     manifest = manifest if manifest is not None else read_manifest(url)
-    columns, expected = _declared(manifest)
+    columns, expected = declared_columns(manifest)
     parts = (
         file_stats(path, manifest.multi_hot, columns=columns, expected=expected)
         for path in manifest.day_paths(url)
@@ -190,7 +190,7 @@ def dataset_stats(url: str, manifest: Manifest | None = None) -> DatasetStats:
     return merge_stats(url, manifest.multi_hot, parts, columns=columns)
 
 
-def _declared(manifest: Manifest) -> tuple[Columns | None, pa.Schema | None]:
+def declared_columns(manifest: Manifest) -> tuple[Columns | None, pa.Schema | None]:
     """The columns of a registered dataset's schema and their Arrow types (None, None:
     Criteo's layout)."""
     if manifest.features is None:

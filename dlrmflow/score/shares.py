@@ -41,7 +41,7 @@ def day_shares(url: str, manifest: Manifest, day: int, count: int) -> list[Share
     """The ``count`` shares of ``day`` of the dataset at ``url`` (one per process; a
     share may be empty when the day has fewer row groups than processes)."""
     # held_out=[]: scoring reads whichever days it is asked for, the test day among them.
-    splits = list_splits(manifest.day_paths(url, [day], held_out=[]))
+    splits = list_splits(manifest.day_paths(url, [day], held_out=[]), manifest.path_days(url))
     first = np.cumsum([0, *(s.num_rows for s in splits)])[:-1]
     start_of = {(s.path, s.row_group): int(row) for s, row in zip(splits, first, strict=True)}
     shares = []

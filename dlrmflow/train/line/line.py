@@ -2,8 +2,10 @@
 
 In production a recommendation model is not trained once: each day's logs arrive, the
 model serving is scored on them, continued on them, and the result is the next version.
-A line does that on a dataset that grows by a day (``dlrmflow generate`` with one day
-more, ``convert`` of the new day)::
+A line does that on a dataset that grows by a day: ``dlrmflow generate`` with one day
+more, raw Criteo files landing in ``data.landing``, or a registered dataset of the team's
+own Parquet (``dlrmflow register``) gaining a day partition, which the line registers
+before it runs (``Line.land``)::
 
     LINE/config.json           the line's configuration (fixed when the line starts)
     LINE/run/                  its one run directory, trained in day order
@@ -43,6 +45,7 @@ from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.criteo import convert_landed
 from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_manifest
+from dlrmflow.ingest.registered_days import is_registered, register_new_days
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import launch_evaluation, launch_training
 from dlrmflow.train.line.gate import Verdict, champion, judge, publish
@@ -234,13 +237,25 @@ class Line:
         self.config = config
         self.versions = versions(line_dir)
 
+    @property
+    def lands(self) -> bool:
+        """Whether the line's dataset grows by what lands rather than by other means: raw
+        files in ``data.landing``, or day partitions under a registered dataset. Read by
+        ``land`` and by the recurring flow alike, so both ingest the same way."""
+        return self.config.data.landing is not None or is_registered(self.config.data.url)
+
     def land(self) -> list[int]:
-        """Convert the raw days that landed in ``data.landing`` since the last call into
-        the dataset (none without a landing directory); the days written. A converted
-        day keeps its number and file for good (``convert_landed``)."""
+        """Bring in the days that landed since the last call; the days gained. Raw files
+        in ``data.landing`` are converted into the dataset (``convert_landed``); under a
+        registered dataset, new day partitions are registered as its next days, under the
+        schema its manifest records (``register_new_days``). Either way a day, once in the
+        dataset, keeps its number and files for good: a late file or partition, or a day's
+        file rewritten, is refused in one line naming it before anything is scored."""
+        if not self.lands:
+            return []
         landing = self.config.data.landing
         if landing is None:
-            return []
+            return register_new_days(self.config.data.url).new_days
         result = convert_landed(
             landing, self.config.data.url, row_group_size=self.config.data.row_group_size
         )
@@ -341,7 +356,8 @@ def train_line(
     through: int | None = None,
     on_day: Callable[[Version], None] | None = None,
 ) -> list[Version]:
-    """Convert what landed (``data.landing``), then train the line at ``line_dir`` on
+    """Bring in what landed (``Line.land``: raw files in ``data.landing``, or new day
+    partitions under a registered dataset), then train the line at ``line_dir`` on
     every day of its dataset it has not trained on (up to ``through``), a version a day;
     return the versions made now (none when there is no new day). ``config`` starts the
     line (or must match it, see ``line_config``)."""

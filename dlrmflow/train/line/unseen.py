@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.stats import IdSample, file_stats
+from dlrmflow.ingest.stats import IdSample, declared_columns, file_stats
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.checkpoint import DataIdentity
 
@@ -42,9 +42,11 @@ def day_samples(line_dir: Path, url: str, day: int) -> dict[str, IdSample]:
                 names = sorted({key.rsplit("/", 1)[0] for key in kept.files if "/" in key})
                 return {n: IdSample(int(kept[f"{n}/level"]), kept[f"{n}/hashes"]) for n in names}
     files = manifest.day_paths(url, [day], held_out=[])
-    totals = file_stats(files[0], manifest.multi_hot)
+    # A registered dataset's own columns, as its manifest declares them.
+    columns, expected = declared_columns(manifest)
+    totals = file_stats(files[0], manifest.multi_hot, columns=columns, expected=expected)
     for other in files[1:]:
-        totals.merge(file_stats(other, manifest.multi_hot))
+        totals.merge(file_stats(other, manifest.multi_hot, columns=columns, expected=expected))
     samples = totals.id_samples()
     arrays: dict[str, np.ndarray] = {DIGEST_KEY: np.array(digest)}
     for name, sample in samples.items():

@@ -11,7 +11,7 @@ picks one, and both give the same batches in the same order, resumable from the 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +120,7 @@ def batch_loader(
     threads: int | None = None,
     pin_memory: bool = False,
     by_day: bool = False,
+    days: Mapping[str, int] | None = None,
 ) -> tuple[ParquetBatchDataset, ReaderLoader]:
     """A resumable loader of ``Batch`` objects over the given day files.
 
@@ -127,11 +128,12 @@ def batch_loader(
     with an artificial cost so that the local and the remote readers do the same work.
     ``threads`` is each reader's (``make_loader``'s default: ``reader_threads``).
     ``pin_memory``: the readers hand out page-locked batches (for a CUDA trainer).
-    ``by_day``: each pass reads one day (``ParquetBatchDataset``).
+    ``by_day``: each pass reads one day (``ParquetBatchDataset``). ``days``: each path's
+    day, from the manifest (``Manifest.path_days``), for files that do not record theirs.
     """
     transform = BatchTransform(spec, ids) if transform is None else transform
     dataset = ParquetBatchDataset(
-        list_splits(paths),
+        list_splits(paths, days),
         spec.columns,
         batch_size,
         rank=rank,
@@ -240,8 +242,12 @@ def make_train_loader(
     rank: int = 0,
     world_size: int = 1,
     pin_memory: bool = False,
+    days: Mapping[str, int] | None = None,
 ) -> TrainLoader:
     """Rank ``rank``'s training batches over ``paths``, from local readers or reader servers.
+
+    ``days``: each path's day as the manifest lists it (``Manifest.path_days``), which a
+    run in day order needs for files whose footer records none (registered data).
 
     ``pin_memory``: local readers hand out page-locked batches (a CUDA trainer's copies to
     the device are then asynchronous); remote batches are pinned by the trainer.
@@ -266,6 +272,7 @@ def make_train_loader(
             world_size=world_size,
             pin_memory=pin_memory,
             by_day=train.order == "days",
+            days=days,
         )
         return TrainLoader(loader, dataset)
     source = _remote_source(config, spec, ids, paths, rank=rank, world_size=world_size)

@@ -204,6 +204,7 @@ def test_loader(
         rank=env.rank,
         world_size=env.world_size,
         pin_memory=pin_memory,
+        days=manifest.path_days(url),
     )
     return loader
 

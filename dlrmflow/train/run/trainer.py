@@ -275,6 +275,7 @@ def _train(
         rank=env.rank,
         world_size=env.world_size,
         pin_memory=device.type == "cuda",
+        days=manifest.path_days(config.data.url),
     )
     try:
         # train.tracker: ends the run FINISHED, or FAILED when training raises.
