@@ -401,10 +401,7 @@ def plan_landing(directory: str, out: str) -> list[LandedFile]:
     converted file whose bytes changed under the same name, and an empty file, are refused
     the same way. Raises FileNotFoundError for a missing folder, or one without a day when
     nothing was converted."""
-    recorded = _landed_record(out)
-    urls = _landed_files(directory)
-    if not urls and not recorded:
-        raise FileNotFoundError(f"{directory}: no raw day file in the landing directory")
+    recorded, urls = _landed_or_refused(directory, out)
     plan = [
         LandedFile(day, r["url"], r["bytes"], r["sha256"], r["seen"], True)
         for day, r in enumerate(recorded)
@@ -466,6 +463,7 @@ def convert_landed(
     (``generator["landed"]``), switched with the days it lists in one rename. A new day
     without a row is refused naming its file: it could be neither validated nor trained
     on. The options are ``convert_criteo``'s."""
+    _landed_or_refused(directory, out)  # before the lock, which would make the folder
     with dataset_lock(out, "convert"):
         plan = plan_landing(directory, out)
         records = [f.record() for f in plan]
@@ -504,6 +502,16 @@ def convert_landed(
         except BaseException:
             discard_unlisted(out, [d.path for d in days if not d.kept], listed_paths(out))
             raise
+
+
+def _landed_or_refused(directory: str, out: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The landed files the dataset at ``out`` records and those in ``directory`` now;
+    FileNotFoundError when neither has one (nothing to convert, nor ever converted)."""
+    recorded = _landed_record(out)
+    urls = _landed_files(directory)
+    if not urls and not recorded:
+        raise FileNotFoundError(f"{directory}: no raw day file in the landing directory")
+    return recorded, urls
 
 
 def _landed_files(directory: str) -> list[str]:
