@@ -16,8 +16,9 @@ TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 # FBGEMM (model.kernels=fbgemm, and TorchRec's kernels): the release built for the torch
 # above. Its CUDA build where a GPU is present, else its CPU build.
 FBGEMM_VERSION ?= 1.8.0
+RECBOLE_VERSION ?= 1.2.1
 
-.PHONY: demo test test-across-cpus lint gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule bench-step clean
+.PHONY: demo test test-across-cpus lint bench-movielens gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule bench-step clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +31,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	  $(PIP) install torch==$(TORCH_VERSION); fi
 	$(PIP) install -c constraints.txt -e '.[dev]'
 	$(PIP) install --no-deps $(TORCHREC_PKGS)
+	@# MovieLens-100k for `dlrmflow bench movielens`: package data of recbole's wheel, whose
+	@# licence forbids passing the data on (so it is never committed); its code is not used.
+	$(PIP) install --no-deps recbole==$(RECBOLE_VERSION)
 	@# Where no FBGEMM build matches the installed torch, one line says so and auto uses Triton.
 	if command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(PIP) install --no-deps fbgemm-gpu==$(FBGEMM_VERSION) \
@@ -75,6 +79,12 @@ bench-scale: $(VENV)/.installed
 # bench-results/recurring/recurring.json` puts it in the docs.
 bench-recurring: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench recurring --json bench-results/recurring/recurring.json
+
+# MovieLens-100k registered by week and trained as a model line, against each movie's past
+# click rate; `dlrmflow bench docs --report docs/benchmarks.json --movielens
+# bench-results/movielens.json` puts it in the docs.
+bench-movielens: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow bench movielens --json bench-results/movielens.json
 
 bench-schedule: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench schedule --json bench-results/schedule/schedule.json

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from dlrmflow.bench import recurring, schedule
+from dlrmflow.bench import movielens, recurring, schedule
 from dlrmflow.bench import report as sections
 from dlrmflow.outputs import write_atomic
 
@@ -65,11 +65,12 @@ BASELINES = {
     "recurring": "retrained daily, or frozen",
     "schedule": "the constant rates of before",
     "step": "the step's multiplies alone (bf16 vs fp32: fp32)",
+    "movielens": "each movie's past click rate",
 }
 # Benchmarks a report may lack: ``dlrmflow bench scale``, ``bench recurring`` and ``bench
 # schedule`` run apart (``bench docs --scale``, ``--recurring``, ``--schedule``), and
 # ``bench step`` in reports older than it (``--step``).
-OPTIONAL = {"scale", "recurring", "schedule", "step"}
+OPTIONAL = {"scale", "recurring", "schedule", "step", "movielens"}
 
 # Each benchmark in the report: its title, the module whose docstring says how it runs,
 # the report section that renders its results, and which ratios the README lists.
@@ -120,6 +121,13 @@ BENCHMARKS: list[tuple[str, str, str, Callable[[dict], str], Callable[[dict, str
         "Learning-rate sweep",
         "dlrmflow.bench.schedule",
         schedule.schedule_section,
+        _never,
+    ),
+    (
+        "movielens",
+        "MovieLens-100k model line",
+        "dlrmflow.bench.movielens",
+        movielens.movielens_section,
         _never,
     ),
 ]
@@ -199,6 +207,7 @@ def write_docs(
     kernels_run: Path | None = None,
     step_run: Path | None = None,
     ingest_run: Path | None = None,
+    movielens_run: Path | None = None,
 ) -> dict[str, str]:
     """Copy ``report`` (a report.json) into ``docs_dir`` and regenerate the documents;
     ``scale`` (a ``dlrmflow bench scale`` JSON) adds its run under the key "scale",
@@ -206,7 +215,8 @@ def write_docs(
     "recurring", ``schedule_run`` (a ``dlrmflow bench schedule`` JSON) under "schedule";
     ``kernels_run`` (a ``dlrmflow bench kernels`` JSON) replaces the report's kernels run,
     whose ratios are all measured within it, ``step_run`` (``dlrmflow bench step``) its
-    step run and ``ingest_run`` (``dlrmflow bench ingest``) its ingest run."""
+    step run and ``ingest_run`` (``dlrmflow bench ingest``) its ingest run;
+    ``movielens_run`` (``dlrmflow bench movielens``) adds its run under "movielens"."""
     record = json.loads(Path(report).read_text())
     added = {
         "scale": scale,
@@ -215,6 +225,7 @@ def write_docs(
         "kernels": kernels_run,
         "step": step_run,
         "ingest": ingest_run,
+        "movielens": movielens_run,
     }
     plots = {}
     for key, path in added.items():

@@ -185,13 +185,27 @@ def bench_docs(
         Path | None,
         typer.Option(help="A `dlrmflow bench ingest` JSON in place of the report's ingest run."),
     ] = None,
+    movielens: Annotated[
+        Path | None, typer.Option(help="A `dlrmflow bench movielens` JSON to add.")
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
     echo_json(
-        write_docs(report, docs_dir, readme, scale, recurring, schedule, kernels, step, ingest)
+        write_docs(
+            report, docs_dir, readme, scale, recurring, schedule, kernels, step, ingest, movielens
+        )
     )
+
+
+@app.command("movielens")
+def bench_movielens(json_out: JsonOpt = None, quick: QuickOpt = False) -> None:
+    """MovieLens-100k (from the recbole wheel) registered by week and trained as a model line,
+    its next-week AUC against each movie's past click rate."""
+    from dlrmflow.bench.movielens import run_movielens
+
+    emit_benchmark(run_movielens(quick=quick), json_out)
 
 
 @app.command("recurring")
