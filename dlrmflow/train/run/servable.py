@@ -43,6 +43,17 @@ arch stays float32:
 What a scoring job needs to rebuild batches (the feature spec, the run's configuration,
 the checkpoint and step, the quantization and this input convention) travels in the
 archive as JSON (``extra_files``); ``load_servable`` reads it back with the program.
+
+How a serving system without dlrmflow makes the inputs from a raw row is in that JSON too
+(``raw_inputs``, ``raw_recipe``): each dense column's fill and transform, in ``dense``'s
+order; each sparse column, in ``values``' key order, with its table's rows and its hash
+salt; string IDs become int64 by FNV-1a 64 over their UTF-8 bytes and then splitmix64's
+finalizer (``dlrmflow.ingest.strings``); an int64 ID ``x`` becomes the row
+``((h(x + salt) >> 32) * rows) >> 32`` in uint64 arithmetic, where
+``h(z) = z ^= z >> 32; z *= 0xBF58476D1CE4E5B9; z ^= z >> 32; z *= 0x94D049BB133111EB``
+(``features.ids.HashIds``). A vocabulary run's rows come from its ``vocab.npz`` instead,
+which the recipe names. ``tests/train/run/test_servable_raw.py`` builds the inputs from
+the recipe alone and gets the checkpoint's scores.
 """
 
 from __future__ import annotations
@@ -503,6 +514,31 @@ def export_run(
         )
 
 
+def raw_recipe(spec: FeatureSpec, config: RunConfig) -> dict[str, Any]:
+    """How the program's inputs are made from a raw row (see the module's docstring)."""
+    from dlrmflow.features.ids import feature_salt
+    from dlrmflow.schema import DenseFeature
+
+    dense = spec.dense_transforms or tuple(DenseFeature(column=c) for c in spec.dense)
+    hashed = config.features.ids == "hash"
+    return {
+        "label": spec.label,
+        "dense": [d.model_dump(mode="json") for d in dense],
+        "sparse": [
+            {"column": f.name, "rows": f.num_embeddings}
+            | ({"salt": feature_salt(f.name)} if hashed else {})
+            for f in spec.sparse
+        ],
+        "ids": "hash" if hashed else "vocab (the run's vocab.npz: its ID -> row tables)",
+        "string_ids": "FNV-1a 64 over the UTF-8 bytes, then z ^= z >> 30; "
+        "z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31",
+        "row": "((h(x + salt) >> 32) * rows) >> 32, h(z): z ^= z >> 32; "
+        "z *= 0xBF58476D1CE4E5B9; z ^= z >> 32; z *= 0x94D049BB133111EB (uint64)",
+        "dense_transforms": "fill nulls and NaN, then log: log1p(max(x, 0)); clip: "
+        "min(max(x, clip_min), clip_max); none: x; as float32",
+    }
+
+
 def export_servable(
     checkpoint: str | Path,
     out: str | Path,
@@ -546,6 +582,7 @@ def export_servable(
         "spec": ckpt.spec.to_dict(),
         "config": ckpt.config.model_dump(mode="json"),
         "inputs": INPUTS,
+        "raw_inputs": raw_recipe(ckpt.spec, ckpt.config),
         "table_bytes": module.table_bytes,
         "torch": torch.__version__,
         "trained_multi_hot": ckpt.multi_hot,  # a one-hot model refuses multi-hot data
