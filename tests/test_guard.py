@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dlrmflow.guard import COMMAND_ENV, GRACE_S, carrying
+from dlrmflow.locks import LOCK_FILE
 from tests.prefect_server import new_prefect_home
 
 DLRMFLOW = str(Path(sys.executable).parent / "dlrmflow")
@@ -96,7 +97,8 @@ def test_sigterm_ends_a_command_in_one_line_and_cleans_its_temporaries(tmp_path:
     _, err = command.communicate(timeout=30)
     assert command.returncode == 128 + signal.SIGTERM
     assert err.splitlines() == ["error: dlrmflow generate stopped by SIGTERM"], err
-    assert not [p for p in out.rglob("*") if p.is_file()]  # no temporary, no day file
+    # No temporary, no day file: only the folder's (released) lock file.
+    assert [p.name for p in out.rglob("*") if p.is_file()] == [LOCK_FILE]
 
 
 def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(

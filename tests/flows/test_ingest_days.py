@@ -20,6 +20,7 @@ from dlrmflow.flows.runners import task_runner
 from dlrmflow.flows.storage import RESULTS_DIR
 from dlrmflow.ingest.criteo import convert_criteo
 from dlrmflow.ingest.stats import dataset_stats, write_stats
+from dlrmflow.locks import LOCK_FILE
 from tests.flows.records import run_records
 from tests.prefect_server import stop_process_group
 
@@ -46,11 +47,12 @@ def raw_days(sample: Path, folder: Path, days: int) -> list[str]:
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    """The dataset's files, less the flow's cached task results kept beside them."""
+    """The dataset's files, less the flow's cached task results kept beside them and the
+    folder's lock file (which the sequential converter holds while it writes)."""
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.relative_to(root).parts[0] != RESULTS_DIR
+        if p.is_file() and p.relative_to(root).parts[0] not in (RESULTS_DIR, LOCK_FILE)
     }
 
 
