@@ -53,6 +53,9 @@ class Serving:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
+                # As from a terminal, even where the tests run in the background (SIGINT
+                # ignored, which serve keeps ignored, as under nohup).
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             )
 
     def wait(self, what: str, check: Callable[[], T | None]) -> T:
