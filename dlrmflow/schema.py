@@ -84,18 +84,34 @@ class SparseFeature(_Strict):
 
 
 class FeatureSchema(_Strict):
-    """What a dataset's columns are (see the module's docstring)."""
+    """What a dataset's columns are (see the module's docstring).
+
+    ``weight``: an optional column of non-negative per-example weights (an importance or
+    a sampling correction) that scale each example's loss. ``keys``: columns that are not
+    features but identify a row (a request or user ID); ``score`` copies them into its
+    output beside each prediction.
+    """
 
     label: str = Field(min_length=1)
+    weight: str | None = Field(None, min_length=1)
     dense: tuple[DenseFeature, ...] = ()
     sparse: tuple[SparseFeature, ...] = Field(min_length=1)
+    keys: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _distinct(self) -> FeatureSchema:
         columns = [self.label, *self.dense_names, *self.sparse_names]
+        if self.weight is not None:
+            columns.append(self.weight)
         repeated = sorted({c for c in columns if columns.count(c) > 1})
         if repeated:
             raise ValueError(f"column {repeated[0]} is declared twice")
+        keys = list(self.keys)
+        repeated = sorted({c for c in keys if keys.count(c) > 1})
+        if repeated:
+            raise ValueError(f"key column {repeated[0]} is declared twice")
+        if self.label in keys:
+            raise ValueError(f"key column {self.label} is the label")
         return self
 
     @property
@@ -108,8 +124,9 @@ class FeatureSchema(_Strict):
 
     @property
     def columns(self) -> list[str]:
-        """Every column the schema reads, label first."""
-        return [self.label, *self.dense_names, *self.sparse_names]
+        """Every column training reads: the label, the weight if any, the features."""
+        weight = [] if self.weight is None else [self.weight]
+        return [self.label, *weight, *self.dense_names, *self.sparse_names]
 
     @property
     def is_criteo(self) -> bool:

@@ -220,8 +220,11 @@ def _check_columns(
     """Every declared column present in ``arrow`` with a type its role takes, and the
     type every file before had (``seen``, filled from the first file)."""
     roles = [(schema.label, "label", _label_type)]
+    if schema.weight is not None:
+        roles.append((schema.weight, "weight", _dense_type))
     roles += [(name, "dense feature", _dense_type) for name in schema.dense_names]
     roles += [(name, "sparse feature", _id_type) for name in schema.sparse_names]
+    roles += [(name, "key", _any_type) for name in schema.keys if name not in schema.columns]
     for name, role, fits in roles:
         index = arrow.get_field_index(name)
         if index < 0:
@@ -235,6 +238,10 @@ def _check_columns(
                 f"{url}: column {name}: type {kind}, but {first[1]} has {first[0]}: every "
                 "day must have the same types"
             )
+
+
+def _any_type(t: pa.DataType) -> bool:
+    return True
 
 
 def _label_type(t: pa.DataType) -> bool:
