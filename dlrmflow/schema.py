@@ -89,7 +89,9 @@ class FeatureSchema(_Strict):
     ``weight``: an optional column of non-negative per-example weights (an importance or
     a sampling correction) that scale each example's loss. ``keys``: columns that are not
     features but identify a row (a request or user ID); ``score`` copies them into its
-    output beside each prediction.
+    output beside each prediction. ``day_column``: a date, timestamp or integer column
+    that says each row's day, for data that is not in ``day=N/`` or ``dt=YYYY-MM-DD/``
+    folders (``dlrmflow register`` reads it).
     """
 
     label: str = Field(min_length=1)
@@ -97,6 +99,7 @@ class FeatureSchema(_Strict):
     dense: tuple[DenseFeature, ...] = ()
     sparse: tuple[SparseFeature, ...] = Field(min_length=1)
     keys: tuple[str, ...] = ()
+    day_column: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _distinct(self) -> FeatureSchema:
@@ -112,6 +115,8 @@ class FeatureSchema(_Strict):
             raise ValueError(f"key column {repeated[0]} is declared twice")
         if self.label in keys:
             raise ValueError(f"key column {self.label} is the label")
+        if self.day_column is not None and self.day_column in (self.label, self.weight):
+            raise ValueError(f"day_column {self.day_column} is the label or the weight")
         return self
 
     @property
