@@ -35,12 +35,15 @@ class FeatureSpec:
     ``dense_transforms``: each dense column's null fill and transform, in ``dense`` order;
     None is Criteo's for every column (nulls as 0, then ``log(1 + max(x, 0))``), which
     the compiled transform runs and which specs written before schemas mean.
+    ``weight``: the column of per-example weights (``Batch.sample_weights``), None when
+    the dataset declares none.
     """
 
     dense: tuple[str, ...]
     sparse: tuple[SparseFeature, ...]
     label: str = LABEL
     dense_transforms: tuple[DenseFeature, ...] | None = None
+    weight: str | None = None
 
     def __post_init__(self) -> None:
         if self.dense_transforms is not None:
@@ -51,7 +54,8 @@ class FeatureSpec:
     @property
     def columns(self) -> list[str]:
         """The Parquet columns the transform needs (everything else is never read)."""
-        return [self.label, *self.dense, *(f.name for f in self.sparse)]
+        weight = [] if self.weight is None else [self.weight]
+        return [self.label, *weight, *self.dense, *(f.name for f in self.sparse)]
 
     @property
     def sparse_names(self) -> list[str]:
@@ -67,6 +71,8 @@ class FeatureSpec:
         }
         if self.dense_transforms is not None:
             data["dense_transforms"] = [t.model_dump(mode="json") for t in self.dense_transforms]
+        if self.weight is not None:
+            data["weight"] = self.weight
         return data
 
     @classmethod
@@ -79,6 +85,7 @@ class FeatureSpec:
             dense_transforms=None
             if transforms is None
             else tuple(DenseFeature.model_validate(t) for t in transforms),
+            weight=data.get("weight"),
         )
 
     @classmethod
@@ -122,6 +129,7 @@ class FeatureSpec:
             sparse=tuple(sparse),
             label=schema.label,
             dense_transforms=None if plain else schema.dense,
+            weight=schema.weight,
         )
 
 

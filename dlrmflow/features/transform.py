@@ -32,6 +32,9 @@ Input semantics (``validate`` enforces the types and values, once per row group)
   exactly the result of the plain column (a null dictionary entry is a null ID).
 * label: integer or bool, exactly 0 or 1, or floating in [0, 1] (soft labels); never null
   or NaN.
+* weight (the spec's ``weight``, when declared): any integer or floating type, each value
+  finite, >= 0 and within float32's range, never null; it becomes ``Batch.sample_weights``
+  (float32).
 
 A ``pa.Table`` may hold several chunks per column, and dictionary chunks may each have
 their own dictionary.
@@ -163,6 +166,43 @@ def _declared_dense(
             low, high = _float32_or_none(t.clip_min), _float32_or_none(t.clip_max)
             np.minimum(np.maximum(block, low, out=block), high, out=block)
     return torch.from_numpy(np.ascontiguousarray(out.T))
+
+
+def _check_weights(name: str, col: pa.ChunkedArray) -> None:
+    """Raise ``ValueError`` naming the weight column ``name`` if a weight is null, negative,
+    NaN, infinite or beyond float32's range (each would scale a loss by nonsense)."""
+    if col.null_count:
+        raise ValueError(f"column {name}: {col.null_count} null weight(s)")
+    if len(col) == 0:
+        return
+    if pa.types.is_integer(col.type):
+        low = pc.min(col).as_py()
+        if low < 0:
+            count = pc.sum(pc.less(col, 0)).as_py()
+            raise ValueError(f"column {name}: {count} negative weight(s) (e.g. {low!r})")
+        return
+    wide = col.cast(pa.float64())  # exact; Arrow has no float16 comparisons
+    # A comparison with NaN is false, so NaN is among the bad ones.
+    good = pc.and_(pc.greater_equal(wide, 0.0), pc.less_equal(wide, _FLOAT32_MAX))
+    bad = pc.invert(good)
+    count = pc.sum(bad).as_py() or 0
+    if count:
+        example = pc.filter(wide, bad)[0].as_py()
+        raise ValueError(
+            f"column {name}: {count} weight(s) negative, NaN, infinite or beyond float32's "
+            f"range (e.g. {example!r}); weights must be finite and >= 0"
+        )
+
+
+def _weights(chunks: list[pa.Array]) -> np.ndarray:
+    """A weight column's values as float32 (``validate`` has refused nulls and bad values)."""
+    out = np.empty(sum(len(a) for a in chunks), np.float32)
+    start = 0
+    for arr in chunks:
+        with np.errstate(over="ignore", invalid="ignore"):  # unvalidated garbage stays quiet
+            np.copyto(out[start : start + len(arr)], _primitive(arr), casting="unsafe")
+        start += len(arr)
+    return out
 
 
 def _label_type_ok(t: pa.DataType) -> bool:
@@ -351,6 +391,7 @@ class _Layout:
 
     schema: pa.Schema
     label: int
+    weight: int | None  # the weight column, if the spec has one
     dense: tuple[int, ...]
     sparse: tuple[int, ...]
     used: tuple[int, ...]  # every column above
@@ -358,7 +399,8 @@ class _Layout:
     dense_one_type: bool  # dense columns can be concatenated into one array
     # The compiled path applies: one-hot plain int64 or string IDs (hashed to int64
     # first), a mapper with ``map_one_hot``, Criteo's dense transform (``dense_transforms``
-    # None) over columns of one type numba handles (not float16), and no float16 label.
+    # None) over columns of one type numba handles (not float16), and no float16 label or
+    # weight.
     compiled: bool
 
 
@@ -369,6 +411,7 @@ class _Rows:
     ids: np.ndarray  # [n, sparse keys], int32 or int64; -1 where the ID is null
     dense: np.ndarray  # [n, dense columns] float32: log1p(max(x, 0)), nulls and NaN as 0
     labels: np.ndarray  # [n] float32
+    weights: np.ndarray | None  # [n] float32, where the spec has a weight column
 
 
 @dataclass(frozen=True)
@@ -382,6 +425,7 @@ class _Checks:
     floating: tuple[tuple[str, int], ...]
     label: int
     dictionary: tuple[tuple[str, int], ...]
+    weight: int | None
 
     @classmethod
     def of(cls, schema: pa.Schema, spec: FeatureSpec) -> _Checks:
@@ -399,6 +443,7 @@ class _Checks:
             floating=where(spec.dense, pa.types.is_floating),
             label=schema.get_field_index(spec.label),
             dictionary=where(spec.sparse_names, lambda t: pa.types.is_dictionary(leaf(t))),
+            weight=None if spec.weight is None else schema.get_field_index(spec.weight),
         )
 
 
@@ -449,9 +494,10 @@ class BatchTransform:
         """Raise ``ValueError`` naming the column if ``table`` cannot be transformed.
 
         Checks types (schema drift), dense values float32 cannot hold (±inf, or beyond its
-        range), non-0/1 or null labels and dictionary indices outside their dictionary. It
-        costs one pass over the label, over floating dense columns and over dictionary
-        indices, nothing for plain IDs.
+        range), non-0/1 or null labels, weights that are null, negative, NaN or beyond
+        float32's range, and dictionary indices outside their dictionary. It costs one pass
+        over the label, the weight, floating dense columns and dictionary indices, nothing
+        for plain IDs.
         """
         checks = self._checks
         if checks is None or not table.schema.equals(checks.schema):
@@ -462,6 +508,8 @@ class BatchTransform:
         for name, i in checks.floating:
             _check_dense_range(name, table.column(i).chunks)
         self._check_labels(table.column(checks.label))
+        if checks.weight is not None:
+            _check_weights(self.spec.weight, table.column(checks.weight))
         for name, i in checks.dictionary:
             self._check_indices(name, table.column(i))
 
@@ -497,6 +545,9 @@ class BatchTransform:
             dense=dense,
             sparse=sparse,
             labels=torch.from_numpy(self._labels(columns[layout.label])),
+            sample_weights=None
+            if layout.weight is None
+            else torch.from_numpy(_weights(columns[layout.weight])),
         )
 
     def window(self, tables: Sequence[pa.Table], order: np.ndarray) -> Batch:
@@ -557,6 +608,7 @@ class BatchTransform:
             ids=np.empty((n, len(layout.sparse)), self._row_dtype),
             dense=np.empty((n, len(layout.dense)), np.float32),
             labels=np.empty(n, np.float32),
+            weights=None if layout.weight is None else np.empty(n, np.float32),
         )
 
     def _write(
@@ -600,17 +652,23 @@ class BatchTransform:
                 raise _range_error(self.spec.dense[k], int(out_of_range[k]), example)
             labels = _label_values(columns[layout.label][c])
             jit.scatter_rows(labels.reshape(1, -1), out.labels.reshape(-1, 1), at)
+            if out.weights is not None:
+                assert layout.weight is not None
+                weights = _primitive(columns[layout.weight][c])
+                jit.scatter_rows(weights.reshape(1, -1), out.weights.reshape(-1, 1), at)
 
     def _finish(self, out: _Rows) -> Batch:
         return Batch(
             dense=torch.from_numpy(out.dense),
             sparse=KeyedJaggedTensor.from_one_hot(list(self._names), torch.from_numpy(out.ids)),
             labels=torch.from_numpy(out.labels),
+            sample_weights=None if out.weights is None else torch.from_numpy(out.weights),
         )
 
     def _plan(self, schema: pa.Schema) -> _Layout:
         self._check_types(schema)
         label = schema.get_field_index(self.spec.label)
+        weight = None if self.spec.weight is None else schema.get_field_index(self.spec.weight)
         dense = tuple(schema.get_field_index(name) for name in self.spec.dense)
         sparse = tuple(schema.get_field_index(name) for name in self._names)
         one_hot = not any(_is_list(schema.field(i).type) for i in sparse)
@@ -626,13 +684,15 @@ class BatchTransform:
             and len(dense_types) == 1
             and not pa.types.is_float16(next(iter(dense_types)))
             and not pa.types.is_float16(schema.field(label).type)
+            and (weight is None or not pa.types.is_float16(schema.field(weight).type))
         )
         return _Layout(
             schema=schema,
             label=label,
+            weight=weight,
             dense=dense,
             sparse=sparse,
-            used=(label, *dense, *sparse),
+            used=(label, *dense, *sparse) if weight is None else (label, weight, *dense, *sparse),
             one_hot=one_hot,
             dense_one_type=len(dense_types) == 1,
             compiled=compiled,
@@ -647,6 +707,7 @@ class BatchTransform:
                 lengths=torch.zeros(0, dtype=torch.int32),
             ),
             labels=torch.zeros(0),
+            sample_weights=None if self.spec.weight is None else torch.zeros(0),
         )
 
     @staticmethod
@@ -735,6 +796,12 @@ class BatchTransform:
             raise ValueError(
                 f"column {spec.label}: expected an integer, bool or float label, got {t}"
             )
+        if spec.weight is not None:
+            t = schema.field(spec.weight).type
+            if not _dense_type_ok(t):
+                raise ValueError(
+                    f"column {spec.weight}: expected an integer or float weight, got {t}"
+                )
         for name in spec.dense:
             t = schema.field(name).type
             if not _dense_type_ok(t):

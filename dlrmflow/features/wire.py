@@ -4,7 +4,8 @@ Reader servers (``dlrmflow.ingest.service``) stream record batches; these are th
 their batches travel in and the digest a server and a trainer compare to know that the
 same features would give the same tensors.
 
-Wire format. dense: fixed_size_list<float32>[n_dense]; labels: float32; the sparse IDs
+Wire format. dense: fixed_size_list<float32>[n_dense]; labels: float32; "sample_weights":
+float32, only where the batch carries them (a dataset with a weight column); the sparse IDs
 either one-hot, "sparse_rows": fixed_size_list<int32|int64>[n_keys] (-1: empty bag), as
 compact as the transform's own form, or jagged, one list<int64> column "sparse.KEY" per
 key. The keys, in order, are in the schema metadata.
@@ -25,8 +26,8 @@ from dlrmflow.features.spec import FeatureSpec
 
 
 def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary) -> str:
-    """What decides the tensors of a batch: column names, dense transforms, table sizes and
-    the ID mapping.
+    """What decides the tensors of a batch: column names, dense transforms, table sizes, the
+    weight column and the ID mapping.
 
     Embedding widths and pooling are left out: they shape the model, not the batches, so
     reader servers need no model config.
@@ -37,6 +38,8 @@ def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary) -> str:
         transforms = [t.model_dump(mode="json") for t in spec.dense_transforms]
         h.update(json.dumps(transforms, sort_keys=True).encode())
     h.update(json.dumps([[f.name, f.num_embeddings] for f in spec.sparse]).encode())
+    if spec.weight is not None:  # no weight column leaves the digest as it was
+        h.update(json.dumps({"weight": spec.weight}).encode())
     if isinstance(ids, Vocabulary):
         for name in sorted(ids.ids):
             h.update(name.encode())
@@ -52,6 +55,8 @@ def _batch_schema(batch: Batch) -> pa.Schema:
         pa.field("dense", pa.list_(pa.float32(), batch.dense.shape[1]), nullable=False),
         pa.field("labels", pa.float32(), nullable=False),
     ]
+    if batch.sample_weights is not None:
+        fields.append(pa.field("sample_weights", pa.float32(), nullable=False))
     rows = sparse.one_hot_rows
     if rows is not None:
         item = pa.from_numpy_dtype(rows.numpy().dtype)
@@ -73,6 +78,8 @@ def encode_batch(batch: Batch) -> pa.RecordBatch:
         pa.array(batch.dense.contiguous().numpy().reshape(-1)), batch.dense.shape[1]
     )
     columns = [dense, pa.array(batch.labels.numpy())]
+    if batch.sample_weights is not None:
+        columns.append(pa.array(batch.sample_weights.contiguous().numpy()))
     rows = sparse.one_hot_rows
     if rows is not None:
         flat = rows.contiguous().numpy().reshape(-1)
@@ -108,6 +115,9 @@ def decode_batch(data: pa.RecordBatch) -> Batch:
     keys = json.loads(data.schema.metadata[b"keys"])
     dense = _rows(data.column("dense"))
     labels = data.column("labels").to_numpy().copy()
+    weights = None
+    if "sample_weights" in data.schema.names:
+        weights = torch.from_numpy(data.column("sample_weights").to_numpy().copy())
     if "sparse_rows" in data.schema.names:
         sparse = KeyedJaggedTensor.from_one_hot(
             keys, torch.from_numpy(_rows(data.column("sparse_rows")))
@@ -119,4 +129,4 @@ def decode_batch(data: pa.RecordBatch) -> Batch:
         sparse = KeyedJaggedTensor(
             keys, torch.from_numpy(values), torch.from_numpy(lengths.astype(np.int32))
         )
-    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), weights)

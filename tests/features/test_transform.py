@@ -366,6 +366,9 @@ def assert_batches_equal(a: Batch, b: Batch) -> None:
     assert a.sparse.values.dtype == torch.int64 and a.sparse.lengths.dtype == torch.int32
     assert torch.equal(a.sparse.values, b.sparse.values)
     assert torch.equal(a.sparse.lengths, b.sparse.lengths)
+    for x, y in ((a.sample_weights, b.sample_weights), (a.sparse.weights, b.sparse.weights)):
+        assert (x is None) == (y is None)
+        assert x is None or torch.equal(x, y)
 
 
 def random_rows(n: int, seed: int, *, multi_hot: bool) -> pa.Table:
