@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from dlrmflow.supervise import die_with_parent
+
 SERVER_START_TIMEOUT_S = 120
 
 
@@ -43,6 +45,13 @@ def server_env(home: Path) -> dict[str, str]:
     }
     env.pop("PREFECT_API_URL", None)
     return env
+
+
+def dies_with_this_process() -> object:
+    """A ``preexec_fn`` that has the kernel stop the child (SIGTERM) when the test process
+    dies, so a server outlives no pytest, even one killed with SIGKILL."""
+    parent = os.getpid()
+    return lambda: die_with_parent(signal.SIGTERM, parent)
 
 
 def stop_process_group(
@@ -130,6 +139,7 @@ def prefect_server(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=dies_with_this_process(),
         )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}/api"

@@ -1,6 +1,6 @@
 """A real S3 server for the tests (a plugin of tests/conftest.py): moto's server mode on
 127.0.0.1 and a free port, started once for the session when a test asks for it and always
-stopped by its pid, also when a test fails.
+stopped by its pid, also when a test fails, and by the kernel when pytest itself is killed.
 
 Tests reach it the way a user reaches any S3 endpoint: through botocore's standard
 settings in the environment (``AWS_ENDPOINT_URL``, the access keys and the region), which
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_server import free_port, stop_process_group
+from tests.prefect_server import dies_with_this_process, free_port, stop_process_group
 
 # moto answers in a few seconds here; a server not answering by then will not.
 S3_START_TIMEOUT_S = 60
@@ -65,7 +65,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     with log.open("w") as out:
         proc = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=dies_with_this_process(),
         )
     try:
         url = f"http://127.0.0.1:{port}"
