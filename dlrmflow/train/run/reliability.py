@@ -19,34 +19,50 @@ BINS = 15
 
 
 def reliability_table(
-    probs: torch.Tensor, labels: torch.Tensor, bins: int = BINS
+    probs: torch.Tensor,
+    labels: torch.Tensor,
+    bins: int = BINS,
+    weights: torch.Tensor | None = None,
 ) -> list[dict[str, Any]]:
     """``bins`` bins of about equal rows, by increasing prediction: each one's rows, its
-    predictions' range and mean, and its observed click rate."""
+    predictions' range and mean, and its observed click rate.
+
+    With ``weights`` (a dataset's weight column) the bins still hold equal rows, but their
+    mean prediction and click rate are weighted, as the weighted calibration is, and each
+    bin carries its ``weight`` (the sum of its rows' weights)."""
     order = torch.argsort(probs.double(), stable=True)
     p, y = probs.double()[order], labels.double()[order]
+    w_bins = weights.double()[order].tensor_split(bins) if weights is not None else None
     table = []
     for number, (pb, yb) in enumerate(zip(p.tensor_split(bins), y.tensor_split(bins), strict=True)):
         if pb.numel() == 0:
             continue
-        table.append(
-            {
-                "bin": number,
-                "rows": int(pb.numel()),
-                "low": float(pb[0]),
-                "high": float(pb[-1]),
-                "predicted": float(pb.mean()),
-                "observed": float(yb.mean()),
-            }
-        )
+        row: dict[str, Any] = {
+            "bin": number,
+            "rows": int(pb.numel()),
+            "low": float(pb[0]),
+            "high": float(pb[-1]),
+            "predicted": float(pb.mean()),
+            "observed": float(yb.mean()),
+        }
+        if w_bins is not None:
+            wb = w_bins[number]
+            weight = float(wb.sum())
+            row["weight"] = weight
+            # A bin whose rows all weigh 0 says nothing of calibration: its plain means.
+            if weight > 0:
+                row["predicted"] = float((wb * pb).sum()) / weight
+                row["observed"] = float((wb * yb).sum()) / weight
+        table.append(row)
     return table
 
 
 def calibration_error(table: list[dict[str, Any]]) -> float:
     """The rows-weighted mean of |predicted - observed| over the bins (the expected
-    calibration error of these bins)."""
-    rows = sum(b["rows"] for b in table)
-    return sum(b["rows"] * abs(b["predicted"] - b["observed"]) for b in table) / rows
+    calibration error of these bins); weight-weighted for a table with bin weights."""
+    size = "weight" if all("weight" in b for b in table) else "rows"
+    total = sum(b[size] for b in table)
+    return sum(b[size] * abs(b["predicted"] - b["observed"]) for b in table) / total
 
 
 def plot_reliability(table: list[dict[str, Any]], path: str | Path) -> Path:

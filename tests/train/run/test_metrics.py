@@ -67,3 +67,80 @@ def test_soft_labels_count_as_clicks_from_one_half_in_the_auc_alone():
     assert got["auc"] == hard["auc"]
     assert got["logloss"] == log_loss(probs, soft) != hard["logloss"]
     assert got["positive_rate"] == pytest.approx(float(soft.mean()))
+
+
+def _weighted_case(n: int = 400, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Predictions with many ties (two decimals), labels, and integer weights 0-3."""
+    generator = torch.Generator().manual_seed(seed)
+    probs = (torch.rand(n, generator=generator) * 98 + 1).round() / 100
+    labels = (torch.rand(n, generator=generator) < probs).float()
+    weights = torch.randint(0, 4, (n,), generator=generator).float()
+    return probs, labels, weights
+
+
+def test_integer_weights_score_as_that_many_copies_of_each_row():
+    """A row of weight k counts as k copies of it (0: as if absent), in every metric."""
+    probs, labels, weights = _weighted_case()
+    got = click_metrics(probs, labels, weights)
+    copies = weights.long()
+    want = click_metrics(probs.repeat_interleave(copies), labels.repeat_interleave(copies))
+    assert got["logloss"] == pytest.approx(want["logloss"], rel=1e-12, abs=0)
+    # The copies' AUC (torchmetrics') and positive rate (which NE and calibration divide
+    # by) are float32s; the weighted ones float64s.
+    for name in ("auc", "ne", "calibration", "positive_rate"):
+        assert got[name] == pytest.approx(want[name], rel=1e-6, abs=0), name
+    assert got["rows"] == 400 and got["weight_sum"] == float(weights.sum())
+    assert got["weighted"] == ["auc", "logloss", "ne", "calibration", "positive_rate"]
+    plain = click_metrics(probs, labels)
+    assert "weighted" not in plain and "weight_sum" not in plain
+    assert abs(plain["auc"] - got["auc"]) > 1e-3  # the weights do change the AUC here
+
+
+def test_weighted_auc_and_calibration_match_their_definitions():
+    """Fractional weights and ties: the AUC by counting every (positive, negative) pair
+    with the product of their weights (ties one half); calibration sum(w p) / sum(w y)."""
+    probs, labels, _ = _weighted_case(120, seed=1)
+    weights = torch.rand(120, generator=torch.Generator().manual_seed(2)) * 3
+    p, y, w = probs.double(), labels.bool(), weights.double()
+    pair = w[y][:, None] * w[~y][None, :]
+    above = (p[y][:, None] > p[~y][None, :]).double()
+    tied = (p[y][:, None] == p[~y][None, :]).double()
+    assert tied.sum() > 0
+    auc = float((pair * (above + 0.5 * tied)).sum() / pair.sum())
+    got = click_metrics(probs, labels, weights)
+    assert got["auc"] == pytest.approx(auc, rel=1e-12)
+    calibration = float((w * p).sum() / (w * labels.double()).sum())
+    assert got["calibration"] == pytest.approx(calibration, rel=1e-12)
+    assert got["logloss"] == pytest.approx(log_loss(probs, labels, weights), rel=0)
+    losses = -(labels.double() * p.log() + (1 - labels.double()) * (1 - p).log())
+    assert got["logloss"] == pytest.approx(float((w * losses).sum() / w.sum()), rel=1e-12)
+
+
+def test_weights_that_leave_nothing_to_score_fail_clearly():
+    probs, labels = torch.tensor([0.2, 0.7, 0.4]), torch.tensor([0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="weights of the evaluated rows sum to 0"):
+        click_metrics(probs, labels, torch.zeros(3))
+    with pytest.raises(ValueError, match="positive and negative labels of non-zero weight"):
+        click_metrics(probs, labels, torch.tensor([0.0, 1.0, 2.0]))
+
+
+def test_a_weighted_reliability_table_weights_each_bin():
+    """Equal rows per bin as unweighted, with each bin's means and the calibration error
+    weighted; unweighted tables are as they were."""
+    from dlrmflow.train.run.reliability import calibration_error, reliability_table
+
+    probs, labels, weights = _weighted_case(300, seed=3)
+    table = reliability_table(probs, labels, bins=3, weights=weights)
+    plain = reliability_table(probs, labels, bins=3)
+    assert [b["rows"] for b in table] == [b["rows"] for b in plain] == [100, 100, 100]
+    assert all("weight" not in b for b in plain)
+    order = torch.argsort(probs.double(), stable=True)
+    p, y, w = probs.double()[order], labels.double()[order], weights.double()[order]
+    bins = zip(p.split(100), y.split(100), w.split(100), strict=True)
+    for b, (pb, yb, wb) in zip(table, bins, strict=True):
+        assert b["weight"] == float(wb.sum())
+        assert b["predicted"] == pytest.approx(float((wb * pb).sum() / wb.sum()), rel=1e-12)
+        assert b["observed"] == pytest.approx(float((wb * yb).sum() / wb.sum()), rel=1e-12)
+    error = sum(b["weight"] * abs(b["predicted"] - b["observed"]) for b in table)
+    assert calibration_error(table) == pytest.approx(error / float(weights.sum()), rel=1e-12)
+    assert calibration_error(table) != calibration_error(plain)
