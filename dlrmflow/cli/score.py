@@ -68,11 +68,20 @@ def score(
         bool,
         typer.Option(help="Replace the predictions of another model or dataset in --out."),
     ] = False,
+    keys: Annotated[
+        str | None,
+        typer.Option(
+            help="Columns of the data copied beside each prediction, comma-separated, with "
+            "their own types ('' for none; default: the dataset schema's keys).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Write a model's predictions (day, row, label, prediction) for days of a dataset.
 
     Each row is keyed by its day and its index within the day (through the day's files in
-    the manifest's order). A rerun into the same --out finishes what a stopped run left;
+    the manifest's order), and by the key columns the dataset's schema declares or
+    --keys names. A rerun into the same --out finishes what a stopped run left;
     predictions of another model there are refused unless --overwrite.
     """
     from dlrmflow.score.score import score_dataset
@@ -95,6 +104,7 @@ def score(
             device=device,
             kernels=kernels,
             overwrite=overwrite,
+            keys=keys,
             progress=bar,
             on_line=lambda line: typer.echo(line, err=True),
             on_plan=plan,

@@ -1,4 +1,5 @@
-"""A share's rows as the model's ``Batch``es, each with the day-rows of its rows.
+"""A share's rows as the model's ``Batch``es, each with the day-rows of its rows (and the
+values of its key columns, when there are any: ``dlrmflow.score.keys``).
 
 The reader and transform are the trainer's (``ParquetBatchDataset``, ``make_loader``,
 ``BatchTransform`` with the run's ID mapping), built here rather than through
@@ -6,7 +7,8 @@ The reader and transform are the trainer's (``ParquetBatchDataset``, ``make_load
 ``shares`` computed (no second listing, no rank arithmetic of its own), and a day without
 a label column must be readable. One reader in the consumer's thread (``num_workers=0``:
 its preparation threads still decode ahead) with no shuffle emits the rows in split
-order, so each batch's keys are the next ``len(batch)`` of ``RowKeys``.
+order, so each batch's keys are the next ``len(batch)`` of ``RowKeys`` (and its key
+columns the next ``len(batch)`` rows of a ``KeyReader`` of the same splits).
 
 Data to score need not have labels: ``UnlabeledTransform`` gives the transform a label
 column of zeros (which nothing reads: the output's label is null for such rows), so
@@ -15,6 +17,7 @@ validation and the compiled transform run unchanged on the other columns.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,6 +28,7 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform, WindowWriter
 from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, make_loader
+from dlrmflow.score.keys import KeyReader
 from dlrmflow.score.shares import RowKeys, Share
 from dlrmflow.train.run.data import IdMapper
 
@@ -71,10 +75,11 @@ class UnlabeledTransform:
 
 @dataclass
 class KeyedBatch:
-    """A batch of a share and the day-rows of its rows."""
+    """A batch of a share, the day-rows of its rows and their key columns' values."""
 
     batch: Batch
     rows: np.ndarray  # int64 [len(batch)]
+    keys: pa.Table | None = None  # [len(batch)] rows; None without key columns
 
 
 def share_batches(
@@ -86,8 +91,10 @@ def share_batches(
     labeled: bool,
     limit: int | None = None,
     threads: int | None = None,
+    keys: pa.Schema | None = None,
 ) -> Iterator[KeyedBatch]:
-    """The batches of ``share`` in read order, keyed, up to ``limit`` rows in all.
+    """The batches of ``share`` in read order, keyed, up to ``limit`` rows in all; with
+    ``keys`` (key columns' fields), each with those columns of its rows.
 
     Raises ``DataError`` when the reader's rows and the share's splits disagree in
     number: the keys would be wrong, so nothing is scored with them.
@@ -105,21 +112,28 @@ def share_batches(
         validate=reads.validate,
         transform=reads,
     )
-    keys = RowKeys(share.splits, share.starts)
-    with make_loader(dataset, num_workers=0, threads=threads) as loader:
+    row_keys = RowKeys(share.splits, share.starts)
+    with contextlib.ExitStack() as stack:
+        columns_of = (
+            stack.enter_context(KeyReader(share.splits, keys))
+            if keys is not None and len(keys)
+            else None
+        )
+        loader = stack.enter_context(make_loader(dataset, num_workers=0, threads=threads))
         seen = 0
         for batch in loader:
             take = len(batch) if limit is None else min(len(batch), limit - seen)
             try:
-                rows = keys.take(take)
+                rows = row_keys.take(take)
             except ValueError as e:
                 raise DataError(f"day {share.day}: {e}") from e
-            yield KeyedBatch(batch if take == len(batch) else batch.slice(0, take), rows)
+            values = columns_of.take(take) if columns_of is not None else None
+            yield KeyedBatch(batch if take == len(batch) else batch.slice(0, take), rows, values)
             seen += take
             if limit is not None and seen >= limit:
                 return
-    if keys.left:
+    if row_keys.left:
         raise DataError(
-            f"day {share.day}: the reader ended {keys.left} rows before the end of share "
+            f"day {share.day}: the reader ended {row_keys.left} rows before the end of share "
             f"{share.index} of {share.count}; its row keys cannot be trusted"
         )

@@ -17,7 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from dlrmflow.config import DistributedConfig
+from dlrmflow.score.keys import encode_schema
 from dlrmflow.score.model import ModelIdentity
 from dlrmflow.score.worker import PROGRESS_PREFIX
 from dlrmflow.train.launch.job import free_port, run_job
@@ -53,10 +56,12 @@ def launch_workers(
     kernels: str = "auto",
     progress: Callable[[int], None] | None = None,
     on_line: Callable[[str], None] | None = None,
+    keys: pa.Schema | None = None,
 ) -> dict[str, Any]:
-    """Score ``days`` in ``nproc`` processes, share RANK of ``nproc`` each; rank 0's
-    result. ``progress(n)`` gets the rows the ranks report; other lines go to
-    ``on_line``. A failed rank raises ``TrainingFailed`` naming it."""
+    """Score ``days`` in ``nproc`` processes, share RANK of ``nproc`` each, the key
+    columns ``keys`` (fields) beside each prediction; rank 0's result. ``progress(n)``
+    gets the rows the ranks report; other lines go to ``on_line``. A failed rank raises
+    ``TrainingFailed`` naming it."""
     args = [
         "--model", json.dumps(identity.record()),
         "--data", url,
@@ -68,6 +73,8 @@ def launch_workers(
     for flag, value in (("--batch-size", batch_size), ("--max-rows", max_rows)):
         if value is not None:
             args += [flag, str(value)]
+    if keys is not None and len(keys):
+        args += ["--keys", encode_schema(keys)]
 
     def line(text: str) -> None:
         if text.startswith(PROGRESS_PREFIX) and text[len(PROGRESS_PREFIX) :].isdigit():

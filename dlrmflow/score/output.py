@@ -3,7 +3,8 @@
 Layout under ``OUT``::
 
     _scores.json                    the manifest: model, dataset, days, parts, rows
-    day-D/part-S-of-N.parquet       share S of N of day D: day, row, label, prediction
+    day-D/part-S-of-N.parquet       share S of N of day D: day, row, label, prediction,
+                                    then the key columns, if any (``dlrmflow.score.keys``)
 
 A part is written under a hidden temporary name (``.part-S-of-N.parquet.PID.tmp``) as its
 batches arrive, one row group per ``ROW_GROUP_ROWS`` rows, and renamed into place only
@@ -15,11 +16,12 @@ clash with the ``day`` column.
 
 What makes two runs' parts one output is ``OutputIdentity``: the model's digest, each
 scored day's files (a digest per day, so a dataset grown by a day, or moved, still
-matches) and ``max_rows``. A rerun against the same identity skips the parts that exist
-and scores the rest; a directory holding another model's or another day-file's
-predictions is refused in one line, or with ``overwrite`` cleared of its parts first.
-Each part's footer carries the model digest and day digest too, so a part is never
-counted for a model that did not write it.
+matches), ``max_rows`` and the key columns. A rerun against the same identity skips the
+parts that exist and scores the rest; a directory holding another model's or another
+day-file's predictions is refused in one line, or with ``overwrite`` cleared of its parts
+first.
+Each part's footer carries the model digest, day digest and key columns too, so a part
+is never counted for a model that did not write it, nor one of other columns.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class Part:
     rows: int
     model_digest: str
     day_digest: str
+    keys: tuple[str, ...] = ()
 
     def record(self, out: Path) -> dict[str, Any]:
         return {
@@ -134,6 +137,7 @@ def read_part(path: Path) -> Part:
         metadata.num_rows,
         footer["model_digest"],
         footer["day_digest"],
+        tuple(footer.get("keys", ())),
     )
 
 
@@ -143,36 +147,55 @@ def list_parts(out: Path) -> list[Part]:
     return sorted(parts, key=lambda p: (p.day, p.count, p.share))
 
 
+def part_schema(keys: pa.Schema | None = None) -> pa.Schema:
+    """A part's columns: ``SCHEMA``'s, then the key columns ``keys`` (none by default)."""
+    return SCHEMA if keys is None or not len(keys) else pa.schema([*SCHEMA, *keys])
+
+
 class PartWriter:
     """One part, written row group by row group to a temporary file, renamed in place by
-    ``commit``; closed without ``commit`` (an error, a kill) it leaves no part."""
+    ``commit``; closed without ``commit`` (an error, a kill) it leaves no part.
 
-    def __init__(self, path: Path, footer: dict[str, Any]) -> None:
+    ``keys``: the key columns each ``write`` is given the values of (none by default);
+    their names go in the footer (left out when there are none, as before keys)."""
+
+    def __init__(self, path: Path, footer: dict[str, Any], keys: pa.Schema | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self.temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        schema = SCHEMA.with_metadata({FOOTER_KEY: json.dumps(footer).encode()})
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.temporary, schema)
-        self._pending: list[pa.RecordBatch] = []
+        self.schema = part_schema(keys)
+        if len(self.schema) > len(SCHEMA):
+            footer = {**footer, "keys": self.schema.names[len(SCHEMA) :]}
+        metadata = {FOOTER_KEY: json.dumps(footer).encode()}
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
+            self.temporary, self.schema.with_metadata(metadata)
+        )
+        self._pending: list[pa.Table] = []
         self._pending_rows = 0
         self.rows = 0
 
     def write(
-        self, day: int, rows: np.ndarray, labels: np.ndarray | None, predictions: np.ndarray
+        self,
+        day: int,
+        rows: np.ndarray,
+        labels: np.ndarray | None,
+        predictions: np.ndarray,
+        keys: pa.Table | None = None,
     ) -> None:
-        """Add the predictions of ``rows`` of ``day`` (``labels``: None for unlabeled data)."""
+        """Add the predictions of ``rows`` of ``day`` (``labels``: None for unlabeled data)
+        and, with key columns, their values ``keys`` (a table of the same rows)."""
         n = len(rows)
         label = pa.nulls(n, pa.int8()) if labels is None else pa.array(labels.astype(np.int8))
-        batch = pa.RecordBatch.from_arrays(
-            [
-                pa.array(np.full(n, day, np.int32)),
-                pa.array(rows.astype(np.int64, copy=False)),
-                label,
-                pa.array(predictions.astype(np.float32, copy=False)),
-            ],
-            schema=SCHEMA,
-        )
-        self._pending.append(batch)
+        columns = [
+            pa.array(np.full(n, day, np.int32)),
+            pa.array(rows.astype(np.int64, copy=False)),
+            label,
+            pa.array(predictions.astype(np.float32, copy=False)),
+        ]
+        if len(self.schema) > len(SCHEMA):
+            assert keys is not None and keys.num_rows == n
+            columns = [pa.chunked_array([c]) for c in columns] + keys.columns
+        self._pending.append(pa.Table.from_arrays(columns, schema=self.schema))
         self._pending_rows += n
         self.rows += n
         if self._pending_rows >= ROW_GROUP_ROWS:
@@ -180,7 +203,7 @@ class PartWriter:
 
     def _flush(self) -> None:
         if self._pending and self._writer is not None:
-            table = pa.Table.from_batches(self._pending, schema=SCHEMA)
+            table = pa.concat_tables(self._pending)
             self._writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
         self._pending, self._pending_rows = [], 0
 
@@ -217,6 +240,7 @@ class OutputIdentity:
     model: dict[str, Any]  # ModelIdentity.record()
     max_rows: int | None
     day_digests: dict[int, str] = field(default_factory=dict)
+    keys: tuple[str, ...] = ()  # the key columns copied beside each prediction
 
     @property
     def model_digest(self) -> str:
@@ -239,12 +263,21 @@ def _conflict(previous: dict[str, Any], identity: OutputIdentity) -> str | None:
         cap = "every row of each day" if held is None else f"at most {held} rows a day"
         asked = "every row" if identity.max_rows is None else f"--max-rows {identity.max_rows}"
         return f"predictions of {cap} (this run asks for {asked})"
+    if tuple(previous.get("keys", ())) != identity.keys:
+        return (
+            f"predictions with key columns {_names(previous.get('keys', ()))} (this run asks "
+            f"for {_names(identity.keys)})"
+        )
     held = previous.get("dataset", {}).get("day_digests", {})
     for day, digest in sorted(identity.day_digests.items()):
         if str(day) in held and held[str(day)] != digest:
             url = previous.get("dataset", {}).get("url")
             return f"predictions of day {day} from other files ({url})"
     return None
+
+
+def _names(keys: Any) -> str:
+    return ", ".join(keys) if keys else "none"
 
 
 def _remove_parts(out: Path) -> None:
@@ -301,6 +334,11 @@ def claim(out: Path, identity: OutputIdentity, overwrite: bool) -> dict[str, Any
                 f"{part.path}: written by another model than {out / SCORES_FILE} names; "
                 "give another --out, or --overwrite"
             )
+        if part.keys != identity.keys:
+            raise ScoresDirError(
+                f"{part.path}: holds key columns {_names(part.keys)}, not "
+                f"{_names(identity.keys)}; give another --out, or --overwrite"
+            )
     return previous
 
 
@@ -346,7 +384,9 @@ def write_scores_manifest(
         "model": identity.model,
         "dataset": {**dataset, "day_digests": dict(sorted(held.items(), key=lambda i: int(i[0])))},
         "max_rows": identity.max_rows,
-        "columns": SCHEMA.names,
+        # Left out without keys: a manifest then reads as one written before them.
+        **({"keys": list(identity.keys)} if identity.keys else {}),
+        "columns": [*SCHEMA.names, *identity.keys],
         "days": days,
         "parts": [p.record(out) for p in parts],
         "rows": sum(p.rows for p in parts),

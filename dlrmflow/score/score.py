@@ -12,7 +12,7 @@ found on disk: whatever did the scoring, it describes exactly what the directory
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from dlrmflow.config import ConfigError
 from dlrmflow.days import select_days
 from dlrmflow.features.spec import dataset_schema
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
+from dlrmflow.score.keys import key_names, key_schema
 from dlrmflow.score.model import identify_model, trained_on_multi_hot
 from dlrmflow.score.output import (
     SCORES_FILE,
@@ -94,6 +95,7 @@ def score_dataset(
     device: str = "auto",
     kernels: str = "auto",
     overwrite: bool = False,
+    keys: str | Sequence[str] | None = None,
     progress: Callable[[int], None] | None = None,
     on_line: Callable[[str], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
@@ -106,9 +108,11 @@ def score_dataset(
     ``batch_size`` rows (the run's ``eval.batch_size`` by default); ``max_rows`` caps
     the rows scored of each day. A rerun into the same ``out`` for the same model and
     day files scores only what is missing; another model's predictions there are
-    refused unless ``overwrite``. ``progress(n)`` gets the rows done (those of parts kept
-    from an earlier run included), ``on_plan(total)`` the rows planned, first;
-    ``on_line`` the workers' other output lines. Returns the manifest's summary.
+    refused unless ``overwrite``. ``keys``: the columns copied beside each prediction
+    (names, or a comma-separated string; empty for none), by default those the dataset's
+    schema declares (``dlrmflow.score.keys``). ``progress(n)`` gets the rows done (those
+    of parts kept from an earlier run included), ``on_plan(total)`` the rows planned,
+    first; ``on_line`` the workers' other output lines. Returns the manifest's summary.
     """
     _check_options(nproc, batch_size, max_rows)
     out_dir = output_dir(out)
@@ -121,8 +125,12 @@ def score_dataset(
         data, manifest, training=False, eval_days=[d for d in chosen if rows_by_day[d] > 0]
     )
     refuse_multi_hot(trained_on_multi_hot(identity), manifest, data, identity.path)
+    key_fields = key_schema(data, manifest, chosen, key_names(manifest, keys))
     wanted = OutputIdentity(
-        identity.record(), max_rows, {day: day_digest(manifest, day) for day in chosen}
+        identity.record(),
+        max_rows,
+        {day: day_digest(manifest, day) for day in chosen},
+        tuple(key_fields.names),
     )
     dataset = {"url": data, "digest": dataset_digest(manifest)}
     if on_plan is not None:
@@ -148,6 +156,7 @@ def score_dataset(
                     device=device,
                     kernels=kernels,
                     progress=progress,
+                    keys=key_fields,
                 )
         elif todo:
             from dlrmflow.score.launch import launch_workers
@@ -164,6 +173,7 @@ def score_dataset(
                 kernels=kernels,
                 progress=progress,
                 on_line=on_line,
+                keys=key_fields,
             )
         if result.get("step") is not None:
             wanted.model["step"] = result["step"]  # a servable's, known once loaded
@@ -181,6 +191,7 @@ def score_dataset(
         "parts_kept": sum(1 for p in parts if p.path in before),
         "labeled": labeled_days(manifest, dataset_schema(manifest).label),
         "nproc": nproc,
+        **({"keys": list(key_fields.names)} if len(key_fields) else {}),
         "seconds": time.perf_counter() - start,
         "total_rows": written["rows"],
     }

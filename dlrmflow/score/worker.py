@@ -28,10 +28,12 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from dlrmflow.ingest.manifest import Manifest, read_manifest  # noqa: E402
 from dlrmflow.score.batches import share_batches  # noqa: E402
+from dlrmflow.score.keys import decode_schema  # noqa: E402
 from dlrmflow.score.model import ModelIdentity, ScoringModel, load_model  # noqa: E402
 from dlrmflow.score.output import (  # noqa: E402
     PartWriter,
@@ -82,8 +84,10 @@ def score_part(
     labeled: bool,
     threads: int,
     progress: Callable[[int], None],
+    keys: pa.Schema | None = None,
 ) -> int:
-    """Write the part of share ``share`` of ``count`` of ``day``; its rows."""
+    """Write the part of share ``share`` of ``count`` of ``day``, with the key columns
+    ``keys`` (fields; none by default) beside each prediction; its rows."""
     mine = day_shares(url, manifest, day, count)[share]
     footer = {
         "model_digest": model.identity.digest,
@@ -93,7 +97,7 @@ def score_part(
         "shares": count,
         "max_rows": max_rows,
     }
-    with PartWriter(part_path(out, day, share, count), footer) as writer:
+    with PartWriter(part_path(out, day, share, count), footer, keys) as writer:
         batches = share_batches(
             mine,
             model.spec,
@@ -102,6 +106,7 @@ def score_part(
             labeled=labeled,
             limit=share_limit(max_rows, share, count),
             threads=threads,
+            keys=keys,
         )
         for keyed in batches:
             probs = model.predict(keyed.batch)
@@ -114,7 +119,7 @@ def score_part(
                     f"(the first: row {first}); its weights are not usable"
                 )
             labels = keyed.batch.labels.numpy() if labeled else None
-            writer.write(day, keyed.rows, labels, probs.numpy())
+            writer.write(day, keyed.rows, labels, probs.numpy(), keyed.keys)
             supervise.beat()
             progress(len(probs))
         writer.commit()
@@ -134,10 +139,12 @@ def score_shares(
     device: str = "auto",
     kernels: str = "auto",
     progress: Callable[[int], None] | None = None,
+    keys: pa.Schema | None = None,
 ) -> dict[str, Any]:
     """Score share ``share`` of ``count`` of each of ``days`` (those the caller found not
-    done) into ``out``; a part already there (written by a run that was stopped after it)
-    is kept and counted. Returns the rows scored and kept, and the model's step."""
+    done) into ``out``, the key columns ``keys`` (fields, see ``dlrmflow.score.keys``)
+    beside each prediction; a part already there (written by a run that was stopped after
+    it) is kept and counted. Returns the rows scored and kept, and the model's step."""
     progress = progress or (lambda n: None)
     env = DistEnv.from_env()
     where = resolve_device(device, env.local_rank, key="score --device")
@@ -173,6 +180,7 @@ def score_shares(
                 labeled=labeled,
                 threads=threads,
                 progress=progress,
+                keys=keys,
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--keys", help="the key columns' fields (``keys.encode_schema``)")
     args = parser.parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     lines = _ProgressLines()
@@ -231,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             kernels=args.kernels,
             progress=lines,
+            keys=decode_schema(args.keys) if args.keys else None,
         )
     except Exception as e:
         if os.environ.get("DLRMFLOW_DEBUG"):
