@@ -21,17 +21,31 @@ def generate(
     drift: Annotated[
         float | None, typer.Option(help="Day-to-day change of the click model and IDs (0-1).")
     ] = None,
+    shape: Annotated[
+        str,
+        typer.Option(
+            help="criteo: Criteo's layout; logs: a team's click logs (string user and item "
+            "IDs, weighted tags, prices), its feature schema declared in the manifest."
+        ),
+    ] = "criteo",
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Write synthetic Criteo-like data as day-partitioned Parquet plus manifest.json.
+    """Write synthetic click data with a known Bayes AUC as day-partitioned Parquet plus
+    manifest.json: Criteo-like (the default) or shaped like a team's own logs.
 
-    Days already there with the same settings are kept as they are: one day more writes
-    only that day."""
+    Criteo-like days already there with the same settings are kept as they are: one day
+    more writes only that day."""
     import posixpath
 
+    from dlrmflow.config import ConfigError
     from dlrmflow.ingest.manifest import listed_paths
     from dlrmflow.ingest.synthetic import generate_dataset
+    from dlrmflow.ingest.synthetic_logs import SHAPE, generate_logs_dataset
+
+    generators = {"criteo": generate_dataset, SHAPE: generate_logs_dataset}
+    if shape not in generators:
+        raise ConfigError(f"--shape must be one of {', '.join(generators)}, not {shape!r}")
 
     cfg = resolve(
         config,
@@ -47,7 +61,7 @@ def generate(
     )
     before = listed_paths(cfg.data.url) or set()
     bar = Progress(cfg.data.days * cfg.data.rows_per_day, "generate")
-    manifest = generate_dataset(cfg.data, progress=bar)
+    manifest = generators[shape](cfg.data, progress=bar)
     bar.close()
     written = [f.day for f in manifest.files if posixpath.normpath(f.path) not in before]
     echo_json(
