@@ -2,12 +2,23 @@
 a dataset every stage reads, without copying a byte of it.
 
 A team's logs are already Parquet, partitioned by day in Hive's style (``day=N/`` or
-``dt=YYYY-MM-DD/`` folders). ``register_dataset`` reads every file's footer and checks its
-columns against the declared schema (``dlrmflow.schema``), reads the label column for each
-file's rows and positive rate, gathers the features' statistics (distinct IDs size the
-hash tables, as generated data's cardinalities do), and writes ``manifest.json`` and
-``stats.json`` beside the data: nothing else is written. Days are numbered 0, 1, ... in
-partition order (``dt=`` dates sort as dates); the last is the test day.
+``dt=YYYY-MM-DD/`` folders), or hold a column that says each row's day (the schema's
+``day_column``: a date, a timestamp or an integer). ``register_dataset`` reads every
+file's footer and checks its columns against the declared schema (``dlrmflow.schema``),
+reads the label column for each file's rows and positive rate, gathers the features'
+statistics (distinct IDs size the hash tables, as generated data's cardinalities do), and
+writes ``manifest.json`` and ``stats.json`` beside the data: nothing else is written. Days
+are numbered 0, 1, ... in partition order (``dt=`` dates sort as dates); the last is the
+test day.
+
+With a day column, every file below the dataset's folder is data (in any folder layout;
+names starting with ``_`` or ``.`` aside) and must hold one day: the reader reads by file,
+and nothing is copied to split one. Each file's day comes from its footer's statistics
+(the column's least and greatest value in each row group), or where a writer left them
+out, from the column itself. A timestamp's day is its date where its time zone says (as
+written, without one); the days found are numbered 0, 1, ... in order, as folders are,
+and the manifest names each one (``day_column=2026-11-01``, or ``day_column=N`` for
+integers).
 
 Each file's identity is its size and the digest of its Parquet footer (the metadata of
 every row group), which a rewritten or replaced file changes without the data being read
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import date
 
@@ -31,6 +43,7 @@ from dlrmflow.ingest.dayfile import footer_digest, open_regular
 from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import (
     MANIFEST_NAME,
+    STATS_NAME,
     DayFile,
     Manifest,
     join_url,
@@ -45,22 +58,30 @@ from dlrmflow.schema import FeatureSchema
 SOURCE = "registered"
 _DAY = re.compile(r"day=(\d+)")
 _DATE = re.compile(r"dt=(\d{4}-\d{2}-\d{2})")
+# Footers read at once with a day column: on object stores each is a round trip or two.
+_FOOTER_THREADS = 16
 
 
 @dataclass(frozen=True)
 class Partition:
-    """One day's folder: its day number, what names it and the Parquet files in it."""
+    """One day's folder (or a day column's files of one day): its day number, what names
+    it and the Parquet files in it."""
 
     day: int
-    name: str
+    name: str  # the folder's, or with a day column ``COLUMN=VALUE``
     files: tuple[str, ...]  # paths relative to the dataset root, in name order
 
 
-def find_partitions(url: str) -> list[Partition]:
+def find_partitions(url: str, day_column: str | None = None) -> list[Partition]:
     """The day partitions under ``url``: ``day=N`` folders by N, or ``dt=YYYY-MM-DD``
     folders by date, numbered 0, 1, ... Files whose names start with ``_`` or ``.``
     (``_SUCCESS``, checksums) are not data. A mix of both kinds, a folder holding no
-    Parquet file, two folders of one day or a date that is not one fail naming it."""
+    Parquet file, two folders of one day or a date that is not one fail naming it.
+
+    With ``day_column``, the files below ``url`` grouped by the day that column holds
+    (``column_partitions``), whatever their folders."""
+    if day_column is not None:
+        return column_partitions(url, day_column)
     fs, root = fsspec.core.url_to_fs(url)
     try:
         entries = fs.ls(root, detail=True)
@@ -105,6 +126,123 @@ def find_partitions(url: str) -> list[Partition]:
     return partitions
 
 
+def column_partitions(url: str, column: str) -> list[Partition]:
+    """The files below ``url`` grouped by the one day each holds in ``column`` (see the
+    module's docstring), numbered 0, 1, ... in the days' order. A file of no rows holds
+    no day and nothing to read, so it is left out. Fails in one line naming the file
+    (and row group) and the column: a file of two days (naming both), a null day, a
+    column missing, of a type that holds no day, or of another type than the first
+    file's; and a folder without a data file."""
+    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        found = fs.find(root, detail=False)
+    except FileNotFoundError:
+        raise DataError(f"{url}: no such folder") from None
+    prefix = root.rstrip("/") + "/"
+    paths = sorted(
+        relative
+        for relative in (p[len(prefix) :] for p in found if p.startswith(prefix))
+        if relative not in (MANIFEST_NAME, STATS_NAME)
+        and not any(part.startswith(("_", ".")) for part in relative.split("/"))
+    )
+    if not paths:
+        raise DataError(f"{url}: no data file (day_column {column} names each file's day)")
+    with ThreadPoolExecutor(min(_FOOTER_THREADS, len(paths))) as pool:
+        days = list(pool.map(lambda p: _file_day(join_url(url, p), column), paths))
+    first: tuple[pa.DataType, str] | None = None
+    by_day: dict[date | int, list[str]] = {}
+    for path, (kind, day) in zip(paths, days, strict=True):
+        first = first or (kind, path)
+        if kind != first[0]:
+            raise DataError(
+                f"{join_url(url, path)}: column {column}: type {kind}, but "
+                f"{join_url(url, first[1])} has {first[0]}: every file must have the same types"
+            )
+        if day is not None:
+            by_day.setdefault(day, []).append(path)
+    if not by_day:
+        raise DataError(f"{url}: no rows in any file, so no day in column {column}")
+    return [
+        Partition(number, f"{column}={_day_text(day)}", tuple(by_day[day]))
+        for number, day in enumerate(sorted(by_day))
+    ]
+
+
+def _day_text(day: date | int) -> str:
+    return day.isoformat() if isinstance(day, date) else str(day)
+
+
+def _day_type(t: pa.DataType) -> bool:
+    return pa.types.is_date(t) or pa.types.is_timestamp(t) or pa.types.is_integer(t)
+
+
+def _days_of(values: pa.Array) -> pa.Array:
+    """Each value's day: a date (Arrow's cast takes a timestamp's date where its time zone
+    says) or an integer."""
+    if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
+        return values.cast(pa.date32())
+    return values.cast(pa.int64())
+
+
+def _file_day(url: str, column: str) -> tuple[pa.DataType, date | int | None]:
+    """The type of ``column`` in the file at ``url`` and the one day it holds (None: the
+    file has no rows), from the footer's statistics where every row group has them."""
+    try:
+        f, _ = open_regular(url)
+        with f:
+            parquet = pq.ParquetFile(f)
+            kind, days = _row_group_days(url, parquet, column)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{url}: not a readable Parquet file: {type(e).__name__}: {e}") from None
+    if not days:
+        return kind, None
+    low, high = min(days), max(days)
+    if low != high:
+        raise DataError(
+            f"{url}: column {column}: rows of {_day_text(low)} and of {_day_text(high)}, but a "
+            "file must hold one day: partition the data by day (each file one day's rows)"
+        )
+    return kind, low
+
+
+def _row_group_days(
+    url: str, parquet: pq.ParquetFile, column: str
+) -> tuple[pa.DataType, list[date | int]]:
+    """The type of ``column`` and the least and greatest day of each of its row groups."""
+    arrow = parquet.schema_arrow
+    index = arrow.get_field_index(column)
+    if index < 0:
+        raise DataError(f"{url}: column {column}: missing (the schema's day_column)")
+    kind = arrow.field(index).type
+    if not _day_type(kind):
+        raise DataError(
+            f"{url}: column {column}: type {kind} cannot be a day column (a date, a "
+            "timestamp or an integer)"
+        )
+    metadata = parquet.metadata
+    leaf = [metadata.schema.column(i).path for i in range(metadata.num_columns)].index(column)
+    days: list[date | int] = []
+    for group in range(metadata.num_row_groups):
+        chunk = metadata.row_group(group)
+        if chunk.num_rows == 0:
+            continue
+        where = f"{url}, row group {group}, column {column}"
+        stats = chunk.column(leaf).statistics
+        if stats is not None and stats.has_min_max and stats.has_null_count:
+            nulls = stats.null_count
+            bounds = _days_of(pa.array([stats.min, stats.max], kind))
+        else:  # no statistics: the column itself, this row group's
+            values = parquet.read_row_group(group, columns=[column]).column(0)
+            nulls = values.null_count
+            bounds = _days_of(values.combine_chunks().drop_null())
+        if nulls:
+            raise DataError(f"{where}: {nulls} rows with no day (null)")
+        days += [pc.min(bounds).as_py(), pc.max(bounds).as_py()]
+    return kind, days
+
+
 def register_dataset(
     url: str,
     schema: FeatureSchema,
@@ -113,13 +251,14 @@ def register_dataset(
     """Register the day-partitioned Parquet at ``url`` under ``schema`` (see the module's
     docstring) and return its manifest. ``progress(n)`` is called with the rows of each
     file read. Any file that does not fit the schema fails in one line naming the file,
-    row group and column, with nothing written."""
+    row group and column, with nothing written. The schema's ``day_column``, if it names
+    one, says each file's day (``column_partitions``) instead of its folder."""
     with dataset_lock(url, "register"):
         return _register(url, schema, progress)
 
 
 def _register(url: str, schema: FeatureSchema, progress: Callable[[int], None] | None) -> Manifest:
-    partitions = find_partitions(url)
+    partitions = find_partitions(url, schema.day_column)
     if len(partitions) < 2:
         raise DataError(
             f"{url}: one day partition; a dataset needs a day to train on and a test day"
