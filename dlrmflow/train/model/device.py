@@ -121,6 +121,8 @@ class BatchStager:
 def _tensors(batch: Batch) -> list[torch.Tensor]:
     sparse = batch.sparse
     found = [batch.dense, batch.labels]
+    if batch.sample_weights is not None:
+        found.append(batch.sample_weights)
     rows = sparse.one_hot_rows
     if rows is not None:
         found.append(rows)

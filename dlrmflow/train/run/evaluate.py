@@ -2,10 +2,15 @@
 
 One process, or every rank of a job: each rank scores its own splits of the test day
 through the (sharded) model, all ranks stepping together, and rank 0 gathers every
-prediction to compute the exact AUC (no histogram). The trainer calls ``score`` every
+prediction to compute the exact AUC (no histogram). The trainer calls ``score_rows`` every
 ``train.eval_every`` steps on the live model; ``evaluate`` scores a checkpoint, loaded at
 whatever world size runs it. ``evaluation_settings`` resolves what ``dlrmflow evaluate``
 may change of how a run is scored (its flags, ``--config`` and ``--set``): never the model.
+
+A dataset with a weight column (``FeatureSpec.weight``) is scored as it was trained, each
+row counting by its weight: the metrics that are weighted are listed under ``weighted``
+in the result, beside ``weight_column`` and ``weight_sum``. Without one, the result is
+what it always was.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -235,26 +240,37 @@ def eval_window(
     return held_out_days(config.data.eval_days, available, manifest.test_day, trained)
 
 
+class Scored(NamedTuple):
+    """Every scored row's probability and label, and its weight where the dataset declares
+    a weight column (None where it does not): ``click_metrics(*scored)``."""
+
+    probs: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor | None
+
+
 @torch.no_grad()
-def score(
+def score_rows(
     model: DLRM,
     loader,
     spec: FeatureSpec,
     env: DistEnv,
     max_rows: int | None = None,
     progress: Callable[[int], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Probabilities and labels of every test row, on rank 0 (None on the others).
+) -> Scored | None:
+    """Probabilities, labels and (for a weighted dataset) weights of every test row, on
+    rank 0 (None on the others).
 
     ``max_rows`` caps the rows scored in total (each rank scores its share of the cap).
     The model is put in eval mode for the pass and back in its previous mode after.
     Batches go to the model's device; the scores come back to the host.
     """
     device = next(model.dense_arch.parameters()).device
+    weighted = spec.weight is not None
     was_training = model.training
     model.eval()
     limit = None if max_rows is None else math.ceil(max_rows / env.world_size)
-    probs, labels = [], []
+    probs, labels, weights = [], [], []
     seen = 0
     batches = iter(loader)
     while True:
@@ -265,7 +281,7 @@ def score(
             if not bool(anyone):
                 break
             if batch is None:
-                batch = Batch.empty(len(spec.dense), spec.sparse_names)
+                batch = Batch.empty(len(spec.dense), spec.sparse_names, weighted=weighted)
         elif batch is None:
             break
         batch = batch.to(device, non_blocking=True)
@@ -276,26 +292,61 @@ def score(
         # evaluation refuses it rather than scoring a broken model.
         probs.append(torch.sigmoid(logits).masked_fill(~torch.isfinite(logits), math.nan).cpu())
         labels.append(batch.labels[:take].cpu())
+        if weighted:
+            weights.append(batch.sample_weights[:take].cpu())
         seen += take
         if progress is not None and take:
             progress(take * env.world_size)
     model.train(was_training)
-    mine = (
-        (torch.cat(probs), torch.cat(labels))
-        if probs
-        else (torch.empty(0, device="cpu"), torch.empty(0, device="cpu"))
+    none = torch.empty(0, device="cpu")
+    mine = Scored(
+        torch.cat(probs) if probs else none,
+        torch.cat(labels) if labels else none,
+        None if not weighted else torch.cat(weights) if weights else none,
     )
     if not env.distributed:
         return mine
     gathered = [None] * env.world_size if env.rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    dist.gather_object(tuple(mine), gathered, dst=0)
     if gathered is None:
         return None
-    out_probs = torch.cat([p for p, _ in gathered])
-    out_labels = torch.cat([y for _, y in gathered])
+    out_probs = torch.cat([p for p, _, _ in gathered])
+    out_labels = torch.cat([y for _, y, _ in gathered])
+    out_weights = torch.cat([w for _, _, w in gathered]) if weighted else None
     if max_rows is not None:
         out_probs, out_labels = out_probs[:max_rows], out_labels[:max_rows]
-    return out_probs, out_labels
+        out_weights = None if out_weights is None else out_weights[:max_rows]
+    return Scored(out_probs, out_labels, out_weights)
+
+
+def score(
+    model: DLRM,
+    loader,
+    spec: FeatureSpec,
+    env: DistEnv,
+    max_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``score_rows``' probabilities and labels of every test row, on rank 0 (None on the
+    others): what comparing two models' predictions row by row needs."""
+    scored = score_rows(model, loader, spec, env, max_rows, progress)
+    return None if scored is None else (scored.probs, scored.labels)
+
+
+class UnweighableDay(DlrmflowError):
+    """The held-out days' weights leave nothing to score: they sum to 0, or every row of
+    one class weighs 0."""
+
+
+def _metrics(scored: Scored, url: str, days: list[int]) -> dict[str, Any]:
+    """``click_metrics`` of the scored rows; for a weighted dataset, weights that leave
+    no positive or no negative row, or sum to 0, are one line naming the days."""
+    try:
+        return click_metrics(*scored)
+    except ValueError as e:
+        if scored.weights is None:
+            raise
+        raise UnweighableDay(f"{url}: day {describe(days)} ({e})") from None
 
 
 def evaluate(
@@ -406,23 +457,27 @@ def _evaluate(
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows
     try:
-        scored = score(model, loader, spec, env, limit, progress)
+        scored = score_rows(model, loader, spec, env, limit, progress)
     finally:
         loader.close()
     seconds = time.perf_counter() - start
     peaks = gather_peak_rss(env)
     if scored is None:
         return {}
-    if len(scored[0]) == 0:
+    if len(scored.probs) == 0:
         raise DlrmflowError(f"{url}: day {describe(held_out)} holds no rows to evaluate on")
-    finite = torch.isfinite(scored[0])
+    finite = torch.isfinite(scored.probs)
     if not bool(finite.all()):
         raise NonFinitePredictions(
             f"{path}: the model predicts NaN or infinity for {int((~finite).sum())} of "
             f"{len(finite)} test rows; its weights are not usable"
         )
-    metrics = click_metrics(*scored)
-    table = reliability_table(*scored)
+    metrics = _metrics(scored, url, held_out)
+    table = reliability_table(scored.probs, scored.labels, weights=scored.weights)
+    if spec.weight is not None:
+        # By the weights of the declared column, as the training loss counted the rows.
+        metrics["weighted"].append("calibration_error")
+        metrics["weight_column"] = spec.weight
     metrics.update(
         {
             "calibration_error": calibration_error(table),

@@ -32,7 +32,8 @@ from dlrmflow.train.run.checkpoint import (
     save_checkpoint,
 )
 from dlrmflow.train.run.data import IdMapper, pass_count
-from dlrmflow.train.run.evaluate import score, test_loader
+from dlrmflow.train.run.evaluate import score_rows, test_loader
+from dlrmflow.train.run.loss import StepLoss
 from dlrmflow.train.run.metrics import click_metrics
 from dlrmflow.train.run.progress import METRICS_FILE, RESULT_FILE, RunProgress, TrainResult
 from dlrmflow.train.run.rank import DistEnv, gather_peak_rss
@@ -154,10 +155,8 @@ class TrainLoop:
         self.model = runner.model
         self.optimizer = dense_optimizer(runner.dense_parameters(), config)
         self.rates = LearningRates(schedule, config, self.model, self.optimizer)
-        # Summed, then divided by the global batch (all ranks' rows) and multiplied by the
-        # world size that DDP and the embeddings' backward divide by: the gradient of the
-        # mean loss over the global batch, however unevenly the ranks' batches are sized.
-        self.loss_fn = nn.BCEWithLogitsLoss(reduction="sum")
+        # The mean loss over the global batch (by rows, or by weights: ``loss.py``).
+        self.loss_fn = StepLoss(env, weighted=spec.weight is not None)
         self.metrics_path = run_dir / METRICS_FILE
         self.progress = self._restore()
         self.rows_before = self.progress.rows
@@ -257,7 +256,7 @@ class TrainLoop:
         the global batch and this rank's rows."""
         self.rates.set_for(step, self.progress)
         logits, batch, rows = inputs.forward()
-        loss = self.loss_fn(logits, batch.labels) * (self.env.world_size / rows)
+        loss = self.loss_fn(logits, batch, rows)
         value = self._global_loss(step, loss.item())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # also updates the touched embedding rows (fused optimizer)
@@ -323,7 +322,7 @@ class TrainLoop:
         """Score the test day with the live model (every rank), log it, keep it for the
         next checkpoint's manifest, where it decides which checkpoint is the best."""
         config = self.config
-        scored = score(self.model, self.eval_loader, self.spec, self.env, config.eval.max_rows)
+        scored = score_rows(self.model, self.eval_loader, self.spec, self.env, config.eval.max_rows)
         if scored is None:
             return
         self.last_eval = click_metrics(*scored)

@@ -129,7 +129,8 @@ class _Batches:
         if batch is not None:
             return batch
         spec = self._spec
-        return Batch.empty(len(spec.dense), spec.sparse_names, self._stager.device)
+        weighted = spec.weight is not None
+        return Batch.empty(len(spec.dense), spec.sparse_names, self._stager.device, weighted)
 
 
 class EpochInputs:
