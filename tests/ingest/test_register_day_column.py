@@ -8,6 +8,7 @@ import datetime as dt
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -211,3 +212,19 @@ def test_register_from_the_command_line_with_a_day_column(tmp_path, monkeypatch,
     )
     assert code == 1 and len(err) == 1
     assert "2.parquet: column seen: rows of 2026-11-03 and of 2026-11-04" in err[0]
+
+
+def test_a_day_column_on_s3_registers_and_grows_where_the_files_lie(s3_bucket, tmp_path):
+    local = tmp_path / "data"
+    for offset in range(2):
+        write_file(local / "logs" / f"{offset}.parquet", [_date(offset)], pa.date32(), offset)
+    url = f"{s3_bucket}/flat"
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.put(f"{local}/", path, recursive=True)
+    manifest = register_dataset(url, _schema())
+    assert {f.path: f.day for f in manifest.files} == {"logs/0.parquet": 0, "logs/1.parquet": 1}
+    check_dataset(url, manifest)
+    write_file(local / "2.parquet", [_date(2)], pa.date32(), 2)
+    fs.put(str(local / "2.parquet"), f"{path}/2.parquet")
+    grown = register_new_days(url)
+    assert grown.new_days == [2] and grown.manifest.files[-1].path == "2.parquet"

@@ -1,13 +1,17 @@
 """Key columns in score's output: the columns that identify a row (declared in the
 dataset's schema, or chosen with --keys) beside each prediction, with their own types, in
-the order of the rows, at one process and two; a file without one is one line."""
+the order of the rows, at one process and two; a file without one is one line. The data
+is a flat folder whose days are in a date column, so that such a dataset is trained and
+scored here too."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,13 +29,14 @@ from tests.ingest.own_data import SCHEMA, own_day
 # A key that is no feature (an int64 request ID), one that is (the string user ID), and
 # one of a type no feature takes (a timestamp with a time zone).
 KEYS = ("request_id", "user_id", "seen_at")
-KEYED = SCHEMA.model_copy(update={"keys": KEYS})
+KEYED = SCHEMA.model_copy(update={"keys": KEYS, "day_column": "date"})
 ROWS = 1200  # a day: two files of three row groups each
 SEEN_AT = pa.timestamp("ms", tz="UTC")
 
 
 def _write_days(root: Path, days: int) -> dict[int, pa.Table]:
-    """``days`` day folders of two files each; each day's table in row order."""
+    """``days`` days of two files each (``D-a.parquet``, ``D-b.parquet``) in one folder,
+    each row's day in its ``date`` column; each day's table in row order."""
     rng = np.random.default_rng(3)
     tables = {}
     for day in range(days):
@@ -44,11 +49,12 @@ def _write_days(root: Path, days: int) -> dict[int, pa.Table]:
         )
         seen = 1_790_000_000_000 + np.arange(ROWS, dtype=np.int64) * 1000 + day
         table = table.append_column("seen_at", pa.array(seen, pa.int64()).cast(SEEN_AT))
-        folder = root / f"day={day}"
-        folder.mkdir(parents=True)
+        date = dt.date(2026, 11, 1) + dt.timedelta(days=day)
+        table = table.append_column("date", pa.array([date] * ROWS, pa.date32()))
+        root.mkdir(parents=True, exist_ok=True)
         half = ROWS // 2
-        pq.write_table(table.slice(0, half), folder / "part-0.parquet", row_group_size=200)
-        pq.write_table(table.slice(half), folder / "part-1.parquet", row_group_size=200)
+        pq.write_table(table.slice(0, half), root / f"{day}-a.parquet", row_group_size=200)
+        pq.write_table(table.slice(half), root / f"{day}-b.parquet", row_group_size=200)
         tables[day] = table
     return tables
 
@@ -137,7 +143,7 @@ def test_a_declared_key_missing_from_a_file_is_one_line_naming_file_and_column(k
         if path.name != "manifest.json":
             (copy / path.name).symlink_to(path)
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match=r"day=1/part-0.parquet: column session: missing") as e:
+    with pytest.raises(DataError, match=r"/1-a.parquet: column session: missing") as e:
         score_dataset(run, str(copy), tmp_path / "out", days="1")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.parquet"))
@@ -146,7 +152,7 @@ def test_a_declared_key_missing_from_a_file_is_one_line_naming_file_and_column(k
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        ("nosuch", r"day=2/part-0.parquet: column nosuch: missing \(a key column"),
+        ("nosuch", r"/2-a.parquet: column nosuch: missing \(a key column"),
         ("row", r"--keys: key column row: the output has a column of that name"),
         ("user_id,user_id", r"--keys: key column user_id is named twice"),
     ],
@@ -157,3 +163,17 @@ def test_bad_keys_are_one_line(keyed, tmp_path, keys, message, monkeypatch, caps
     code, _, err = run_cli(monkeypatch, capsys, "score", *args, "--keys", keys)
     assert code == 1 and len(err) == 1
     assert re.search(message, err[0]), err
+
+
+def test_keys_are_read_where_the_data_lies_on_s3(keyed, s3_bucket, tmp_path):
+    run, data, tables = keyed
+    url = f"{s3_bucket}/keyed"
+    fs, path = fsspec.core.url_to_fs(url)
+    for name in ("0-a", "0-b", "2-a", "2-b"):  # a training day and the one to score
+        fs.put(f"{data}/{name}.parquet", f"{path}/{name}.parquet")
+    register_dataset(url, KEYED)
+    score_dataset(run, url, tmp_path / "out", days="1", keys="seen_at,request_id")
+    [part] = _parts(tmp_path / "out")
+    assert part.column_names[4:] == ["seen_at", "request_id"]
+    want = tables[2].select(["seen_at", "request_id"]).take(pa.array(part["row"].to_numpy()))
+    assert part.num_rows == ROWS and part.select(["seen_at", "request_id"]).equals(want)
