@@ -45,6 +45,7 @@ def score_task(
     max_rows: int | None,
     overwrite: bool,
     reporter: ProgressReporter,
+    keys: str | list[str] | None = None,
 ) -> dict[str, Any]:
     """``score_dataset`` with these arguments, its progress to ``reporter`` (which the
     flow owns, so that a retry moves the same artifact) and workers' lines to the log."""
@@ -64,6 +65,7 @@ def score_task(
         batch_size=batch_size,
         max_rows=max_rows,
         overwrite=overwrite,
+        keys=keys,
         progress=progress,
         on_line=logger.info,
     )
@@ -84,6 +86,8 @@ def summary_table(result: dict[str, Any]) -> dict[str, Any]:
     model = result["model"]
     flat = {k: v for k, v in result.items() if k != "model"}
     flat["days"] = ", ".join(str(d) for d in result["days"])
+    if "keys" in flat:
+        flat["keys"] = ", ".join(flat["keys"])
     return {
         "model_path": model["path"],
         "model_step": model["step"],
@@ -102,16 +106,20 @@ def score_flow(
     batch_size: int | None = None,
     max_rows: int | None = None,
     overwrite: bool = False,
+    keys: str | list[str] | None = None,
 ) -> dict[str, Any]:
     """Write ``model``'s predictions for ``days`` (a window; all by default) of the
     dataset at ``data`` under ``out``, as ``dlrmflow score`` does, and publish the
-    summary. Returns what the command prints."""
+    summary. ``keys``: the columns copied beside each prediction (None: the schema's
+    ``keys``; ``score --keys``). Returns what the command prints."""
     reporter = ProgressReporter(
         max(1, planned_total(data, days, max_rows, nproc)),
         key=PROGRESS_KEY,
         description=f"Rows of {data} scored into {out}",
     )
-    result = score_task(model, data, out, days, nproc, batch_size, max_rows, overwrite, reporter)
+    result = score_task(
+        model, data, out, days, nproc, batch_size, max_rows, overwrite, reporter, keys
+    )
     publish_metrics(
         summary_table(result), key=SCORES_KEY, description=f"Predictions of {model} in {out}"
     )

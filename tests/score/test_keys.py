@@ -18,12 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.config import build_config
+from dlrmflow.flows.score import SCORES_KEY, score_flow
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.score.output import SCORES_FILE, ScoresDirError
 from dlrmflow.score.score import score_dataset
 from dlrmflow.train.run.trainer import train
 from tests.conftest import run_cli
+from tests.flows.records import run_records
 from tests.ingest.own_data import SCHEMA, own_day
 
 # A key that is no feature (an int64 request ID), one that is (the string user ID), and
@@ -177,3 +179,17 @@ def test_keys_are_read_where_the_data_lies_on_s3(keyed, s3_bucket, tmp_path):
     assert part.column_names[4:] == ["seen_at", "request_id"]
     want = tables[2].select(["seen_at", "request_id"]).take(pa.array(part["row"].to_numpy()))
     assert part.num_rows == ROWS and part.select(["seen_at", "request_id"]).equals(want)
+
+
+def test_the_score_flow_takes_keys_as_the_command_does(keyed, tmp_path, prefect_api):
+    run, data, tables = keyed
+    state = score_flow(
+        run, data, str(tmp_path / "out"), days="2", keys=["request_id"], return_state=True
+    )
+    assert state.result()["keys"] == ["request_id"]
+    [part] = _parts(tmp_path / "out")
+    want = tables[2]["request_id"].take(pa.array(part["row"].to_numpy()))
+    assert part.column_names[4:] == ["request_id"] and part["request_id"].equals(want)
+    records = run_records(state.state_details.flow_run_id)
+    summary = {row["metric"]: row["value"] for row in json.loads(records.artifact(SCORES_KEY).data)}
+    assert summary["keys"] == "request_id"
