@@ -12,12 +12,13 @@ from dlrmflow.bench.ingest import (
     run_ingest_benchmark,
     written_bytes_per_row,
 )
-from dlrmflow.config import FeaturesConfig, ModelConfig
+from dlrmflow.config import ConfigError, DataConfig, FeaturesConfig, ModelConfig
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import list_splits, reader_threads
+from dlrmflow.ingest.synthetic_logs import generate_logs_dataset
 from dlrmflow.runtime.glibc_malloc import applied_threshold
 
 
@@ -33,6 +34,7 @@ def test_both_sides_run_as_many_threads(record):
         assert r["reader_threads_per_worker"] == reader_threads(n)
         assert r["pyarrow_decode_threads"] == r["reader_threads_total"] == n * reader_threads(n)
     assert "as many threads as our N readers" in record["baseline"]
+    assert record["shape"] == "criteo"
     assert "footer" in record["baseline"] and "footers" in record
 
 
@@ -98,3 +100,27 @@ def test_written_bytes_per_row_are_the_batches_sizes(tiny_dataset):
     )
     # The Arrow columns: at least 8 bytes a sparse ID, and values for every dense column.
     assert written["reader_only"] >= 8 * n_sparse + n_dense
+
+
+def test_the_logs_shape_is_benchmarked_on_the_columns_its_schema_declares():
+    record = run_ingest_benchmark(rows=8000, workers=(1,), batch_size=1024, repeats=1, shape="logs")
+    assert record["shape"] == "logs" and record["rows"] == 8000
+    r = record["results"]["workers_1"]
+    ratio = record["ratios"]["reader_transform_vs_pyarrow_decode_1w"]
+    assert ratio == r["reader_transform_rows_per_s"] / r["pyarrow_decode_rows_per_s"] > 0
+    # A row hands on jagged IDs (a user, an item, ~4 tags: int64 values and int32
+    # lengths), two dense floats and the label, not the Criteo layout's 40 columns.
+    written = record["written_bytes_per_row"]["reader_transform"]
+    assert 4 * 3 + 8 * 3 < written < 4 * 3 + 3 * 4 + 8 * 10
+
+
+def test_an_existing_dataset_is_recorded_under_its_shape(tmp_path):
+    data = str(tmp_path / "logs")
+    generate_logs_dataset(DataConfig(url=data, days=2, rows_per_day=2000, cardinality_scale=0.0001))
+    record = run_ingest_benchmark(data_url=data, workers=(1,), batch_size=512, repeats=1)
+    assert record["shape"] == "logs" and record["rows"] == 4000
+
+
+def test_an_unknown_shape_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^shape must be one of criteo, logs, not 'tsv'$"):
+        run_ingest_benchmark(rows=100, shape="tsv")

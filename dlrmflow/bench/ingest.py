@@ -19,6 +19,11 @@ ratio near 1 means preprocessing is hidden behind decode. CPU seconds per millio
 (of the whole process, every thread) are reported beside rows/s: wall-clock ratios can
 hide work done on a spare core.
 
+The dataset is generated (``rows`` rows over two days) in Criteo's layout, or with
+``shape="logs"`` in a team's (``ingest.synthetic_logs``: string IDs hashed, a list of
+IDs, clipped and logged floats), or is an existing one (``data_url``); either way both
+sides read the columns its feature spec names, and the record says which shape it is.
+
 Two figures say what bounds ours. "decode + transform" runs the baseline's decode with
 our transform of each row group straight after it, in the baseline's pool and without
 the reader: the ratio reader + transform would reach were the reader free. And the bytes
@@ -41,11 +46,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from dlrmflow.bench.machine import available_cores, describe_machine
 from dlrmflow.bench.turns import best_of_turns
-from dlrmflow.config import DataConfig, FeaturesConfig, ModelConfig
+from dlrmflow.config import ConfigError, DataConfig, FeaturesConfig, ModelConfig
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest.manifest import read_manifest
+from dlrmflow.ingest.manifest import Manifest, read_manifest
 from dlrmflow.ingest.reader import (
     ParquetBatchDataset,
     Split,
@@ -54,6 +59,8 @@ from dlrmflow.ingest.reader import (
     reader_threads,
 )
 from dlrmflow.ingest.synthetic import generate_dataset
+from dlrmflow.ingest.synthetic_logs import SHAPE as LOGS_SHAPE
+from dlrmflow.ingest.synthetic_logs import generate_logs_dataset
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 
 
@@ -107,12 +114,17 @@ def written_bytes_per_row(
 ) -> dict[str, float]:
     """Bytes each of our paths writes per row it hands on, from one batch of each: the
     reader alone copies the decoded Arrow columns (values and validity), the transform
-    writes tensors (float32 dense, int32 or int64 rows, float32 labels)."""
+    writes tensors (float32 dense, int32 or int64 rows, or jagged int64 rows with int32
+    lengths and float32 per-ID weights, float32 labels)."""
     raw = _decoded(splits[0], columns, {}).slice(0, batch_size)  # nbytes: the slice's own
     batch = transform(raw)
-    sparse = batch.sparse.one_hot_rows
+    sparse = batch.sparse
     tensors = [batch.dense, batch.labels]
-    tensors += [sparse] if sparse is not None else [batch.sparse.values(), batch.sparse.lengths()]
+    if sparse.one_hot_rows is not None:
+        tensors.append(sparse.one_hot_rows)
+    else:
+        tensors += [sparse.values, sparse.lengths]
+        tensors += [] if sparse.weights is None else [sparse.weights]
     return {
         "reader_only": raw.nbytes / raw.num_rows,
         "reader_transform": sum(t.nbytes for t in tensors) / len(batch),
@@ -158,26 +170,45 @@ def run_ingest_benchmark(
     workers: Sequence[int] = (1, 2),
     batch_size: int = 4096,
     repeats: int = 5,
+    shape: str = "criteo",
 ) -> dict[str, object]:
-    """Measure rows/s of both sides at each worker count and return the JSON record."""
+    """Measure rows/s of both sides at each worker count and return the JSON record.
+
+    ``shape``: the generated dataset's, ``criteo`` or ``logs`` (not used with
+    ``data_url``)."""
+    generators = {"criteo": generate_dataset, LOGS_SHAPE: generate_logs_dataset}
+    if shape not in generators:
+        raise ConfigError(f"shape must be one of {', '.join(generators)}, not {shape!r}")
     tune_allocator()
     torch_threads = torch.get_num_threads()
     try:
-        return _ingest_record(rows, data_url, workers, batch_size, repeats)
+        return _ingest_record(rows, data_url, workers, batch_size, repeats, generators[shape])
     finally:
         torch.set_num_threads(torch_threads)  # the next benchmark in this process starts as it did
 
 
+def dataset_shape(manifest: Manifest) -> str:
+    """What a dataset's columns are: ``criteo`` (no declared schema), the generator's
+    shape, or ``registered`` (a user's own data)."""
+    if manifest.features is None:
+        return "criteo"
+    return (manifest.generator or {}).get("shape", manifest.source)
+
+
 def _ingest_record(
-    rows: int, data_url: str | None, workers: Sequence[int], batch_size: int, repeats: int
+    rows: int,
+    data_url: str | None,
+    workers: Sequence[int],
+    batch_size: int,
+    repeats: int,
+    generate: Callable[[DataConfig], Manifest],
 ) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="dlrmflow-bench-") as tmp:
         if data_url is None:
             data_url = f"{tmp}/data"
-            generate_dataset(
-                DataConfig(url=data_url, days=2, rows_per_day=max(rows // 2, 1), seed=0)
-            )
+            generate(DataConfig(url=data_url, days=2, rows_per_day=max(rows // 2, 1), seed=0))
         manifest = read_manifest(data_url)
+        shape = dataset_shape(manifest)
         spec = FeatureSpec.for_dataset(manifest, FeaturesConfig(), ModelConfig())
         transform = BatchTransform(spec, HashIds.from_spec(spec))
         splits = list_splits(manifest.day_paths(data_url))
@@ -242,6 +273,7 @@ def _ingest_record(
             ratios[f"decode_transform_vs_pyarrow_decode_{n}w"] = bare / base
     return {
         "benchmark": "ingest",
+        "shape": shape,
         "baseline": "pyarrow.parquet ParquetFile.read_row_group of the same splits and columns "
         "in a pool of as many threads as our N readers run in total, native files, "
         "pre_buffer=True, use_threads=False, each file's footer kept from its first read (as ours)",
