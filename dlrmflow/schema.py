@@ -4,10 +4,16 @@ and what is done with each.
 A team's logs never look like Criteo, so a dataset says what its columns are: the label
 column (0/1 integers, booleans, or floats in [0, 1]), dense features (a numeric column, the
 value a null or NaN takes, and a transform) and sparse features (a column of IDs: int64 or
-strings, one a row or a list a row, hashed into a table). ``dlrmflow register`` records the
+strings, one a row or a list a row, hashed or looked up in a vocabulary, each feature's
+table its own), plus hashed crosses of sparse features. ``dlrmflow register`` records the
 schema in the dataset's manifest, so every stage reads the same one; a dataset without one
 (generated, converted from Criteo TSV, or written before schemas) has Criteo's layout,
 ``criteo_schema()``, with every stage behaving as it always has.
+
+The operations follow NVTabular's named ops: FillMissing (``fill``), LogOp (``log``), Clip,
+Normalize (``standardize``), Bucketize, HashBucket and Categorify (``ids: hash | vocab``
+with ``min_count`` and a cap), ListSlice (``max_length``, ``keep``) and HashedCross
+(``crosses``).
 
 This module sits below the configuration and every stage: both declare and read it.
 """
@@ -38,18 +44,38 @@ class _Strict(BaseModel):
 
 
 class DenseFeature(_Strict):
-    """A numeric column fed to the bottom MLP as one float32 value a row.
+    """A numeric column fed to the bottom MLP as one float32 value a row, or (bucketized)
+    turned into a categorical feature.
 
-    ``transform``: ``log`` is ``log(1 + max(x, 0))`` (counts, prices: Criteo's), ``clip``
-    bounds the value to ``[clip_min, clip_max]``, ``none`` passes it on. A null or NaN
-    becomes ``fill`` before the transform.
+    A null or NaN becomes ``fill`` before the transform, and the value is cast to float32.
+    ``transform``:
+
+    * ``log`` is ``log(1 + max(x, 0))`` (counts, prices: Criteo's);
+    * ``clip`` bounds the value to ``[clip_min, clip_max]``;
+    * ``standardize`` is ``(x - mean) / std``, with the mean and the (population) standard
+      deviation of the column after the fill, from the dataset's statistics unless given
+      here. A column without spread (``std`` 0: one value, or all missing) is only
+      centred: its deviation is taken as 1, so every row gets 0 and the feature is inert
+      rather than a division by zero. The values used are frozen into the run's feature
+      spec, so checkpoints and exports carry them;
+    * ``bucketize`` makes the column categorical: a sparse feature named after the column,
+      whose row is the bucket index ``i`` such that ``boundaries[i-1] <= x <
+      boundaries[i]`` (``len(boundaries) + 1`` rows; ``numpy.digitize``'s convention).
+      Give ``boundaries`` (strictly increasing), or ``buckets: N`` to take them from the
+      statistics' quantiles after the fill (``i / N`` for ``i`` in ``1..N-1``; repeated
+      quantiles merge, so a column of few values gets fewer buckets);
+    * ``none`` passes the value on.
     """
 
     column: str = Field(min_length=1)
     fill: float = 0.0
-    transform: Literal["log", "clip", "none"] = "log"
+    transform: Literal["log", "clip", "standardize", "bucketize", "none"] = "log"
     clip_min: float | None = None
     clip_max: float | None = None
+    mean: float | None = None
+    std: float | None = Field(None, ge=0)
+    boundaries: tuple[float, ...] | None = Field(None, min_length=1)
+    buckets: int | None = Field(None, ge=2)
 
     @model_validator(mode="after")
     def _bounds(self) -> DenseFeature:
@@ -61,11 +87,31 @@ class DenseFeature(_Strict):
                 raise ValueError(f"{self.column}: clip_min must not exceed clip_max")
         elif bounded:
             raise ValueError(f"{self.column}: clip_min and clip_max are for transform clip")
-        for name in ("fill", "clip_min", "clip_max"):
+        if self.transform != "standardize" and (self.mean is not None or self.std is not None):
+            raise ValueError(f"{self.column}: mean and std are for transform standardize")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError(f"{self.column}: give both mean and std, or neither")
+        given = (self.boundaries is not None) + (self.buckets is not None)
+        if self.transform == "bucketize":
+            if given != 1:
+                raise ValueError(f"{self.column}: transform bucketize needs boundaries or buckets")
+        elif given:
+            raise ValueError(f"{self.column}: boundaries and buckets are for transform bucketize")
+        for name in ("fill", "clip_min", "clip_max", "mean", "std"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"{self.column}: {name} must be finite")
+        if self.boundaries is not None:
+            if not all(math.isfinite(b) for b in self.boundaries):
+                raise ValueError(f"{self.column}: boundaries must be finite")
+            if any(b >= c for b, c in zip(self.boundaries, self.boundaries[1:], strict=False)):
+                raise ValueError(f"{self.column}: boundaries must be strictly increasing")
         return self
+
+    @property
+    def categorical(self) -> bool:
+        """Bucketized: a sparse feature of its own, not a dense input."""
+        return self.transform == "bucketize"
 
     @property
     def plain_log(self) -> bool:
@@ -76,18 +122,70 @@ class DenseFeature(_Strict):
 class SparseFeature(_Strict):
     """A column of IDs, each row a bag (one ID, a list, or none) looked up in an embedding
     table of its own. IDs are int64 or strings (strings are hashed to int64 by a stable
-    hash first); ``rows`` fixes the table's size (default: from the dataset's distinct IDs
-    and ``features.hash_size_factor``, at most ``features.max_rows_per_table``)."""
+    hash first). Every field but ``column`` defaults to the run's ``features`` section:
+
+    * ``ids``: ``hash`` (HashBucket: ``rows`` buckets, default from the dataset's distinct
+      IDs and ``features.hash_size_factor``, at most ``features.max_rows_per_table``) or
+      ``vocab`` (Categorify: each ID seen at least ``min_count`` times in the training days
+      gets a row of its own, the most frequent first, at most ``rows - 1`` of them; the
+      rest share row 0);
+    * ``max_length``: a list longer than this keeps its first (``keep: first``) or last
+      (``keep: last``) ``max_length`` IDs, nulls dropped first (ListSlice; a no-op on a
+      one-hot column);
+    * ``weights``: a column of one float weight per ID (a list aligned with the ID list,
+      or one number beside a one-hot ID), which scales that ID's embedding in the sum;
+      per-ID weights need sum pooling in every table (the kernels' rule);
+    * ``pooling``: how a bag's embeddings combine, ``sum`` or ``mean``.
+    """
 
     column: str = Field(min_length=1)
     rows: int | None = Field(None, ge=1)
+    ids: Literal["hash", "vocab"] | None = None
+    min_count: int | None = Field(None, ge=1)
+    max_length: int | None = Field(None, ge=1)
+    keep: Literal["first", "last"] = "first"
+    weights: str | None = Field(None, min_length=1)
+    pooling: Literal["sum", "mean"] | None = None
+
+    @model_validator(mode="after")
+    def _options(self) -> SparseFeature:
+        if self.min_count is not None and self.ids == "hash":
+            raise ValueError(f"{self.column}: min_count is for ids: vocab")
+        if self.keep != "first" and self.max_length is None:
+            raise ValueError(f"{self.column}: keep is for max_length")
+        if self.weights is not None and self.pooling == "mean":
+            raise ValueError(
+                f"{self.column}: per-ID weights need sum pooling (the kernels weight a sum)"
+            )
+        if self.weights == self.column:
+            raise ValueError(f"{self.column}: its weights are in a column of their own")
+        return self
+
+
+class Cross(_Strict):
+    """A hashed cross of two or more single-valued sparse features (HashedCross): each row's
+    IDs of ``columns``, in that order, hashed together by a stable hash into a table of its
+    own named ``name`` (``rows``: its size, default from the crossed columns' distinct IDs
+    as for a hashed feature). A row where any crossed ID is null has an empty bag."""
+
+    name: str = Field(min_length=1)
+    columns: tuple[str, ...] = Field(min_length=2)
+    rows: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Cross:
+        repeated = sorted({c for c in self.columns if self.columns.count(c) > 1})
+        if repeated:
+            raise ValueError(f"cross {self.name}: column {repeated[0]} is crossed twice")
+        return self
 
 
 class FeatureSchema(_Strict):
     """What a dataset's columns are (see the module's docstring).
 
     ``weight``: an optional column of non-negative per-example weights (an importance or
-    a sampling correction) that scale each example's loss. ``keys``: columns that are not
+    a sampling correction) that scale each example's loss. ``crosses``: hashed crosses of
+    declared sparse columns, each a sparse feature of its own. ``keys``: columns that are not
     features but identify a row (a request or user ID); ``score`` copies them into its
     output beside each prediction. ``day_column``: a date, timestamp or integer column
     that says each row's day, for data that is not in ``day=N/`` or ``dt=YYYY-MM-DD/``
@@ -98,6 +196,7 @@ class FeatureSchema(_Strict):
     weight: str | None = Field(None, min_length=1)
     dense: tuple[DenseFeature, ...] = ()
     sparse: tuple[SparseFeature, ...] = Field(min_length=1)
+    crosses: tuple[Cross, ...] = ()
     keys: tuple[str, ...] = ()
     day_column: str | None = Field(None, min_length=1)
 
@@ -106,9 +205,21 @@ class FeatureSchema(_Strict):
         columns = [self.label, *self.dense_names, *self.sparse_names]
         if self.weight is not None:
             columns.append(self.weight)
+        columns += [f.weights for f in self.sparse if f.weights is not None]
         repeated = sorted({c for c in columns if columns.count(c) > 1})
         if repeated:
             raise ValueError(f"column {repeated[0]} is declared twice")
+        sparse = set(self.sparse_names)
+        names = set(columns)
+        for cross in self.crosses:
+            if cross.name in names:
+                raise ValueError(f"cross {cross.name}: the name of a column")
+            names.add(cross.name)
+            for column in cross.columns:
+                if column not in sparse:
+                    raise ValueError(
+                        f"cross {cross.name}: {column} is not a declared sparse column"
+                    )
         keys = list(self.keys)
         repeated = sorted({c for c in keys if keys.count(c) > 1})
         if repeated:
@@ -129,9 +240,15 @@ class FeatureSchema(_Strict):
 
     @property
     def columns(self) -> list[str]:
-        """Every column training reads: the label, the weight if any, the features."""
+        """The label, the weight if any and the features' columns: those whose role and
+        type ``register`` checks. Per-ID weight columns are in ``weight_columns``."""
         weight = [] if self.weight is None else [self.weight]
         return [self.label, *weight, *self.dense_names, *self.sparse_names]
+
+    @property
+    def weight_columns(self) -> tuple[str, ...]:
+        """The sparse features' per-ID weight columns, in feature order."""
+        return tuple(f.weights for f in self.sparse if f.weights is not None)
 
     @property
     def is_criteo(self) -> bool:

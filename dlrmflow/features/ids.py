@@ -8,8 +8,10 @@ its 64-bit two's-complement bit pattern, so ``-1`` and ``2**64 - 1`` are the sam
 * ``Vocabulary`` is built by one counting pass over the training data: each ID seen at least
   ``min_count`` times gets a row of its own, ordered by frequency, and every other ID (rare or
   never seen) shares row 0, the out-of-vocabulary row.
+* ``FeatureIds`` is both at once, for a schema that chooses per feature: its vocabulary's
+  features look up rows there, the others are hashed.
 
-Both expose the same small interface (``IdMapper``) and are plain picklable objects because
+All expose the same small interface (``IdMapper``) and are plain picklable objects because
 DataLoader worker processes receive a copy of the transform that holds them.
 """
 
@@ -31,6 +33,7 @@ import pyarrow.parquet as pq
 from dlrmflow.features import jit
 from dlrmflow.ingest.strings import is_string, string_ids
 from dlrmflow.outputs import write_url
+from dlrmflow.schema import SchemaError
 
 if TYPE_CHECKING:
     from dlrmflow.features.spec import FeatureSpec
@@ -179,7 +182,15 @@ class HashIds(_OneHotMapper):
 
     @classmethod
     def from_spec(cls, spec: FeatureSpec, *, seed: int = 0) -> HashIds:
-        """Hash every sparse feature of ``spec`` into its table's rows."""
+        """Hash every sparse feature of ``spec`` into its table's rows. A feature the
+        schema declares ``ids: vocab`` is refused (``SchemaError``): its rows come from a
+        vocabulary (``features.fit.feature_ids``), and hashing it would train other rows."""
+        for f in spec.sparse:
+            if f.ids == "vocab":
+                raise SchemaError(
+                    f"sparse feature {f.name}: ids vocab, but this run hashes every feature; "
+                    "its rows come from a vocabulary fitted on the training days"
+                )
         return cls({f.name: f.num_embeddings for f in spec.sparse}, seed=seed)
 
     @property
@@ -317,7 +328,8 @@ class Vocabulary(_OneHotMapper):
     """Per-feature ID -> row tables built from frequency counts; row 0 is out-of-vocabulary.
 
     ``ids[name][i]`` owns row ``i + 1``; rows are ordered by descending count, then
-    ascending ID, so the same data always gives the same vocabulary.
+    ascending ID, so the same data always gives the same vocabulary. ``min_count`` is the
+    threshold it was built with: one for every feature, or one per feature.
     """
 
     def __init__(
@@ -325,11 +337,11 @@ class Vocabulary(_OneHotMapper):
         ids: Mapping[str, np.ndarray],
         counts: Mapping[str, np.ndarray],
         *,
-        min_count: int,
+        min_count: int | Mapping[str, int],
     ) -> None:
         if set(ids) != set(counts):
             raise ValueError("vocabulary: ids and counts must name the same features")
-        self.min_count = min_count
+        self.min_count = min_count if isinstance(min_count, int) else dict(min_count)
         self.ids = {name: np.ascontiguousarray(v, dtype=np.int64) for name, v in ids.items()}
         self.counts = {name: np.ascontiguousarray(counts[name], np.int64) for name in ids}
         for name, ranked in self.ids.items():
@@ -396,7 +408,13 @@ class Vocabulary(_OneHotMapper):
                 counts = {name: npz[f"counts_{i}"] for i, name in enumerate(names)}
         except (ValueError, KeyError, OSError, zipfile.BadZipFile) as e:
             raise ValueError(f"{url}: not a dlrmflow vocabulary file: {e}") from e
-        return cls(ids, counts, min_count=int(meta["min_count"]))
+        threshold = meta["min_count"]
+        threshold = (
+            {k: int(v) for k, v in threshold.items()}
+            if isinstance(threshold, dict)
+            else int(threshold)
+        )
+        return cls(ids, counts, min_count=threshold)
 
     def _known(self, name: str) -> str:
         if name not in self.ids:
@@ -405,6 +423,51 @@ class Vocabulary(_OneHotMapper):
 
     def __repr__(self) -> str:
         return f"Vocabulary(min_count={self.min_count}, tables={self.table_rows})"
+
+
+class FeatureIds:
+    """A vocabulary's features looked up in it, every other feature hashed: the mapping of
+    a schema that chooses ``ids`` per feature. Rows are exactly what the ``Vocabulary`` and
+    the ``HashIds`` alone give their features."""
+
+    def __init__(self, vocabulary: Vocabulary, hashed: HashIds) -> None:
+        both = set(vocabulary.names) & set(hashed.table_rows)
+        if both:
+            raise ValueError(f"feature {sorted(both)[0]}: both in the vocabulary and hashed")
+        self.vocabulary = vocabulary
+        self.hashed = hashed
+
+    @property
+    def table_rows(self) -> dict[str, int]:
+        return {**self.hashed.table_rows, **self.vocabulary.table_rows}
+
+    def num_embeddings(self, name: str) -> int:
+        return self._owner(name).num_embeddings(name)
+
+    def map(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return self._owner(name).map(name, ids)
+
+    def map_keyed(self, names: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
+        """Each owner maps its features' IDs in one call; the rows go back in key order."""
+        out = np.empty(sum(len(part) for part in ids), np.int64)
+        starts = np.cumsum([0, *(len(part) for part in ids)])
+        for owner in (self.vocabulary, self.hashed):
+            mine = [k for k, name in enumerate(names) if self._owner(name) is owner]
+            if not mine:
+                continue
+            rows = owner.map_keyed([names[k] for k in mine], [ids[k] for k in mine])
+            at = 0
+            for k in mine:
+                size = len(ids[k])
+                out[starts[k] : starts[k] + size] = rows[at : at + size]
+                at += size
+        return out
+
+    def _owner(self, name: str) -> Vocabulary | HashIds:
+        return self.vocabulary if name in self.vocabulary.ids else self.hashed
+
+    def __repr__(self) -> str:
+        return f"FeatureIds({self.vocabulary!r}, {self.hashed!r})"
 
 
 _ID_TYPES = "int64 or string IDs, or lists of them (optionally dictionary-encoded)"
@@ -468,19 +531,23 @@ def build_vocabulary(
     paths: Sequence[str],
     columns: Sequence[str],
     *,
-    min_count: int,
-    max_size: int | None = None,
+    min_count: int | Mapping[str, int],
+    max_size: int | None | Mapping[str, int | None] = None,
 ) -> Vocabulary:
     """Count every ID of ``columns`` over the Parquet files ``paths`` and keep the frequent.
 
     Files are read row group by row group and only the named columns are decoded; nulls
     (and null elements of list columns) are not IDs and are not counted. ``max_size`` caps
-    each table at that many frequent IDs (plus the out-of-vocabulary row).
+    each table at that many frequent IDs (plus the out-of-vocabulary row). Both
+    ``min_count`` and ``max_size`` are one for every column, or one per column.
     """
-    if min_count < 1:
-        raise ValueError(f"min_count must be >= 1, got {min_count}")
-    if max_size is not None and max_size < 0:
-        raise ValueError(f"max_size must be >= 0, got {max_size}")
+    thresholds = {c: min_count if isinstance(min_count, int) else min_count[c] for c in columns}
+    caps = {c: max_size if not isinstance(max_size, Mapping) else max_size[c] for c in columns}
+    for name in columns:
+        if thresholds[name] < 1:
+            raise ValueError(f"{name}: min_count must be >= 1, got {thresholds[name]}")
+        if caps[name] is not None and caps[name] < 0:
+            raise ValueError(f"{name}: max_size must be >= 0, got {caps[name]}")
     tables = {name: _CountTable() for name in columns}
     for path in paths:
         for rg, table in _row_groups(path, columns):
@@ -488,7 +555,7 @@ def build_vocabulary(
                 tables[name].add(_flat_ids(table.column(name), f"{path} row group {rg}: {name}"))
     ids, counts = {}, {}
     for name in columns:
-        ids[name], counts[name] = _ranked(tables[name].merge(), min_count, max_size)
+        ids[name], counts[name] = _ranked(tables[name].merge(), thresholds[name], caps[name])
     return Vocabulary(ids, counts, min_count=min_count)
 
 

@@ -1,31 +1,113 @@
-"""The feature spec: which columns feed the model, how each dense column is transformed and
-how big each embedding table is, made from the dataset's declared schema
-(``dlrmflow.schema``; Criteo's layout when it declares none)."""
+"""The feature spec: which columns feed the model, how each dense column is transformed, how
+each sparse feature's IDs are made and how big each embedding table is, made from the
+dataset's declared schema (``dlrmflow.schema``; Criteo's layout when it declares none).
+
+Everything the statistics decide (a standardized column's mean and deviation, a
+bucketized column's quantile boundaries, table sizes) is resolved here once and frozen into
+the spec, so a checkpoint or an export carries the values its model was trained with, and
+``to_dict`` is a run's identity: a changed schema gives another spec, which a resume
+refuses naming the feature.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
 
 from dlrmflow.config import FeaturesConfig, ModelConfig
 from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.ingest.schema import LABEL
-from dlrmflow.schema import DenseFeature, FeatureSchema, criteo_schema, parse_schema
+from dlrmflow.schema import (
+    DenseFeature,
+    FeatureSchema,
+    SchemaError,
+    criteo_schema,
+    parse_schema,
+)
+
+if TYPE_CHECKING:
+    from dlrmflow.ingest.stats import DatasetStats, DenseStats
 
 # Hash tables are never smaller than this: tiny features (2-3 values) would otherwise see
 # their few IDs collide, and a 1024-row table costs nothing.
 MIN_HASH_ROWS = 1024
+# The fields every spec's sparse features have always written, defaults or not.
+_LEGACY = ("name", "num_embeddings", "embedding_dim", "pooling")
 
 
 @dataclass(frozen=True)
 class SparseFeature:
-    """One categorical feature and the embedding table its IDs index."""
+    """One categorical feature and the embedding table its IDs index.
+
+    Where its IDs come from: by default the column ``name`` (int64 or string IDs, one or a
+    list a row); ``cross``: the crossed columns' IDs hashed together (``schema.Cross``);
+    ``bucketize``: the bucket index of a dense column (``boundaries`` resolved, so the
+    index is the row). ``ids`` (``hash`` or ``vocab``; None: the run's ``features.ids``),
+    ``min_count`` (None: ``features.min_count``), ``max_length`` and ``keep``
+    (ListSlice) and ``weights`` (the column of per-ID weights) are the schema's
+    ``SparseFeature`` fields.
+    """
 
     name: str
     num_embeddings: int
     embedding_dim: int
     pooling: Literal["sum", "mean"] = "sum"
+    ids: Literal["hash", "vocab"] | None = None
+    min_count: int | None = None
+    max_length: int | None = None
+    keep: Literal["first", "last"] = "first"
+    weights: str | None = None
+    cross: tuple[str, ...] | None = None
+    bucketize: DenseFeature | None = None
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The Parquet columns this feature reads."""
+        if self.cross is not None:
+            return self.cross
+        if self.bucketize is not None:
+            return (self.bucketize.column,)
+        return (self.name,) if self.weights is None else (self.name, self.weights)
+
+    @property
+    def plain(self) -> bool:
+        """IDs of a column of its own, unweighted: what the compiled transform takes
+        (``max_length`` aside, a no-op on the one-hot columns it takes)."""
+        return self.cross is None and self.bucketize is None and self.weights is None
+
+    def mapping(self, default: str) -> str:
+        """How this feature's IDs become rows: ``hash``, ``vocab``, or ``bucket`` (the
+        bucket index is the row); ``default`` is the run's ``features.ids``."""
+        if self.bucketize is not None:
+            return "bucket"
+        if self.cross is not None:
+            return "hash"
+        return self.ids or default
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: the fields every spec had, and the others only where they are not
+        their defaults (so specs written before them read and compare as they did)."""
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in _LEGACY and value == f.default:
+                continue
+            if isinstance(value, DenseFeature):
+                value = value.model_dump(mode="json", exclude_defaults=True)
+            elif isinstance(value, tuple):
+                value = list(value)
+            data[f.name] = value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SparseFeature:
+        data = dict(data)
+        if data.get("cross") is not None:
+            data["cross"] = tuple(data["cross"])
+        if data.get("bucketize") is not None:
+            data["bucketize"] = DenseFeature.model_validate(data["bucketize"])
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -34,7 +116,8 @@ class FeatureSpec:
 
     ``dense_transforms``: each dense column's null fill and transform, in ``dense`` order;
     None is Criteo's for every column (nulls as 0, then ``log(1 + max(x, 0))``), which
-    the compiled transform runs and which specs written before schemas mean.
+    the compiled transform runs and which specs written before schemas mean. A
+    ``standardize`` transform carries its ``mean`` and ``std``.
     ``weight``: the column of per-example weights (``Batch.sample_weights``), None when
     the dataset declares none.
     """
@@ -50,23 +133,35 @@ class FeatureSpec:
             columns = tuple(t.column for t in self.dense_transforms)
             if columns != self.dense:
                 raise ValueError(f"dense transforms of {columns}, columns {self.dense}")
+            for t in self.dense_transforms:
+                if t.categorical or (t.transform == "standardize" and t.std is None):
+                    raise ValueError(f"dense column {t.column}: transform {t.transform} unresolved")
 
     @property
     def columns(self) -> list[str]:
         """The Parquet columns the transform needs (everything else is never read)."""
         weight = [] if self.weight is None else [self.weight]
-        return [self.label, *weight, *self.dense, *(f.name for f in self.sparse)]
+        found = [self.label, *weight, *self.dense]
+        for f in self.sparse:
+            found += [c for c in f.columns if c not in found]
+        return found
 
     @property
     def sparse_names(self) -> list[str]:
         return [f.name for f in self.sparse]
 
+    @property
+    def plain_sparse(self) -> bool:
+        """Every sparse feature reads IDs of a column of its own, unweighted."""
+        return all(f.plain for f in self.sparse)
+
     def to_dict(self) -> dict:
         """Plain data for a checkpoint, so table sizes and transforms are known without the
-        dataset (Criteo's transforms left out: such a spec reads as it always did)."""
+        dataset (Criteo's transforms, and a weight column never declared, left out: such a
+        spec reads as it always did)."""
         data = {
             "dense": list(self.dense),
-            "sparse": [asdict(f) for f in self.sparse],
+            "sparse": [f.to_dict() for f in self.sparse],
             "label": self.label,
         }
         if self.dense_transforms is not None:
@@ -80,7 +175,7 @@ class FeatureSpec:
         transforms = data.get("dense_transforms")
         return cls(
             dense=tuple(data["dense"]),
-            sparse=tuple(SparseFeature(**f) for f in data["sparse"]),
+            sparse=tuple(SparseFeature.from_dict(f) for f in data["sparse"]),
             label=data["label"],
             dense_transforms=None
             if transforms is None
@@ -95,42 +190,150 @@ class FeatureSpec:
         features: FeaturesConfig,
         model: ModelConfig,
         table_rows: dict[str, int] | None = None,
+        stats: DatasetStats | None = None,
     ) -> FeatureSpec:
         """The spec for ``manifest``'s dataset, from its declared schema (``dataset_schema``).
 
-        A table has ``table_rows[name]`` rows when given (a vocabulary's size), else the
+        A vocabulary's table has ``table_rows[name]`` rows when given (its size), else the
         schema's ``rows`` for the feature. Otherwise IDs are hashed: with a known
-        cardinality (synthetic and registered data) into ``hash_size_factor`` buckets per
-        distinct ID, at least ``MIN_HASH_ROWS``, so that few IDs share a row; with none
-        (converted Criteo data) into ``max_rows_per_table`` buckets. Hash tables never
-        exceed ``max_rows_per_table``.
+        cardinality (synthetic and registered data; a cross: the product of its columns')
+        into ``hash_size_factor`` buckets per distinct ID, at least ``MIN_HASH_ROWS``, so
+        that few IDs share a row; with none (converted Criteo data) into
+        ``max_rows_per_table`` buckets. Hash tables never exceed ``max_rows_per_table``. A
+        bucketized column's table has a row per bucket.
+
+        ``stats`` (the dataset's ``stats.json``) is needed only where the schema takes
+        values from it: ``standardize`` without ``mean`` and ``std``, ``bucketize`` with
+        ``buckets``. Whatever the model cannot take is a ``SchemaError`` naming the feature.
         """
         schema = dataset_schema(manifest)
         cards = manifest.cardinalities or {}
         cap = features.max_rows_per_table
+
+        def hashed_rows(wanted_ids: float | None) -> int:
+            if wanted_ids is None:
+                return cap
+            return min(max(math.ceil(wanted_ids * features.hash_size_factor), MIN_HASH_ROWS), cap)
+
         sparse = []
         for feature in schema.sparse:
             name = feature.column
-            if table_rows is not None:
+            # A feature declared hashed never takes a vocabulary's size.
+            if feature.ids != "hash" and table_rows is not None and name in table_rows:
                 rows = table_rows[name]
             elif feature.rows is not None:
                 rows = feature.rows
-            elif name in cards:
-                wanted = math.ceil(cards[name] * features.hash_size_factor)
-                rows = min(max(wanted, MIN_HASH_ROWS), cap)
             else:
-                rows = cap
+                rows = hashed_rows(cards.get(name))
+            pooling = feature.pooling or features.pooling
             sparse.append(
-                SparseFeature(name, max(int(rows), 1), model.embedding_dim, features.pooling)
+                SparseFeature(
+                    name,
+                    max(int(rows), 1),
+                    model.embedding_dim,
+                    pooling,
+                    ids=feature.ids,
+                    min_count=feature.min_count,
+                    max_length=feature.max_length,
+                    keep=feature.keep,
+                    weights=feature.weights,
+                )
             )
-        plain = all(d.plain_log for d in schema.dense)
+        dense, transforms = [], []
+        for d in schema.dense:
+            if d.categorical:
+                resolved = _bucketized(d, stats)
+                rows = len(resolved.boundaries or ()) + 1
+                sparse.append(
+                    SparseFeature(
+                        d.column, rows, model.embedding_dim, features.pooling, bucketize=resolved
+                    )
+                )
+                continue
+            dense.append(d.column)
+            transforms.append(_standardized(d, stats) if d.transform == "standardize" else d)
+        for cross in schema.crosses:
+            product: float | None = 1.0
+            for column in cross.columns:
+                known = cards.get(column)
+                product = None if known is None or product is None else product * known
+            rows = cross.rows if cross.rows is not None else hashed_rows(product)
+            sparse.append(
+                SparseFeature(
+                    cross.name,
+                    int(rows),
+                    model.embedding_dim,
+                    features.pooling,
+                    cross=cross.columns,
+                )
+            )
+        _check_pooling(sparse)
+        plain = all(d.plain_log for d in transforms)
         return cls(
-            dense=schema.dense_names,
+            dense=tuple(dense),
             sparse=tuple(sparse),
             label=schema.label,
-            dense_transforms=None if plain else schema.dense,
+            dense_transforms=None if plain else tuple(transforms),
             weight=schema.weight,
         )
+
+
+def _check_pooling(sparse: list[SparseFeature]) -> None:
+    """Per-ID weights reach the kernels as one weight per ID of the whole batch, which they
+    take only when every table sums (``kernels.tbe``): refuse a mean beside weights."""
+    weighted = [f.name for f in sparse if f.weights is not None]
+    if not weighted:
+        return
+    for f in sparse:
+        if f.pooling == "mean":
+            raise SchemaError(
+                f"sparse feature {f.name}: pooling mean, but {weighted[0]} has per-ID weights, "
+                "which need sum pooling in every table; set its pooling: sum"
+            )
+
+
+def _column_stats(d: DenseFeature, stats: DatasetStats | None, why: str) -> DenseStats:
+    if stats is None:
+        raise SchemaError(
+            f"dense feature {d.column}: {why} from the dataset's statistics (stats.json), "
+            "which this run did not read"
+        )
+    for s in stats.dense:
+        if s.name == d.column:
+            return s
+    raise SchemaError(
+        f"dense feature {d.column}: {why} from the dataset's statistics, which have no "
+        "such column; register the dataset again"
+    )
+
+
+def _standardized(d: DenseFeature, stats: DatasetStats | None) -> DenseFeature:
+    """``d`` with its mean and standard deviation after the fill, from ``stats`` unless the
+    schema gives them."""
+    if d.std is not None:
+        return d
+    s = _column_stats(d, stats, "transform standardize takes its mean and std")
+    if s.std is None and s.present:
+        raise SchemaError(
+            f"dense feature {d.column}: the dataset's statistics predate deviations; "
+            "register the dataset again for transform standardize"
+        )
+    mean, std = s.filled_moments(d.fill)
+    return d.model_copy(update={"mean": mean, "std": std})
+
+
+def _bucketized(d: DenseFeature, stats: DatasetStats | None) -> DenseFeature:
+    """``d`` with its boundaries: given, or the statistics' quantiles after the fill."""
+    if d.buckets is None:
+        return d
+    s = _column_stats(d, stats, f"buckets: {d.buckets} takes its boundaries")
+    if s.present and not s.sketch_counts:
+        raise SchemaError(
+            f"dense feature {d.column}: the dataset's statistics predate quantiles; "
+            "register the dataset again for bucketize with buckets"
+        )
+    boundaries = s.boundaries(d.buckets, d.fill)
+    return d.model_copy(update={"buckets": None, "boundaries": boundaries})
 
 
 def dataset_schema(manifest: Manifest) -> FeatureSchema:

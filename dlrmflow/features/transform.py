@@ -52,8 +52,8 @@ import torch
 
 from dlrmflow.features import jit
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
-from dlrmflow.features.ids import IdMapper
-from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.ids import IdMapper, stable_hash
+from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.strings import is_string, string_ids
 from dlrmflow.schema import DenseFeature
 
@@ -124,9 +124,12 @@ def _float32_or_none(value: float | None) -> np.float32 | None:
 
 
 def _check_transform_range(t: DenseFeature) -> None:
-    """A declared fill or clip bound must be a float32, or it would hand training an inf."""
-    for what in ("fill", "clip_min", "clip_max"):
-        value = getattr(t, what)
+    """A declared fill, clip bound, mean, deviation or boundary must be a float32, or it
+    would hand training an inf."""
+    values = [("fill", t.fill), ("clip_min", t.clip_min), ("clip_max", t.clip_max)]
+    values += [("mean", t.mean), ("std", t.std)]
+    values += [("boundaries", b) for b in t.boundaries or ()]
+    for what, value in values:
         if value is not None and abs(value) > _FLOAT32_MAX:
             raise ValueError(
                 f"column {t.column}: {what} {value!r} is beyond float32's range "
@@ -142,29 +145,22 @@ def _declared_dense(
     Each value is cast to float32 first (values beyond its range were refused before), a
     null or NaN becomes the column's ``fill``, then ``log`` is ``log1p(max(x, 0))`` (the
     same ops as Criteo's path), ``clip`` is ``min(max(x, clip_min), clip_max)`` with
-    float32 bounds, and ``none`` leaves the value as it is. Every step works element by
-    element, so the result does not depend on how the rows are chunked.
+    float32 bounds, ``standardize`` is ``(x - mean) / std`` in float32 (``std`` 0 taken
+    as 1: the column is only centred) and ``none`` leaves the value as it is. Every step
+    works element by element, so the result does not depend on how the rows are chunked.
     """
     out = np.empty((len(columns), n), np.float32)
     for block, chunks, t in zip(out, columns, transforms, strict=True):
-        start = 0
-        for arr in chunks:
-            part = block[start : start + len(arr)]
-            start += len(arr)
-            # Garbage under a null may overflow the cast: quietly, it is replaced below.
-            with np.errstate(over="ignore", invalid="ignore"):
-                np.copyto(part, _primitive(arr), casting="unsafe")
-            missing = np.isnan(part)
-            valid = _valid(arr)
-            if valid is not None:
-                missing |= ~valid
-            np.putmask(part, missing, np.float32(t.fill))
+        _filled(chunks, block, t.fill)
         if t.transform == "log":
             np.fmax(block, np.float32(0), out=block)
             _log1p(block)
         elif t.transform == "clip":
             low, high = _float32_or_none(t.clip_min), _float32_or_none(t.clip_max)
             np.minimum(np.maximum(block, low, out=block), high, out=block)
+        elif t.transform == "standardize":
+            np.subtract(block, np.float32(t.mean), out=block)
+            np.divide(block, np.float32(t.std or 1.0), out=block)
     return torch.from_numpy(np.ascontiguousarray(out.T))
 
 
@@ -298,12 +294,17 @@ def _id_valid(arr: pa.Array) -> np.ndarray | None:
     return uses_valid if valid is None else valid & uses_valid
 
 
-def _bags(arr: pa.Array) -> tuple[pa.Array, np.ndarray | None, np.ndarray]:
-    """(the IDs of a list array's bags, which of them to keep or None, bag lengths)."""
+def _offsets(arr: pa.Array) -> np.ndarray:
+    """A list array's offsets (``len(arr) + 1`` of them), a zero-copy view."""
     off_dtype = np.dtype(np.int64 if pa.types.is_large_list(arr.type) else np.int32)
-    offsets = np.frombuffer(
+    return np.frombuffer(
         arr.buffers()[1], off_dtype, count=len(arr) + 1, offset=arr.offset * off_dtype.itemsize
     )
+
+
+def _bags(arr: pa.Array) -> tuple[pa.Array, np.ndarray | None, np.ndarray]:
+    """(the IDs of a list array's bags, which of them to keep or None, bag lengths)."""
+    offsets = _offsets(arr)
     start, end = int(offsets[0]), int(offsets[-1])
     # ``values`` is the whole child (a slice sees all of the parent's IDs): cut it to this
     # array's range before touching its buffers.
@@ -325,18 +326,173 @@ def _bags(arr: pa.Array) -> tuple[pa.Array, np.ndarray | None, np.ndarray]:
     return child, keep, lengths
 
 
+def _truncated(
+    lengths: np.ndarray, keep: np.ndarray | None, size: int, max_length: int, last: bool
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """ListSlice: (which of a list array's ``size`` leaf IDs to keep, the bags' lengths)
+    once each bag keeps only its first (``last`` False) or last ``max_length`` kept IDs.
+
+    ``keep`` and ``lengths`` are ``_bags``' (``keep`` None: every leaf ID is kept). Each
+    kept ID's rank in its bag is its running position minus its bag's start.
+    """
+    if not len(lengths) or int(lengths.max()) <= max_length:
+        return keep, lengths
+    lengths = lengths.astype(np.int64)
+    ends = np.cumsum(lengths)
+    rank = np.arange(int(ends[-1])) - np.repeat(ends - lengths, lengths)
+    # The last N: a rank at least the bag's length minus N.
+    floor = np.repeat(lengths - max_length, lengths) if last else None
+    chosen = rank >= floor if floor is not None else rank < max_length
+    kept = np.arange(size) if keep is None else np.flatnonzero(keep)
+    mask = np.zeros(size, np.bool_)
+    mask[kept[chosen]] = True
+    return mask, np.minimum(lengths, max_length)
+
+
+def _bag_of(arr: pa.Array, f: SparseFeature) -> tuple[pa.Array, np.ndarray | None, np.ndarray]:
+    """(leaf IDs, which of them to keep or None, bag lengths) of one chunk of a feature's
+    ID column: a list's bags (``_bags``) cut to ``max_length``, or one-hot slots, each a
+    bag of one ID or none."""
+    if not _is_list(arr.type):
+        keep = _id_valid(arr)
+        return arr, keep, np.ones(len(arr), np.int32) if keep is None else keep
+    leaf, keep, lengths = _bags(arr)
+    if f.max_length is not None:
+        keep, lengths = _truncated(lengths, keep, len(leaf), f.max_length, f.keep == "last")
+    return leaf, keep, lengths
+
+
+def _check_id_weights(
+    name: str, column: str, ids: pa.ChunkedArray, weights: pa.ChunkedArray
+) -> None:
+    """Raise ``ValueError`` naming the weight ``column`` if feature ``name``'s per-ID
+    weights do not line up with its IDs (a list of another length, a missing weight beside
+    an ID) or are null, NaN, infinite or beyond float32's range."""
+    if _is_list(ids.type):
+        id_lengths = pc.fill_null(pc.list_value_length(ids), 0)
+        weight_lengths = pc.fill_null(pc.list_value_length(weights), 0)
+        differ = pc.not_equal(id_lengths, weight_lengths)
+        count = pc.sum(differ).as_py() or 0
+        if count:
+            row = pc.index(differ, True).as_py()
+            raise ValueError(
+                f"column {column}: {count} row(s) whose weights are not as many as feature "
+                f"{name}'s IDs (e.g. row {row}: {id_lengths[row].as_py()} IDs, "
+                f"{weight_lengths[row].as_py()} weights)"
+            )
+        values = pc.list_flatten(weights)
+    else:
+        values = pc.filter(weights, pc.is_valid(ids))
+    if values.null_count:
+        raise ValueError(f"column {column}: {values.null_count} null weight(s) of {name}'s IDs")
+    if not pa.types.is_floating(values.type) or len(values) == 0:
+        return
+    wide = values.cast(pa.float64())  # exact; Arrow has no float16 comparisons
+    bad = pc.invert(pc.less_equal(pc.abs(wide), _FLOAT32_MAX))  # NaN compares false
+    count = pc.sum(bad).as_py() or 0
+    if count:
+        example = pc.filter(wide, bad)[0].as_py()
+        raise ValueError(
+            f"column {column}: {count} weight(s) of {name}'s IDs NaN, infinite or beyond "
+            f"float32's range (e.g. {example!r})"
+        )
+
+
+def _combined(chunks: list[pa.Array]) -> pa.Array:
+    """One array of a column's chunks (dictionaries unified), so that several columns'
+    rows line up whatever their chunking."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return pa.chunked_array(chunks).combine_chunks()
+
+
+def _scalar_ids(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """(an int64 ID per slot of a one-hot ID array, garbage under nulls; which slots hold
+    an ID, None: all), dictionaries decoded."""
+    if not pa.types.is_dictionary(arr.type):
+        return _ids_of(arr), _id_valid(arr)
+    dictionary = _ids_of(arr.dictionary)
+    if len(dictionary) == 0:
+        return np.zeros(len(arr), np.int64), _id_valid(arr)
+    return dictionary.take(_primitive(arr.indices), mode="clip"), _id_valid(arr)
+
+
+def cross_ids(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """The raw int64 ID of each row's cross of ``columns`` (int64 IDs, in the cross's
+    order): ``h = stable_hash(c0)``, then ``h = stable_hash(c_i + h)`` for each next
+    column (wrapping uint64), a bijection of each column given the others, so distinct
+    crosses collide only as hashed IDs do. The cross's table then maps it like any ID."""
+    hashed = stable_hash(columns[0])
+    for ids in columns[1:]:
+        hashed = stable_hash((np.asarray(ids, np.int64).view(np.uint64) + hashed).view(np.int64))
+    return hashed.view(np.int64)
+
+
+def _cross(arrays: list[pa.Array]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(each row's cross ID, garbage where a crossed ID is null; which rows have every
+    crossed ID, None: all)."""
+    parts = [_scalar_ids(a) for a in arrays]
+    valid = None
+    for _, ok in parts:
+        if ok is not None:
+            valid = ok if valid is None else valid & ok
+    return cross_ids([ids for ids, _ in parts]), valid
+
+
+def _filled(chunks: list[pa.Array], out: np.ndarray, fill: float) -> None:
+    """A dense column's values into float32 ``out``, each null or NaN as ``fill``."""
+    start = 0
+    for arr in chunks:
+        part = out[start : start + len(arr)]
+        start += len(arr)
+        # Garbage under a null may overflow the cast: quietly, it is replaced below.
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(part, _primitive(arr), casting="unsafe")
+        missing = np.isnan(part)
+        valid = _valid(arr)
+        if valid is not None:
+            missing |= ~valid
+        np.putmask(part, missing, np.float32(fill))
+
+
+def _bucket_rows(chunks: list[pa.Array], n: int, d: DenseFeature) -> np.ndarray:
+    """Bucketize: each value's bucket, ``i`` with ``boundaries[i-1] <= x < boundaries[i]``,
+    compared as float32 (the value after the fill, as every dense transform takes it)."""
+    values = np.empty(n, np.float32)
+    _filled(chunks, values, d.fill)
+    boundaries = np.asarray(d.boundaries, np.float32)
+    return np.searchsorted(boundaries, values, side="right").astype(np.int64)
+
+
+def _list_weights(ids: pa.Array, weights: pa.Array, kept: np.ndarray) -> np.ndarray:
+    """The per-ID weights (float32) of ``ids``' leaf IDs at positions ``kept`` (of the
+    leaf slice ``_bags`` cuts), read at the same place of the same row's weight list."""
+    id_offsets = _offsets(ids)
+    id_offsets = id_offsets - id_offsets[0]
+    w_offsets = _offsets(weights)
+    rows = np.searchsorted(id_offsets, kept, side="right") - 1
+    at = w_offsets[rows] + (kept - id_offsets[rows])
+    leaf = weights.values
+    if len(leaf) == 0:
+        return np.zeros(len(kept), np.float32)
+    # clip: ``validate`` has matched the lists' lengths; unvalidated ones stay in bounds.
+    return _primitive(leaf).take(at, mode="clip").astype(np.float32)
+
+
 @dataclass(frozen=True)
 class _Segment:
     """The IDs of one feature in one chunk, ready for the mapper.
 
     Plain: ``ids`` are the IDs themselves. Dictionary-encoded: ``ids`` is the dictionary
     and ``indices`` the position of each ID in it, so that mapping ``ids`` and gathering
-    by ``indices`` gives the rows.
+    by ``indices`` gives the rows. ``direct``: ``ids`` are rows already (a bucketized
+    column's bucket indices), which the mapper never sees.
     """
 
     name: str
     ids: np.ndarray
     indices: np.ndarray | None = None
+    direct: bool = False
 
     @property
     def size(self) -> int:
@@ -367,13 +523,28 @@ def _segment(name: str, arr: pa.Array, keep: np.ndarray | None) -> _Segment:
     return _Segment(name, dictionary, indices)
 
 
+def _map(mapper: IdMapper, segments: list[_Segment]) -> np.ndarray:
+    """The rows of every segment, key-major: one mapper call for all that need one."""
+    wanted = [s for s in segments if not s.direct]
+    if not wanted:
+        mapped = np.zeros(0, np.int64)
+    else:
+        mapped = mapper.map_keyed([s.name for s in wanted], [s.ids for s in wanted])
+    return _gather(segments, mapped)
+
+
 def _gather(segments: list[_Segment], mapped: np.ndarray) -> np.ndarray:
-    """The rows of every segment, key-major, from the mapper's output for their ``ids``."""
-    if all(s.indices is None for s in segments):
+    """The rows of every segment, key-major, from the mapper's output for their ``ids``
+    (the segments that are not ``direct``, in order)."""
+    if all(s.indices is None and not s.direct for s in segments):
         return mapped  # already in place
     out = np.empty(sum(s.size for s in segments), np.int64)
     src = dst = 0
     for s in segments:
+        if s.direct:
+            out[dst : dst + s.size] = s.ids
+            dst += s.size
+            continue
         rows, into = mapped[src : src + len(s.ids)], out[dst : dst + s.size]
         if s.indices is None:
             into[:] = rows
@@ -393,14 +564,17 @@ class _Layout:
     label: int
     weight: int | None  # the weight column, if the spec has one
     dense: tuple[int, ...]
-    sparse: tuple[int, ...]
+    sparse: tuple[int, ...]  # each sparse feature's first column (its IDs, when plain)
+    sources: tuple[tuple[int, ...], ...]  # each sparse feature's columns (``columns``)
     used: tuple[int, ...]  # every column above
-    one_hot: bool  # no sparse column is a list: the sample-major one-hot form
+    # No ID column is a list and no feature has per-ID weights: the sample-major one-hot
+    # form (crosses and bucketized columns have a row, or none, a sample).
+    one_hot: bool
     dense_one_type: bool  # dense columns can be concatenated into one array
     # The compiled path applies: one-hot plain int64 or string IDs (hashed to int64
-    # first), a mapper with ``map_one_hot``, Criteo's dense transform (``dense_transforms``
-    # None) over columns of one type numba handles (not float16), and no float16 label or
-    # weight.
+    # first) and no cross, bucketized column or per-ID weights, a mapper with
+    # ``map_one_hot``, Criteo's dense transform (``dense_transforms`` None) over columns of
+    # one type numba handles (not float16), and no float16 label or weight.
     compiled: bool
 
 
@@ -417,15 +591,17 @@ class _Rows:
 @dataclass(frozen=True)
 class _Checks:
     """What ``validate`` looks at in tables of one schema (whose types passed): the
-    floating dense columns (only they can hold values float32 cannot), the label and the
-    sparse columns with dictionary-encoded IDs (only their indices can be out of range),
-    as (name, position)."""
+    floating dense (and bucketized) columns (only they can hold values float32 cannot),
+    the label, the sparse columns with dictionary-encoded IDs (only their indices can be
+    out of range), as (name, position), the weight column and each per-ID weight column
+    beside its IDs, as (feature, weight column, IDs' position, weights' position)."""
 
     schema: pa.Schema
     floating: tuple[tuple[str, int], ...]
     label: int
     dictionary: tuple[tuple[str, int], ...]
     weight: int | None
+    id_weights: tuple[tuple[str, str, int, int], ...]
 
     @classmethod
     def of(cls, schema: pa.Schema, spec: FeatureSpec) -> _Checks:
@@ -438,12 +614,24 @@ class _Checks:
             found = ((name, schema.get_field_index(name)) for name in names)
             return tuple((name, i) for name, i in found if keep(schema.field(i).type))
 
+        bucketized = [f.bucketize.column for f in spec.sparse if f.bucketize is not None]
+        id_columns = [f.name for f in spec.sparse if f.cross is None and f.bucketize is None]
         return cls(
             schema=schema,
-            floating=where(spec.dense, pa.types.is_floating),
+            floating=where([*spec.dense, *bucketized], pa.types.is_floating),
             label=schema.get_field_index(spec.label),
-            dictionary=where(spec.sparse_names, lambda t: pa.types.is_dictionary(leaf(t))),
+            dictionary=where(id_columns, lambda t: pa.types.is_dictionary(leaf(t))),
             weight=None if spec.weight is None else schema.get_field_index(spec.weight),
+            id_weights=tuple(
+                (
+                    f.name,
+                    f.weights,
+                    schema.get_field_index(f.name),
+                    schema.get_field_index(f.weights),
+                )
+                for f in spec.sparse
+                if f.weights is not None
+            ),
         )
 
 
@@ -461,12 +649,16 @@ def _destinations(order: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 class BatchTransform:
     """Turns Arrow tables or record batches of the spec's columns into ``Batch`` tensors.
 
-    ``ids`` maps raw IDs to rows (``HashIds`` or ``Vocabulary``); its table sizes must be
-    the spec's, so that every row it produces indexes the model's tables.
+    ``ids`` maps raw IDs to rows (``HashIds``, ``Vocabulary`` or both, ``FeatureIds``);
+    its table sizes must be the spec's, so that every row it produces indexes the model's
+    tables. A bucketized column's rows are its buckets: the mapper never sees them.
     """
 
     def __init__(self, spec: FeatureSpec, ids: IdMapper) -> None:
         for f in spec.sparse:
+            if f.bucketize is not None:
+                _check_transform_range(f.bucketize)
+                continue
             n = ids.num_embeddings(f.name)
             if n != f.num_embeddings:
                 raise ValueError(
@@ -489,15 +681,18 @@ class BatchTransform:
         # ``_layout``: the readers validate every row group, and nearly all share one
         # schema.
         self._checks: _Checks | None = None
+        # Per-ID weights travel as the KeyedJaggedTensor's: one a value, 1 where unweighted.
+        self._weighted = any(f.weights is not None for f in spec.sparse)
 
     def validate(self, table: pa.Table) -> None:
         """Raise ``ValueError`` naming the column if ``table`` cannot be transformed.
 
         Checks types (schema drift), dense values float32 cannot hold (±inf, or beyond its
         range), non-0/1 or null labels, weights that are null, negative, NaN or beyond
-        float32's range, and dictionary indices outside their dictionary. It costs one pass
-        over the label, the weight, floating dense columns and dictionary indices, nothing
-        for plain IDs.
+        float32's range, per-ID weights that are null, not finite or not as many as their
+        row's IDs, and dictionary indices outside their dictionary. It costs one pass over
+        the label, the weights, floating dense columns and dictionary indices, nothing for
+        plain IDs.
         """
         checks = self._checks
         if checks is None or not table.schema.equals(checks.schema):
@@ -512,6 +707,8 @@ class BatchTransform:
             _check_weights(self.spec.weight, table.column(checks.weight))
         for name, i in checks.dictionary:
             self._check_indices(name, table.column(i))
+        for name, column, ids, weights in checks.id_weights:
+            _check_id_weights(name, column, table.column(ids), table.column(weights))
 
     def __call__(self, data: pa.Table | pa.RecordBatch) -> Batch:
         """The tensors of ``data`` (which ``validate`` has passed).
@@ -525,15 +722,20 @@ class BatchTransform:
             return self._empty()
         if lengths is not None:
             return self._compiled(columns, layout, lengths, np.arange(n))
-        sparse_columns = [columns[i] for i in layout.sparse]
         if layout.one_hot:
-            rows = self._one_hot(sparse_columns, n)
+            rows = self._one_hot(columns, layout, n)
             sparse = KeyedJaggedTensor.from_one_hot(list(self._names), torch.from_numpy(rows))
         else:
-            values, lengths = self._jagged(sparse_columns, n)
+            values, lengths, weights = self._jagged(columns, layout, n)
             sparse = KeyedJaggedTensor(
-                list(self._names), torch.from_numpy(values), torch.from_numpy(lengths)
+                list(self._names),
+                torch.from_numpy(values),
+                torch.from_numpy(lengths),
+                None if weights is None else torch.from_numpy(weights),
             )
+        for f, sources in zip(self.spec.sparse, layout.sources, strict=True):
+            if f.bucketize is not None:
+                _check_dense_range(f.bucketize.column, columns[sources[0]])
         dense_columns = [columns[i] for i in layout.dense]
         for name, chunks in zip(self.spec.dense, dense_columns, strict=True):
             _check_dense_range(name, chunks)
@@ -667,14 +869,24 @@ class BatchTransform:
 
     def _plan(self, schema: pa.Schema) -> _Layout:
         self._check_types(schema)
-        label = schema.get_field_index(self.spec.label)
-        weight = None if self.spec.weight is None else schema.get_field_index(self.spec.weight)
-        dense = tuple(schema.get_field_index(name) for name in self.spec.dense)
-        sparse = tuple(schema.get_field_index(name) for name in self._names)
-        one_hot = not any(_is_list(schema.field(i).type) for i in sparse)
+        spec = self.spec
+        label = schema.get_field_index(spec.label)
+        weight = None if spec.weight is None else schema.get_field_index(spec.weight)
+        dense = tuple(schema.get_field_index(name) for name in spec.dense)
+        sources = tuple(tuple(schema.get_field_index(c) for c in f.columns) for f in spec.sparse)
+        sparse = tuple(s[0] for s in sources)
+        one_hot = not self._weighted and not any(
+            _is_list(schema.field(s[0]).type)
+            for f, s in zip(spec.sparse, sources, strict=True)
+            if f.cross is None and f.bucketize is None
+        )
         dense_types = {schema.field(i).type for i in dense}
+        used = [label] if weight is None else [label, weight]
+        used += dense
+        used += [i for s in sources for i in s if i not in used]
         compiled = (
             one_hot
+            and spec.plain_sparse
             # Its dense loop is Criteo's transform; declared ones take the numpy path.
             and self.spec.dense_transforms is None
             and hasattr(self.ids, "map_one_hot")
@@ -692,7 +904,8 @@ class BatchTransform:
             weight=weight,
             dense=dense,
             sparse=sparse,
-            used=(label, *dense, *sparse) if weight is None else (label, weight, *dense, *sparse),
+            sources=sources,
+            used=tuple(used),
             one_hot=one_hot,
             dense_one_type=len(dense_types) == 1,
             compiled=compiled,
@@ -705,6 +918,7 @@ class BatchTransform:
                 keys=list(self._names),
                 values=torch.zeros(0, dtype=torch.int64),
                 lengths=torch.zeros(0, dtype=torch.int32),
+                weights=torch.zeros(0) if self._weighted else None,
             ),
             labels=torch.zeros(0),
             sample_weights=None if self.spec.weight is None else torch.zeros(0),
@@ -736,48 +950,82 @@ class BatchTransform:
         # numpy transposes this shape ~15x faster than torch's .t().contiguous().
         return torch.from_numpy(np.ascontiguousarray(out.T))
 
-    def _one_hot(self, columns: list[list[pa.Array]], n: int) -> np.ndarray:
-        """Rows [n, n_keys] of one-hot columns, sample-major, -1 where the ID is null.
+    def _one_hot(self, columns: list[list[pa.Array]], layout: _Layout, n: int) -> np.ndarray:
+        """Rows [n, n_keys] of one-hot features, sample-major, -1 where the bag is empty.
 
         Every slot is mapped, nulls included (their garbage is overwritten: dropping them
         first and scattering back would cost more than it saves).
         """
         segments, nulls = [], []
-        for k, (name, chunks) in enumerate(zip(self._names, columns, strict=True)):
+        for k, (f, sources) in enumerate(zip(self.spec.sparse, layout.sources, strict=True)):
             start = k * n
-            for arr in chunks:
-                segments.append(_segment(name, arr, None))
+            if f.bucketize is not None:
+                rows = _bucket_rows(columns[sources[0]], n, f.bucketize)
+                segments.append(_Segment(f.name, rows, direct=True))
+                continue
+            if f.cross is not None:
+                ids, valid = _cross([_combined(columns[i]) for i in sources])
+                segments.append(_Segment(f.name, ids))
+                if valid is not None:
+                    nulls.append((start, valid))
+                continue
+            for arr in columns[sources[0]]:
+                segments.append(_segment(f.name, arr, None))
                 valid = _id_valid(arr)
                 if valid is not None:
                     nulls.append((start, valid))
                 start += len(arr)
-        mapped = self.ids.map_keyed([s.name for s in segments], [s.ids for s in segments])
-        key_major = _gather(segments, mapped)
+        key_major = _map(self.ids, segments)
         for start, valid in nulls:
             # putmask: ~3x faster than copyto(where=...) or boolean assignment here.
             np.putmask(key_major[start : start + len(valid)], ~valid, -1)
-        rows = np.empty((n, len(columns)), self._row_dtype)
-        np.copyto(rows, key_major.reshape(len(columns), n).T, casting="unsafe")
+        rows = np.empty((n, len(self._names)), self._row_dtype)
+        np.copyto(rows, key_major.reshape(len(self._names), n).T, casting="unsafe")
         return rows
 
-    def _jagged(self, columns: list[list[pa.Array]], n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, lengths) in the ``KeyedJaggedTensor`` layout: key-major, nulls dropped."""
-        lengths = np.empty(len(columns) * n, np.int32)
-        segments = []
-        start = 0
-        for name, chunks in zip(self._names, columns, strict=True):
-            for arr in chunks:
-                bags = lengths[start : start + len(arr)]
-                start += len(arr)
-                if _is_list(arr.type):
-                    leaf, keep, bag_lengths = _bags(arr)
-                else:
-                    leaf, keep = arr, _id_valid(arr)
-                    bag_lengths = 1 if keep is None else keep
+    def _jagged(
+        self, columns: list[list[pa.Array]], layout: _Layout, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(rows, lengths, per-ID weights or None) in the ``KeyedJaggedTensor`` layout:
+        key-major, nulls dropped, lists cut to ``max_length``."""
+        lengths = np.empty(len(self._names) * n, np.int32)
+        segments: list[_Segment] = []
+        weights: list[np.ndarray | int] = []  # per segment: its weights, or its size (1s)
+        for k, (f, sources) in enumerate(zip(self.spec.sparse, layout.sources, strict=True)):
+            bags = lengths[k * n : (k + 1) * n]
+            if f.bucketize is not None:
+                rows = _bucket_rows(columns[sources[0]], n, f.bucketize)
+                bags[:] = 1
+                segments.append(_Segment(f.name, rows, direct=True))
+                weights.append(n)
+            elif f.cross is not None:
+                ids, valid = _cross([_combined(columns[i]) for i in sources])
+                bags[:] = 1 if valid is None else valid
+                segments.append(_Segment(f.name, ids if valid is None else np.compress(valid, ids)))
+                weights.append(segments[-1].size)
+            elif f.weights is not None:
+                ids_array, weight_array = (_combined(columns[i]) for i in sources)
+                leaf, keep, bag_lengths = _bag_of(ids_array, f)
                 bags[:] = bag_lengths
-                segments.append(_segment(name, leaf, keep))
-        mapped = self.ids.map_keyed([s.name for s in segments], [s.ids for s in segments])
-        return _gather(segments, mapped), lengths
+                segments.append(_segment(f.name, leaf, keep))
+                kept = np.arange(len(leaf)) if keep is None else np.flatnonzero(keep)
+                if _is_list(ids_array.type):
+                    weights.append(_list_weights(ids_array, weight_array, kept))
+                else:
+                    weights.append(_primitive(weight_array).take(kept).astype(np.float32))
+            else:
+                start = 0
+                for arr in columns[sources[0]]:
+                    leaf, keep, bag_lengths = _bag_of(arr, f)
+                    bags[start : start + len(arr)] = bag_lengths
+                    start += len(arr)
+                    segments.append(_segment(f.name, leaf, keep))
+                    weights.append(segments[-1].size)
+        values = _map(self.ids, segments)
+        if not self._weighted:
+            return values, lengths, None
+        parts = [np.ones(w, np.float32) if isinstance(w, int) else w for w in weights]
+        return values, lengths, np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
     @staticmethod
     def _labels(chunks: list[pa.Array]) -> np.ndarray:
@@ -808,10 +1056,33 @@ class BatchTransform:
                 raise ValueError(
                     f"column {name}: expected an integer or float dense value, got {t}"
                 )
-        for name in self._names:
-            t = schema.field(name).type
-            if not _id_type_ok(t):
-                raise ValueError(f"column {name}: expected {_ID_TYPES}, got {t}")
+        for f in spec.sparse:
+            if f.bucketize is not None:
+                t = schema.field(f.bucketize.column).type
+                if not _dense_type_ok(t):
+                    raise ValueError(
+                        f"column {f.bucketize.column}: expected an integer or float value to "
+                        f"bucketize, got {t}"
+                    )
+                continue
+            for name in f.cross or (f.name,):
+                t = schema.field(name).type
+                if not _id_type_ok(t):
+                    raise ValueError(f"column {name}: expected {_ID_TYPES}, got {t}")
+                if f.cross is not None and _is_list(t):
+                    raise ValueError(
+                        f"cross {f.name}: column {name} is a list; a cross takes columns of "
+                        "one ID a row"
+                    )
+            if f.weights is not None:
+                t, ids = schema.field(f.weights).type, schema.field(f.name).type
+                wanted = "a list of numbers" if _is_list(ids) else "a number"
+                fits = _dense_type_ok(t.value_type) if _is_list(t) else _dense_type_ok(t)
+                if not fits or _is_list(t) != _is_list(ids):
+                    raise ValueError(
+                        f"column {f.weights}: the weights of feature {f.name} must be "
+                        f"{wanted} a row, like its IDs; got {t}"
+                    )
 
     def _check_labels(self, col: pa.ChunkedArray) -> None:
         name = self.spec.label

@@ -8,26 +8,28 @@ Wire format. dense: fixed_size_list<float32>[n_dense]; labels: float32; "sample_
 float32, only where the batch carries them (a dataset with a weight column); the sparse IDs
 either one-hot, "sparse_rows": fixed_size_list<int32|int64>[n_keys] (-1: empty bag), as
 compact as the transform's own form, or jagged, one list<int64> column "sparse.KEY" per
-key. The keys, in order, are in the schema metadata.
+key, and, where the IDs carry per-ID weights, one list<float32> column "weights.KEY" per key
+beside it. The keys, in order, are in the schema metadata.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from dlrmflow.features.batch import Batch, KeyedJaggedTensor
-from dlrmflow.features.ids import HashIds, Vocabulary
+from dlrmflow.features.ids import FeatureIds, HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec
 
 
-def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary) -> str:
+def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary | FeatureIds) -> str:
     """What decides the tensors of a batch: column names, dense transforms, table sizes, the
-    weight column and the ID mapping.
+    weight column, how each feature's IDs are made and the ID mapping.
 
     Embedding widths and pooling are left out: they shape the model, not the batches, so
     reader servers need no model config.
@@ -40,13 +42,32 @@ def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary) -> str:
     h.update(json.dumps([[f.name, f.num_embeddings] for f in spec.sparse]).encode())
     if spec.weight is not None:  # no weight column leaves the digest as it was
         h.update(json.dumps({"weight": spec.weight}).encode())
+    # The sources of features beyond a plain column (lists cut, weights, crosses, buckets);
+    # a spec without them leaves the digest as it was.
+    sources = {}
+    for f in spec.sparse:
+        source = {k: v for k, v in f.to_dict().items() if k not in _MODEL_FIELDS}
+        if source:
+            sources[f.name] = source
+    if sources:
+        h.update(json.dumps(sources, sort_keys=True).encode())
+    mappers = (ids.vocabulary, ids.hashed) if isinstance(ids, FeatureIds) else (ids,)
+    for mapper in mappers:
+        _digest_mapper(h, mapper)
+    return h.hexdigest()
+
+
+# What a sparse feature's ``to_dict`` holds beyond how its IDs are made.
+_MODEL_FIELDS = ("name", "num_embeddings", "embedding_dim", "pooling", "ids", "min_count")
+
+
+def _digest_mapper(h: Any, ids: HashIds | Vocabulary) -> None:
     if isinstance(ids, Vocabulary):
         for name in sorted(ids.ids):
             h.update(name.encode())
             h.update(ids.ids[name].tobytes())
     else:
         h.update(json.dumps(["hash", ids.seed, sorted(ids.table_rows.items())]).encode())
-    return h.hexdigest()
 
 
 def _batch_schema(batch: Batch) -> pa.Schema:
@@ -65,14 +86,17 @@ def _batch_schema(batch: Batch) -> pa.Schema:
         fields += [
             pa.field(f"sparse.{k}", pa.list_(pa.int64()), nullable=False) for k in sparse.keys
         ]
+        if sparse.weights is not None:
+            fields += [
+                pa.field(f"weights.{k}", pa.list_(pa.float32()), nullable=False)
+                for k in sparse.keys
+            ]
     return pa.schema(fields, metadata={"keys": json.dumps(sparse.keys)})
 
 
 def encode_batch(batch: Batch) -> pa.RecordBatch:
     """``batch`` as one record batch; batches of one stream share its schema."""
     sparse = batch.sparse
-    if sparse.weights is not None:
-        raise ValueError("reader servers stream unweighted IDs; this batch has weights")
     n = len(batch)
     dense = pa.FixedSizeListArray.from_arrays(
         pa.array(batch.dense.contiguous().numpy().reshape(-1)), batch.dense.shape[1]
@@ -88,14 +112,18 @@ def encode_batch(batch: Batch) -> pa.RecordBatch:
         # Key k's bags are lengths[k*n:(k+1)*n]; their offsets into the key-major values,
         # shifted to start at 0, cut that key's slice of the values.
         offsets, values = sparse.offsets().numpy(), sparse.values.numpy()
+        weights = None if sparse.weights is None else sparse.weights.numpy()
+        cuts = []
         for k in range(len(sparse.keys)):
             key_offsets = offsets[k * n : (k + 1) * n + 1]
             first, last = int(key_offsets[0]), int(key_offsets[-1])
-            columns.append(
-                pa.ListArray.from_arrays(
-                    pa.array((key_offsets - first).astype(np.int32)), pa.array(values[first:last])
-                )
-            )
+            cuts.append((pa.array((key_offsets - first).astype(np.int32)), first, last))
+        for flat in (values, weights):
+            if flat is not None:
+                columns += [
+                    pa.ListArray.from_arrays(starts, pa.array(flat[first:last]))
+                    for starts, first, last in cuts
+                ]
     return pa.RecordBatch.from_arrays(columns, schema=_batch_schema(batch))
 
 
@@ -115,9 +143,9 @@ def decode_batch(data: pa.RecordBatch) -> Batch:
     keys = json.loads(data.schema.metadata[b"keys"])
     dense = _rows(data.column("dense"))
     labels = data.column("labels").to_numpy().copy()
-    weights = None
+    sample_weights = None
     if "sample_weights" in data.schema.names:
-        weights = torch.from_numpy(data.column("sample_weights").to_numpy().copy())
+        sample_weights = torch.from_numpy(data.column("sample_weights").to_numpy().copy())
     if "sparse_rows" in data.schema.names:
         sparse = KeyedJaggedTensor.from_one_hot(
             keys, torch.from_numpy(_rows(data.column("sparse_rows")))
@@ -126,7 +154,11 @@ def decode_batch(data: pa.RecordBatch) -> Batch:
         columns = [data.column(f"sparse.{key}") for key in keys]
         values = np.concatenate([c.flatten().to_numpy() for c in columns])
         lengths = np.concatenate([np.diff(c.offsets.to_numpy()) for c in columns])
+        weights = None
+        if keys and f"weights.{keys[0]}" in data.schema.names:
+            weighted = [data.column(f"weights.{key}").flatten().to_numpy() for key in keys]
+            weights = torch.from_numpy(np.concatenate(weighted))
         sparse = KeyedJaggedTensor(
-            keys, torch.from_numpy(values), torch.from_numpy(lengths.astype(np.int32))
+            keys, torch.from_numpy(values), torch.from_numpy(lengths.astype(np.int32)), weights
         )
-    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), weights)
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), sample_weights)

@@ -29,6 +29,16 @@ logs, a Zipf-like head): on Zipf-distributed IDs (exponents 0.7-1.1, 2M IDs, 10M
 its hit rates were off by up to 0.55; with the hot IDs counted apart, by at most 0.035.
 ``cache_hits`` records the expected hit rate of an LRU cache holding a range of fractions of
 the distinct IDs, by Che's approximation over one training pass (``lru_hit_rates``).
+
+Dense columns get what the declared transforms need: the standard deviation beside the mean
+(``standardize``) and a quantile sketch (``bucketize`` with ``buckets``). The sketch is a
+log-linear histogram of the values' float64 bit patterns, the sign, the exponent and the
+top ``SKETCH_MANTISSA_BITS`` bits of the mantissa as each bucket's key (HDR Histogram's
+layout): integer arithmetic only, so every CPU puts a value in the same bucket; counts per
+key merge by addition, exactly and in any order; and a quantile read from it is within
+``2**-SKETCH_MANTISSA_BITS`` (0.8%) of the true one, relative (subnormal values share the
+bucket of zero), while integers below 256 keep buckets of their own (exact quantiles for
+counts and codes).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 
 import fsspec
 import numpy as np
@@ -65,12 +76,23 @@ MAX_HOT_IDS = 65536
 # (log-spaced: hit rates of skewed accesses grow about with the log of the cache size).
 CACHE_FRACTIONS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
 _CHE_BISECTIONS = 60  # halvings of the bracket on each LRU window: far below the noise
+# Mantissa bits a dense quantile sketch's bucket keeps: 128 buckets an octave.
+SKETCH_MANTISSA_BITS = 7
+_SKETCH_SHIFT = 52 - SKETCH_MANTISSA_BITS
+_ABS_BITS = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+# Every float64 is an integer multiple of 2**-1074 (the smallest subnormal): sums of squares
+# are kept as such integers, exact, so they merge alike in any order.
+_EXACT_SCALE = 1 << 1074
 
 
 @dataclass(frozen=True)
 class DenseStats:
-    """One numeric column. ``mean`` is over the present values (None if all missing); a
-    floating column's NaN counts as missing, as the feature transform takes it."""
+    """One numeric column. ``mean`` and ``std`` (the population standard deviation) are
+    over the present values (None if all missing); a floating column's NaN counts as
+    missing, as the feature transform takes it. ``sketch_keys`` and ``sketch_counts`` are
+    the finite present values' quantile sketch (see the module's docstring). Statistics
+    written before deviations and sketches have None and empty ones.
+    """
 
     name: str
     present: int
@@ -79,10 +101,48 @@ class DenseStats:
     max: float | None
     mean: float | None
     negatives: int  # Criteo's I2 has a few; transforms that take logs must clip them
+    std: float | None = None
+    sketch_keys: tuple[int, ...] = ()
+    sketch_counts: tuple[int, ...] = ()
 
     @property
     def missing_rate(self) -> float:
         return self.missing / max(self.present + self.missing, 1)
+
+    def filled_moments(self, fill: float) -> tuple[float, float]:
+        """(mean, population standard deviation) of the column once every missing value
+        is ``fill``: the present values' moments and the fills' combined as two groups
+        (Chan et al.'s update, without the cancellation of a sum of squares)."""
+        if not self.present or self.mean is None:
+            return float(fill), 0.0
+        n = self.present + self.missing
+        mean, std = self.mean, self.std or 0.0
+        filled_mean = (self.present * mean + self.missing * fill) / n
+        m2 = self.present * std * std + self.present * self.missing / n * (mean - fill) ** 2
+        return float(filled_mean), float(math.sqrt(m2 / n))
+
+    def boundaries(self, buckets: int, fill: float) -> tuple[float, ...]:
+        """The ``i / buckets`` quantiles (``i`` in ``1..buckets-1``) of the column once
+        every missing value is ``fill``, repeats merged: boundaries for ``buckets`` equally
+        filled buckets, fewer where the values are few.
+
+        A quantile is the value at rank ``floor(q * count)`` (counting from 0), read as the
+        value of its sketch bucket nearest zero, so that ``x >= boundary`` puts that rank
+        and all above it in the upper bucket."""
+        keys = np.array(self.sketch_keys, np.int64)
+        counts = np.array(self.sketch_counts, np.int64)
+        if self.missing:
+            fill_key = int(sketch_keys(np.array([fill], np.float64))[0])
+            keys, counts = _sum_by_key(
+                np.append(keys, fill_key), np.append(counts, np.int64(self.missing))
+            )
+        total = int(counts.sum())
+        if total == 0:
+            return (float(fill),)
+        cumulative = np.cumsum(counts) * buckets  # exact: rank > i * total / buckets
+        ranks = np.arange(1, buckets, dtype=np.int64) * total
+        found = np.searchsorted(cumulative, ranks, side="right")
+        return tuple(float(v) for v in np.unique(sketch_values(keys[found])))
 
 
 @dataclass(frozen=True)
@@ -152,7 +212,16 @@ class DatasetStats:
         return cls(
             **{
                 **data,
-                "dense": tuple(DenseStats(**d) for d in data["dense"]),
+                "dense": tuple(
+                    DenseStats(
+                        **{
+                            **d,
+                            "sketch_keys": tuple(d.get("sketch_keys", ())),
+                            "sketch_counts": tuple(d.get("sketch_counts", ())),
+                        }
+                    )
+                    for d in data["dense"]
+                ),
                 "sparse": tuple(
                     SparseStats(
                         **{
@@ -392,8 +461,14 @@ class StatsAccumulator:
 class _DenseTotals:
     def __init__(self) -> None:
         self.present = self.missing = self.negatives = self.total = 0
+        # Sum of the squares (each rounded to float64) in units of 2**-1074, exact; None
+        # once a square overflowed float64 (no deviation then).
+        self.squares: int | None = 0
         self.min: float | None = None
         self.max: float | None = None
+        # The quantile sketch as plain lists (sorted keys), for the ingest flow's JSON.
+        self.sketch_keys: list[int] = []
+        self.sketch_counts: list[int] = []
 
     def add(self, column: pa.ChunkedArray) -> None:
         floating = pa.types.is_floating(column.type)
@@ -415,6 +490,24 @@ class _DenseTotals:
             # Exact integer sums: the mean does not depend on the order row groups come in.
             self.total += pc.sum(column.cast(pa.int64())).as_py()
         self.negatives += pc.sum(pc.less(column, 0)).as_py()
+        values = pc.drop_null(column).to_numpy()  # the present values (NaN became null)
+        if floating:
+            values = values.astype(np.float64, copy=False)
+            if self.squares is not None:
+                square_sum = exact_sum(np.square(values))
+                self.squares = None if square_sum is None else self.squares + square_sum
+            values = values[np.isfinite(values)]
+        elif self.squares is not None:
+            self.squares += _integer_square_sum(values.astype(np.int64)) * _EXACT_SCALE
+        self._add_sketch(*_bucket_counts(values.astype(np.float64, copy=False)))
+
+    def _add_sketch(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        merged_keys, merged_counts = _sum_by_key(
+            np.concatenate([np.array(self.sketch_keys, np.int64), keys.astype(np.int64)]),
+            np.concatenate([np.array(self.sketch_counts, np.int64), counts]),
+        )
+        self.sketch_keys = merged_keys.tolist()
+        self.sketch_counts = merged_counts.tolist()
 
     def merge(self, other: _DenseTotals) -> None:
         self.present += other.present
@@ -422,6 +515,12 @@ class _DenseTotals:
         self.negatives += other.negatives
         both = (self.total, other.total)
         self.total = math.fsum(both) if any(isinstance(t, float) for t in both) else sum(both)
+        self.squares = (
+            None if self.squares is None or other.squares is None else self.squares + other.squares
+        )
+        self._add_sketch(
+            np.array(other.sketch_keys, np.int64), np.array(other.sketch_counts, np.int64)
+        )
         if other.min is not None:
             self.min = other.min if self.min is None else min(self.min, other.min)
         if other.max is not None:
@@ -429,8 +528,21 @@ class _DenseTotals:
 
     def result(self, name: str) -> DenseStats:
         mean = self.total / self.present if self.present else None
+        std = None
+        if mean is not None and math.isfinite(mean) and self.squares is not None:
+            mean_square = float(Fraction(self.squares, _EXACT_SCALE * self.present))
+            std = math.sqrt(max(mean_square - mean * mean, 0.0))
         return DenseStats(
-            name, self.present, self.missing, self.min, self.max, mean, self.negatives
+            name,
+            self.present,
+            self.missing,
+            self.min,
+            self.max,
+            mean,
+            self.negatives,
+            std,
+            tuple(self.sketch_keys),
+            tuple(self.sketch_counts),
         )
 
 
@@ -700,6 +812,101 @@ def interpolate_hit_rate(points: Sequence[Sequence[float]], fraction: float) -> 
     if fraction < xs[0]:
         return float(hs[0] * fraction / xs[0])
     return float(np.interp(np.log(fraction), np.log(xs), hs))
+
+
+def _bucket_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each sketch key of finite float64 ``values``, sorted, and how many values it has).
+
+    Counted by ``bincount`` over each sign's key range apart (zeros aside): a row group's
+    values of one sign span a few thousand buckets (128 an octave), while zero and 1.0
+    lie 130 thousand keys apart.
+    """
+    keys, counts = [], []
+    negative = -values[values < 0]
+    positive = values[values > 0]
+    zeros = len(values) - len(negative) - len(positive)
+    for side, sign in ((negative, -1), (positive, 1)):
+        if not len(side):
+            continue
+        magnitude = side.view(np.int64) >> np.int64(_SKETCH_SHIFT)
+        low = int(magnitude.min())
+        found = np.bincount(magnitude - low)
+        present = np.flatnonzero(found)
+        side_keys = present + low if sign > 0 else -(present + low) - 1
+        keys.append(side_keys if sign > 0 else side_keys[::-1])
+        counts.append(found[present] if sign > 0 else found[present][::-1])
+        if sign < 0 and zeros:
+            keys.append(np.zeros(1, np.int64))
+            counts.append(np.array([zeros]))
+    if zeros and not len(negative):
+        keys.insert(0, np.zeros(1, np.int64))
+        counts.insert(0, np.array([zeros]))
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(keys).astype(np.int64), np.concatenate(counts).astype(np.int64)
+
+
+def _integer_square_sum(values: np.ndarray) -> int:
+    """The exact sum of int64 ``values``' squares: in uint64 halves below 2**32 (exact for
+    magnitudes below 2**32 and fewer than 2**32 values), else in Python integers."""
+    magnitude = np.abs(values).astype(np.uint64)  # abs(-2**63) wraps to 2**63: still exact
+    if not len(values) or int(magnitude.max()) >= 1 << 32:
+        return sum(int(v) * int(v) for v in values.tolist())
+    squares = magnitude * magnitude
+    high = int((squares >> np.uint64(32)).sum(dtype=np.uint64))
+    low = int((squares & np.uint64(0xFFFF_FFFF)).sum(dtype=np.uint64))
+    return (high << 32) + low
+
+
+# Values summed per bincount: below 2**21, sums of 32-bit halves stay exact in float64.
+_EXACT_BLOCK = 1 << 20
+
+
+def exact_sum(values: np.ndarray) -> int | None:
+    """The exact sum of non-negative float64 ``values`` in units of 2**-1074 (None if one
+    is not finite): the same integer in any order and on any CPU, unlike a float sum,
+    whose rounding depends on the order (and the SIMD width) it adds in.
+
+    Each value is ``mantissa * 2**(exponent - 53)`` with a 53-bit integer mantissa; the
+    mantissas' 21- and 32-bit halves are summed per exponent by ``bincount`` (float64
+    sums of integers that stay below 2**53, hence exact), then shifted into place as
+    Python integers.
+    """
+    if not len(values):
+        return 0
+    if not np.isfinite(values).all():
+        return None
+    total = 0
+    for start in range(0, len(values), _EXACT_BLOCK):
+        fraction, exponent = np.frexp(values[start : start + _EXACT_BLOCK])
+        mantissa = np.ldexp(fraction, 53).astype(np.int64)
+        low_exponent = int(exponent.min())
+        where = exponent - low_exponent
+        high = np.bincount(where, (mantissa >> 32).astype(np.float64))
+        low = np.bincount(where, (mantissa & 0xFFFF_FFFF).astype(np.float64))
+        for offset in np.flatnonzero(high + low):
+            units = (int(high[offset]) << 32) + int(low[offset])
+            shift = int(offset) + low_exponent - 53 + 1074
+            total += units << shift if shift >= 0 else units >> -shift
+    return total
+
+
+def sketch_keys(values: np.ndarray) -> np.ndarray:
+    """The quantile sketch's bucket key (int64, ordered as the values) of each finite
+    float64 value: the sign, exponent and top ``SKETCH_MANTISSA_BITS`` mantissa bits of its
+    bit pattern; 0 for both zeros, negatives below -1."""
+    bits = np.ascontiguousarray(values, np.float64).view(np.int64)
+    absolute = bits & _ABS_BITS
+    magnitude = absolute >> np.int64(_SKETCH_SHIFT)
+    return np.where((bits < 0) & (absolute != 0), -magnitude - 1, magnitude)  # -0.0 is 0
+
+
+def sketch_values(keys: np.ndarray) -> np.ndarray:
+    """Each sketch key's value nearest zero (exact for values the bucket holds alone)."""
+    keys = np.asarray(keys, np.int64)
+    magnitude = np.where(keys < 0, -keys - 1, keys)
+    values = (magnitude << np.int64(_SKETCH_SHIFT)).view(np.float64)
+    return np.where(keys < 0, -values, values)
 
 
 def _int64_ids(values: pa.ChunkedArray | pa.Array) -> np.ndarray:
