@@ -1,0 +1,154 @@
+"""A team's own Parquet declaring the schema's feature operations, end to end through the
+commands: ``dlrmflow register`` with a schema file that weighs examples, cuts a list to its
+last IDs with per-ID weights, crosses two columns, bucketizes and standardizes, then
+``dlrmflow train`` for a few steps and ``dlrmflow evaluate``. The checkpoint's spec carries
+every operation, and a bad per-ID weight stops training in one line naming file, row
+group and column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from dlrmflow.cli import app
+from dlrmflow.ingest.reader import DataError
+from dlrmflow.schema import read_schema
+from dlrmflow.train.run.checkpoint import load_checkpoint
+from tests.ingest.own_data import own_day
+
+runner = CliRunner()
+
+SCHEMA_YAML = """\
+label: click
+weight: importance
+dense:
+  - column: price
+    transform: standardize
+    mean: 20.0
+    std: 14.0
+  - column: quantity
+    transform: bucketize
+    boundaries: [1, 3, 10]
+sparse:
+  - column: user_id
+  - column: item_id
+  - column: tags
+    max_length: 2
+    keep: last
+    weights: tag_weights
+crosses:
+  - name: user_x_item
+    columns: [user_id, item_id]
+    rows: 4096
+"""
+
+
+def write_days(root: Path, days: int = 3, rows: int = 1200, bad: bool = False) -> None:
+    """``own_day``'s logs plus a weight a row, a weight per tag and an integer quantity."""
+    rng = np.random.default_rng(7)
+    for day in range(days):
+        table, _ = own_day(rng, rows)
+        tags = table.column("tags").to_pylist()
+        weights = [None if t is None else [0.5 + (v % 3) for v in t] for t in tags]
+        if bad and day == 1:
+            weights[5] = [1.0] * (len(tags[5] or []) + 1)  # one weight too many
+        table = table.append_column("tag_weights", pa.array(weights, pa.list_(pa.float32())))
+        table = table.append_column("importance", pa.array(rng.uniform(0.5, 2.0, rows)))
+        table = table.append_column("quantity", pa.array(rng.integers(0, 20, rows), pa.int32()))
+        folder = root / f"day={day}"
+        folder.mkdir(parents=True)
+        pq.write_table(table, folder / "part-0.parquet", row_group_size=400)
+
+
+def invoke(*args: str) -> dict:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+TRAIN = ("--set", "train.batch_size=200", "--set", "train.num_workers=0")
+MODEL = ("--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16,8]")
+
+
+def test_register_then_train_and_evaluate_with_every_operation(tmp_path):
+    data = tmp_path / "data"
+    write_days(data)
+    schema = tmp_path / "schema.yaml"
+    schema.write_text(SCHEMA_YAML)
+    runner_result = runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)])
+    assert runner_result.exit_code == 0, runner_result.output
+    run_dir = str(tmp_path / "run")
+    trained = invoke(
+        "train", "--run-dir", run_dir, "--data", str(data), *TRAIN, *MODEL,
+        "--set", "train.max_steps=8",
+    )  # fmt: skip
+    assert trained["steps"] == 8
+    spec = load_checkpoint(run_dir).spec
+    assert spec.weight == "importance"
+    assert spec.dense == ("price",)
+    assert (spec.dense_transforms[0].mean, spec.dense_transforms[0].std) == (20.0, 14.0)
+    features = {f.name: f for f in spec.sparse}
+    assert list(features) == ["user_id", "item_id", "tags", "quantity", "user_x_item"]
+    assert (features["tags"].max_length, features["tags"].keep) == (2, "last")
+    assert features["tags"].weights == "tag_weights"
+    assert features["quantity"].bucketize.boundaries == (1.0, 3.0, 10.0)
+    assert features["quantity"].num_embeddings == 4
+    assert features["user_x_item"].cross == ("user_id", "item_id")
+    assert features["user_x_item"].num_embeddings == 4096
+    evaluated = invoke("evaluate", "--run-dir", run_dir)
+    assert evaluated["rows"] == 1200 and 0.0 < evaluated["auc"] < 1.0
+
+
+def test_a_bad_per_id_weight_stops_training_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    write_days(data, bad=True)
+    schema = tmp_path / "schema.yaml"
+    schema.write_text(SCHEMA_YAML)
+    assert (
+        runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)]).exit_code
+        == 0
+    )
+    result = runner.invoke(
+        app, ["train", "--run-dir", str(tmp_path / "run"), "--data", str(data), *TRAIN, *MODEL]
+    )
+    # The command prints a DataError as its one line and exits 1 (``dlrmflow.cli.main``).
+    assert result.exit_code == 1 and isinstance(result.exception, DataError)
+    line = str(result.exception)
+    assert "\n" not in line
+    assert "day=1/part-0.parquet, row group 0: column tag_weights: 1 row(s) whose weights " in line
+    assert "are not as many as feature tags's IDs (e.g. row 5: 1 IDs, 2 weights)" in line
+
+
+def test_the_schema_file_reads_with_its_operations(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(SCHEMA_YAML)
+    schema = read_schema(path)
+    assert schema.sparse[2].keep == "last" and schema.weight_columns == ("tag_weights",)
+    assert schema.crosses[0].columns == ("user_id", "item_id")
+
+
+def test_a_changed_operation_is_refused_on_resume_naming_the_feature(tmp_path):
+    data = tmp_path / "data"
+    write_days(data, days=2, rows=600)
+    schema = tmp_path / "schema.yaml"
+    schema.write_text(SCHEMA_YAML)
+    assert (
+        runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)]).exit_code
+        == 0
+    )
+    run_dir = str(tmp_path / "run")
+    sets = (*TRAIN, *MODEL, "--set", "train.max_steps=2")
+    invoke("train", "--run-dir", run_dir, "--data", str(data), *sets)
+    schema.write_text(SCHEMA_YAML.replace("max_length: 2", "max_length: 3"))
+    assert (
+        runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)]).exit_code
+        == 0
+    )
+    result = runner.invoke(app, ["train", "--run-dir", run_dir, "--data", str(data), *sets])
+    assert result.exit_code == 1
+    assert "feature spec (feature tags" in str(result.exception), result.exception
