@@ -26,6 +26,11 @@ The rules, in order, for a column that is not the label:
 - floats are dense. A dense column is logged (``log``) when it is non-negative and skewed
   (counts, prices), passed on (``none``) otherwise.
 
+Two more guesses for lists of IDs: a list whose longest are far longer than nearly all
+(the sample's longest more than twice its 99th percentile of lengths) gets ``max_length``
+at that percentile, so a few huge lists do not dominate a batch; and a list of numbers as
+long as a list of IDs in every sampled row is taken as that list's per-ID ``weights``.
+
 Distinct counts are exact over the sample, so a rough estimate of the whole column's.
 """
 
@@ -81,6 +86,7 @@ class Profile:
     unit: bool = False  # every value within [0, 1], none null or NaN
     length_mean: float | None = None  # lists: IDs a row
     length_max: int | None = None
+    length_p99: int | None = None  # lists: 99% of the rows hold at most this many
 
     def note(self) -> str:
         """The YAML comment of the column: type, null share, distinct values, lengths."""
@@ -102,6 +108,8 @@ class Guess:
     profile: Profile
     why: str = ""
     transform: str | None = None  # dense only
+    max_length: int | None = None  # lists of IDs with a long tail of lengths
+    weights: str | None = None  # the list of numbers beside a list of IDs, one a ID
 
 
 @dataclass
@@ -171,7 +179,48 @@ def infer_schema(
             inference.sparse.append(guess)
         else:
             inference.left_out.append((profile.name, guess.why))
+    _pair_weights(inference, samples, {f.name: f.type for f in first})
     return inference
+
+
+def _pair_weights(
+    inference: Inference, samples: list[pa.Table], types: dict[str, pa.DataType]
+) -> None:
+    """Take each list of numbers left out that is as long as a list of IDs in every
+    sampled row (a null list as none, some list not empty) as that list's per-ID weights."""
+    lists = [g for g in inference.sparse if _is_list(g.profile.type)]
+    kept = []
+    for name, why in inference.left_out:
+        kind = types.get(name)
+        match = None
+        if kind is not None and _is_list(kind) and _numeric(_plain(kind.value_type)):
+            lengths = _lengths(samples, name)
+            if lengths.any():
+                match = next(
+                    (
+                        g
+                        for g in lists
+                        if g.weights is None
+                        and np.array_equal(_lengths(samples, g.profile.name), lengths)
+                    ),
+                    None,
+                )
+        if match is None:
+            kept.append((name, why))
+        else:
+            match.weights = name
+    inference.left_out = kept
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _lengths(samples: list[pa.Table], name: str) -> np.ndarray:
+    """Every sampled row's list length (0 for a null list), file after file."""
+    return np.concatenate(
+        [pc.fill_null(pc.list_value_length(t.column(name)), 0).to_numpy() for t in samples]
+    )
 
 
 def schema_yaml(inference: Inference) -> str:
@@ -183,7 +232,9 @@ def schema_yaml(inference: Inference) -> str:
         "files.",
         "# Check the label, move columns between dense and sparse, delete what should not",
         "# be a feature, set a dense column's fill (for nulls) and transform (log, clip with",
-        "# clip_min and clip_max, none) and a sparse one's rows (its table's size), then:",
+        "# clip_min and clip_max, standardize, bucketize with boundaries or buckets, none)",
+        "# and a sparse one's rows (its table's size), ids (hash or vocab with min_count),",
+        "# max_length, weights and pooling; add crosses of sparse columns, then:",
         f"#   dlrmflow register --data {inference.url} --schema THIS_FILE",
     ]
     lines: list[tuple[str, str]] = []  # (YAML, comment)
@@ -210,6 +261,22 @@ def schema_yaml(inference: Inference) -> str:
         lines.append(("sparse: []", "EDIT: no column looks like IDs; a model needs one"))
     for guess in inference.sparse:
         lines.append((f"  - column: {_yaml_name(guess.profile.name)}", guess.profile.note()))
+        if guess.max_length is not None:
+            lines.append(
+                (
+                    f"    max_length: {guess.max_length}",
+                    f"99% of the sampled lists hold at most {guess.max_length} IDs, the "
+                    f"longest {guess.profile.length_max}: longer ones keep their first "
+                    f"{guess.max_length} (keep: last keeps the last)",
+                )
+            )
+        if guess.weights is not None:
+            lines.append(
+                (
+                    f"    weights: {_yaml_name(guess.weights)}",
+                    "a list of numbers as long as this one in every sampled row: a weight per ID",
+                )
+            )
     width = max(len(text) for text, _ in lines) + 2
     out += [f"{text:<{width}}# {note}" if note else text for text, note in lines]
     if inference.left_out:
@@ -294,6 +361,7 @@ def _profile(name: str, kind: pa.DataType, columns: list[pa.ChunkedArray]) -> Pr
         if lengths.size:
             profile.length_mean = float(lengths.mean())
             profile.length_max = int(lengths.max())
+            profile.length_p99 = int(np.quantile(lengths, 0.99, method="higher"))
         values = [pc.list_flatten(a) for a in arrays]
         values = [v.dictionary_decode() if isinstance(v, pa.DictionaryArray) else v for v in values]
         profile.distinct = _distinct(values)
@@ -374,7 +442,10 @@ def _role(p: Profile) -> tuple[str, Guess]:
     if p.rows == p.nulls:
         return "out", Guess(p, f"{_type_name(kind)}: always null in the sample")
     if _is_list(kind):
-        return "sparse", Guess(p, "a list of IDs")
+        guess = Guess(p, "a list of IDs")
+        if p.length_p99 and p.length_max is not None and p.length_max > 2 * p.length_p99:
+            guess.max_length = p.length_p99
+        return "sparse", guess
     if p.unique_per_file and (pa.types.is_integer(plain) or _is_string(plain)):
         return "out", Guess(
             p, f"{_type_name(kind)}, unique per row in every file sampled: a key, not a feature"

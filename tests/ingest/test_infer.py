@@ -190,3 +190,36 @@ def test_schema_has_help():
 
     result = CliRunner().invoke(app, ["schema", "--help"])
     assert result.exit_code == 0 and "guessed" in result.output
+
+
+def test_long_lists_get_a_max_length_and_number_lists_become_their_weights(tmp_path):
+    """A list whose longest are far longer than 99% of them gets ``max_length`` at that
+    percentile; a list of numbers as long as a list of IDs row by row is its weights."""
+    rng = np.random.default_rng(3)
+    rows = 2000
+
+    def day() -> pa.Table:
+        lengths = np.where(rng.random(rows) < 0.995, rng.integers(0, 5, rows), 60)
+        clicked = [[int(v) for v in rng.integers(0, 500, n)] for n in lengths]
+        return pa.table(
+            {
+                "click": pa.array(rng.integers(0, 2, rows), pa.int8()),
+                "clicked": pa.array(clicked, pa.list_(pa.int64())),
+                "dwell": pa.array([[1.5] * len(c) for c in clicked], pa.list_(pa.float32())),
+                "scores": pa.array([[0.5]] * rows, pa.list_(pa.float32())),
+            }
+        )
+
+    root = _write(tmp_path / "d", [day(), day()])
+    guess = infer_schema(str(root))
+    clicked = guess.sparse[0]
+    assert clicked.profile.name == "clicked" and clicked.weights == "dwell"
+    assert clicked.max_length == 4 and clicked.profile.length_max == 60
+    assert dict(guess.left_out).keys() == {"scores"}  # as long as no list of IDs
+    text = schema_yaml(guess)
+    assert "99% of the sampled lists hold at most 4 IDs, the longest 60" in text
+    path = tmp_path / "schema.yaml"
+    path.write_text(text)
+    schema = read_schema(path)
+    assert schema.sparse[0].max_length == 4 and schema.sparse[0].weights == "dwell"
+    register_dataset(str(root), schema)
