@@ -43,6 +43,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# DenseFeature's fields since standardize and bucketize: left out of records while unset.
+_ADDED_FIELDS = ("mean", "std", "boundaries", "buckets")
+
+
 class DenseFeature(_Strict):
     """A numeric column fed to the bottom MLP as one float32 value a row, or (bucketized)
     turned into a categorical feature.
@@ -112,6 +116,13 @@ class DenseFeature(_Strict):
     def categorical(self) -> bool:
         """Bucketized: a sparse feature of its own, not a dense input."""
         return self.transform == "bucketize"
+
+    def record(self) -> dict[str, Any]:
+        """Plain data as specs and checkpoints record it: every field, except those added
+        with standardize and bucketize where unset, so a transform recorded before them
+        compares equal to itself (a run's identity, the batches' digest)."""
+        data = self.model_dump(mode="json")
+        return {k: v for k, v in data.items() if not (k in _ADDED_FIELDS and v is None)}
 
     @property
     def plain_log(self) -> bool:

@@ -165,7 +165,7 @@ class FeatureSpec:
             "label": self.label,
         }
         if self.dense_transforms is not None:
-            data["dense_transforms"] = [t.model_dump(mode="json") for t in self.dense_transforms]
+            data["dense_transforms"] = [t.record() for t in self.dense_transforms]
         if self.weight is not None:
             data["weight"] = self.weight
         return data

@@ -37,7 +37,7 @@ def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary | FeatureIds) -
     h = hashlib.sha256()
     h.update(json.dumps([spec.label, list(spec.dense)]).encode())
     if spec.dense_transforms is not None:  # Criteo's transforms leave the digest as it was
-        transforms = [t.model_dump(mode="json") for t in spec.dense_transforms]
+        transforms = [t.record() for t in spec.dense_transforms]
         h.update(json.dumps(transforms, sort_keys=True).encode())
     h.update(json.dumps([[f.name, f.num_embeddings] for f in spec.sparse]).encode())
     if spec.weight is not None:  # no weight column leaves the digest as it was

@@ -162,6 +162,10 @@ def test_old_specs_read_and_compare_as_they_did():
         {"name": "C1", "num_embeddings": 10, "embedding_dim": 4, "pooling": "sum"}
     ], "label": "label"}  # fmt: skip
     assert FeatureSpec.from_dict(old).to_dict() == old
+    # A declared transform recorded before standardize and bucketize: the same record.
+    clip = {"column": "I1", "fill": 1.0, "transform": "clip", "clip_min": 0.0, "clip_max": 5.0}
+    declared = {**old, "dense_transforms": [clip]}
+    assert FeatureSpec.from_dict(declared).to_dict() == declared
     spec = FeatureSpec.for_dataset(manifest_of(SCHEMA), FEATURES, MODEL, stats=STATS)
     assert FeatureSpec.from_dict(spec.to_dict()) == spec
     tags = spec.to_dict()["sparse"][2]
