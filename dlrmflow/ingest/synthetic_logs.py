@@ -134,7 +134,7 @@ LOGS_SCHEMA = FeatureSchema(
     sparse=(
         SparseFeature(column="user_id"),
         SparseFeature(column="item_id"),
-        SparseFeature(column="tags"),
+        SparseFeature(column="tags", weights="tags_weight"),
     ),
     keys=("request_id",),
 )
