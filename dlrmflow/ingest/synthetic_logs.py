@@ -206,6 +206,7 @@ def generate_logs_dataset(
 
 
 def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | None) -> Manifest:
+    """``generate_logs_dataset``'s writing, under the dataset's lock."""
     truth = _ground_truth(config)
     remove_temporaries(root)
     test_day = config.days - 1
@@ -350,6 +351,8 @@ def _cardinality(base: int, config: DataConfig) -> int:
 def _table(
     rng: np.random.Generator, n: int, effect_std: float, ids: Callable[[np.ndarray], pa.Array]
 ) -> _Table:
+    """An ID table of ``n`` ranks: Zipf popularity, effects that shrink with the rank, and
+    the IDs ``ids`` makes of each rank's scattered number (so that no ID tells its rank)."""
     ranks = np.arange(1, n + 1, dtype=np.float64)
     cdf = np.cumsum(ranks**-ZIPF_EXPONENT)
     cdf /= cdf[-1]
