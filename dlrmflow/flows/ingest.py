@@ -131,9 +131,10 @@ def convert_cache_key(context: TaskRunContext | None, parameters: dict[str, Any]
 
 def stats_cache_key(context: TaskRunContext | None, parameters: dict[str, Any]) -> str:
     """Cache key of ``stats_task``: the day file's fingerprint and layout."""
-    # v2: the records gained the access-skew summaries; older cached ones lack them.
+    # v2: the records gained the access-skew summaries; v3: dense columns their
+    # deviation and quantile sketch. Older cached records lack them.
     return _digest(
-        "stats-day-v2",
+        "stats-day-v3",
         {"file": file_fingerprint(parameters["path"]), "multi_hot": parameters["multi_hot"]},
     )
 

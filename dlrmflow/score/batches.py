@@ -18,6 +18,7 @@ validation and the compiled transform run unchanged on the other columns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -101,6 +102,8 @@ def share_batches(
     """
     if not share.splits or limit == 0:
         return
+    # A prediction never depends on the example weight, and data to score may lack it.
+    spec = dataclasses.replace(spec, weight=None)
     transform = BatchTransform(spec, ids)
     columns = spec.columns if labeled else [c for c in spec.columns if c != spec.label]
     reads = transform if labeled else UnlabeledTransform(transform)

@@ -77,6 +77,16 @@ def tables_from_spec(spec: FeatureSpec, stats: DatasetStats | None = None) -> li
     tables = []
     for f in spec.sparse:
         s = by_name.get(f.name)
+        if s is None and (f.cross is not None or f.bucketize is not None):
+            # Made from other columns, so no statistics of its own: a bucket is one ID a
+            # row, always present; a cross one ID a row where all its columns have one
+            # (at least as often as the sparsest), over IDs spread across its rows.
+            crossed = [by_name[c] for c in f.cross or () if c in by_name]
+            access = min((c.access_rate for c in crossed), default=1.0)
+            tables.append(
+                TableSpec(f.name, f.num_embeddings, f.embedding_dim, access_frequency=access)
+            )
+            continue
         if s is None:
             raise PlanningError(
                 f"table {f.name}: {stats.url} statistics have no feature {f.name}; "

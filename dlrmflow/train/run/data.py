@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 from dlrmflow.config import RunConfig
 from dlrmflow.days import windows
 from dlrmflow.features.batch import Batch
-from dlrmflow.features.ids import HashIds, Vocabulary, build_vocabulary
+from dlrmflow.features.fit import feature_ids, needs_statistics
+from dlrmflow.features.fit import fit_features as fit_mapping
+from dlrmflow.features.ids import FeatureIds, HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec, dataset_schema
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, features_digest
@@ -30,6 +32,7 @@ from dlrmflow.ingest.reader import (
     make_loader,
     pass_steps,
 )
+from dlrmflow.ingest.stats import read_stats
 from dlrmflow.supervise import beat
 
 if TYPE_CHECKING:
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 
 VOCAB_FILE = "vocab.npz"
 
-IdMapper = HashIds | Vocabulary
+IdMapper = HashIds | Vocabulary | FeatureIds
 
 
 def day_windows(config: RunConfig, manifest: Manifest) -> tuple[list[int], list[int]]:
@@ -70,38 +73,40 @@ def train_paths(config: RunConfig, manifest: Manifest) -> list[str]:
 def fit_features(
     config: RunConfig, manifest: Manifest, run_dir: Path | None = None, keep: bool = False
 ) -> tuple[FeatureSpec, IdMapper]:
-    """The feature spec and ID mapping for training, fitting a vocabulary if configured.
+    """The feature spec and ID mapping for training, fitting a vocabulary where the schema
+    (or ``features.ids``) looks IDs up in one (``features.fit``).
 
     The vocabulary is counted on the training days only (never a held-out day) and saved in
     ``run_dir`` so evaluation maps IDs exactly as training did. Reader servers pass no
     ``run_dir``: they fit the same mapping from the same data and keep it in memory.
     ``keep``: the run continues (in day order, over a window grown since it started), so
-    the vocabulary it started with stays, and IDs new since then share the OOV row.
+    the vocabulary it started with stays, and IDs new since then share the OOV row. The
+    dataset's statistics are read where the schema takes values from them (a standardized
+    column's mean and deviation, a bucketized one's quantiles).
     """
-    if config.features.ids == "vocab":
-        kept = run_dir / VOCAB_FILE if run_dir is not None else None
-        if keep and kept is not None and kept.is_file():
-            vocab = Vocabulary.load(str(kept))
-        else:
-            vocab = build_vocabulary(
-                train_paths(config, manifest),
-                list(dataset_schema(manifest).sparse_names),
-                min_count=config.features.min_count,
-                max_size=config.features.max_rows_per_table - 1,
-            )
-            if kept is not None:
-                vocab.save(str(kept))
-        spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
-        return spec, vocab
-    spec = FeatureSpec.for_dataset(manifest, config.features, config.model)
-    return spec, HashIds.from_spec(spec)
+    schema = dataset_schema(manifest)
+    stats = read_stats(config.data.url) if needs_statistics(schema) else None
+    kept = run_dir / VOCAB_FILE if run_dir is not None else None
+    reuse = keep and kept is not None and kept.is_file()
+    vocab = Vocabulary.load(str(kept)) if reuse else None
+    spec, ids, vocab = fit_mapping(
+        manifest,
+        config.features,
+        config.model,
+        train_paths(config, manifest) if vocab is None else [],
+        stats=stats,
+        vocabulary=vocab,
+    )
+    if vocab is not None and kept is not None and not reuse:
+        vocab.save(str(kept))
+    return spec, ids
 
 
 def load_ids(kind: str, spec: FeatureSpec, run_dir: Path) -> IdMapper:
-    """The ID mapping a checkpoint was trained with."""
-    if kind == "vocab":
-        return Vocabulary.load(str(run_dir / VOCAB_FILE))
-    return HashIds.from_spec(spec)
+    """The ID mapping a checkpoint was trained with (``kind``: its ``features.ids``)."""
+    looks_up = any(f.mapping(kind) == "vocab" for f in spec.sparse)
+    vocab = Vocabulary.load(str(run_dir / VOCAB_FILE)) if looks_up else None
+    return feature_ids(spec, kind, vocab)
 
 
 def batch_loader(

@@ -8,6 +8,7 @@ checkpoint's weights only fit the model it was taken of.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -15,9 +16,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.model.disk_tier import TIERED_DIR
 from dlrmflow.train.run.checkpoint import (
@@ -188,15 +191,34 @@ def spec_changes(recorded: dict, spec: FeatureSpec) -> str:
     for f in spec.sparse:
         was = tables.get(f.name)
         if was is not None and was != f:
-            changes.append(
-                f"feature {f.name} table {was.num_embeddings} -> {f.num_embeddings} rows"
-            )
+            changes.append(f"feature {f.name} {_field_changes(was, f)}")
     old_transforms = dict(zip(before.dense, before.dense_transforms or (), strict=False))
     new_transforms = dict(zip(spec.dense, spec.dense_transforms or (), strict=False))
     for name in spec.dense:
         if name in before.dense and old_transforms.get(name) != new_transforms.get(name):
             changes.append(f"feature {name} transform changed")
     return "; ".join(changes) or "the tables the dataset gives"
+
+
+def _field_changes(was: SparseFeature, now: SparseFeature) -> str:
+    """``field old -> new`` for each field of a sparse feature that differs (the table's
+    size as ``table A -> B rows``, as resumes have always said it)."""
+    parts = []
+    for item in dataclasses.fields(now):
+        old, new = getattr(was, item.name), getattr(now, item.name)
+        if old == new:
+            continue
+        if item.name == "num_embeddings":
+            parts.append(f"table {old} -> {new} rows")
+        else:
+            parts.append(f"{item.name} {_shown(old)} -> {_shown(new)}")
+    return ", ".join(parts)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, BaseModel):
+        return json.dumps(value.model_dump(mode="json", exclude_defaults=True))
+    return "none" if value is None else str(value)
 
 
 def _as_it_began(changed: dict[str, object]) -> str | None:

@@ -39,7 +39,6 @@ from dlrmflow.train.run.data import (
     IdMapper,
     day_windows,
     fit_features,
-    load_ids,
     make_train_loader,
     pass_count,
     pass_steps_of_run,
@@ -113,11 +112,8 @@ def _features(
         dist.barrier()
     if env.rank == 0:
         return fitted
-    if config.features.ids == "vocab":
-        vocab = load_ids("vocab", FeatureSpec((), ()), run_dir)
-        spec = FeatureSpec.for_dataset(manifest, config.features, config.model, vocab.table_rows)
-        return spec, vocab
-    return fit_features(config, manifest, run_dir)
+    # The vocabulary rank 0 has just written (if any), kept as a continuing run keeps it.
+    return fit_features(config, manifest, run_dir, keep=True)
 
 
 def _build_model(

@@ -8,16 +8,21 @@ group and column."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from dlrmflow.cli import app
+from dlrmflow.ingest.dayfile import footer_digest
 from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.stats import read_stats
 from dlrmflow.schema import read_schema
+from dlrmflow.score.score import score_dataset
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from tests.ingest.own_data import own_day
 
@@ -151,4 +156,93 @@ def test_a_changed_operation_is_refused_on_resume_naming_the_feature(tmp_path):
     )
     result = runner.invoke(app, ["train", "--run-dir", run_dir, "--data", str(data), *sets])
     assert result.exit_code == 1
-    assert "feature spec (feature tags" in str(result.exception), result.exception
+    assert "feature spec (feature tags max_length 2 -> 3)" in str(result.exception), (
+        result.exception
+    )
+
+
+def test_data_without_the_label_and_weight_columns_is_scored(tmp_path):
+    """Scoring reads neither the example weight nor the label: requests to score have
+    neither, and a prediction depends on neither."""
+    data = tmp_path / "data"
+    write_days(data, days=2, rows=600)
+    schema = tmp_path / "schema.yaml"
+    schema.write_text(SCHEMA_YAML)
+    runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)])
+    run_dir = str(tmp_path / "run")
+    invoke("train", "--run-dir", run_dir, "--data", str(data), *TRAIN, *MODEL)
+    # The test day again, as requests: without click and importance, relisted by identity.
+    requests = tmp_path / "requests"
+    shutil.copytree(data, requests)
+    day = requests / "day=1" / "part-0.parquet"
+    table = pq.read_table(day).drop_columns(["click", "importance"])
+    pq.write_table(table, day, row_group_size=400)
+    manifest = json.loads((requests / "manifest.json").read_text())
+    [listed] = [f for f in manifest["files"] if f["day"] == 1]
+    with day.open("rb") as f:
+        listed["digest"] = footer_digest(f, day.stat().st_size)
+    listed["bytes"] = day.stat().st_size
+    manifest["schema"] = [c for c in manifest["schema"] if c["name"] in table.column_names]
+    (requests / "manifest.json").write_text(json.dumps(manifest))
+    unlabeled = score_dataset(run_dir, str(requests), tmp_path / "a", days="1")
+    labeled = score_dataset(run_dir, str(data), tmp_path / "b", days="1")
+    assert unlabeled["labeled"] is False and unlabeled["rows"] == labeled["rows"] == 600
+    a = pq.read_table(tmp_path / "a").sort_by("row")
+    b = pq.read_table(tmp_path / "b").sort_by("row")
+    assert a["label"].null_count == 600
+    assert a["prediction"].equals(b["prediction"])
+
+
+FITTED_YAML = """\
+label: click
+dense:
+  - column: price
+    transform: standardize
+  - column: quantity
+    transform: bucketize
+    buckets: 4
+sparse:
+  - column: user_id
+    ids: vocab
+    min_count: 1
+  - column: item_id
+  - column: tags
+crosses:
+  - name: user_x_item
+    columns: [user_id, item_id]
+"""
+
+
+def test_values_from_the_statistics_and_a_vocabulary_train_at_two_ranks(tmp_path):
+    """What a schema leaves to the data (a standardized column's mean and deviation, a
+    bucketized one's quantiles, one feature's vocabulary beside hashed ones) is taken from
+    the dataset and frozen into the run, which trains sharded over two ranks, crosses and
+    buckets included."""
+    data = tmp_path / "data"
+    write_days(data)
+    schema = tmp_path / "schema.yaml"
+    schema.write_text(FITTED_YAML)
+    invoke("register", "--data", str(data), "--schema", str(schema))
+    run_dir = str(tmp_path / "run")
+    trained = invoke(
+        "train", "--run-dir", run_dir, "--data", str(data), *TRAIN, *MODEL,
+        "--set", "train.max_steps=4", "--nproc", "2",
+    )  # fmt: skip
+    assert trained["steps"] == 4
+    spec = load_checkpoint(run_dir).spec
+    stats = {d.name: d for d in read_stats(str(data)).dense}
+    (price,) = spec.dense_transforms
+    assert (price.mean, price.std) == stats["price"].filled_moments(0.0)
+    features = {f.name: f for f in spec.sparse}
+    boundaries = features["quantity"].bucketize.boundaries
+    assert len(boundaries) == 3 and list(boundaries) == sorted(boundaries)
+    assert features["quantity"].num_embeddings == 4
+    # The vocabulary: user IDs of the training days, and the row IDs outside it share.
+    users = pa.concat_tables(
+        pq.read_table(data / f"day={d}" / "part-0.parquet", columns=["user_id"]) for d in (0, 1)
+    )
+    distinct = len(pc.unique(users["user_id"].drop_null()))
+    assert features["user_id"].num_embeddings == distinct + 1
+    assert features["item_id"].mapping("hash") == "hash"
+    evaluated = invoke("evaluate", "--run-dir", run_dir)
+    assert evaluated["rows"] == 1200 and 0.0 < evaluated["auc"] < 1.0
