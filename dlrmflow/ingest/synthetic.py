@@ -209,7 +209,7 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
                 # The one per-day buffer: the exact Bayes AUC needs the whole day at once.
                 positives, probs, labels = _write_day(writer, day_truth, config, day, progress)
                 written = writer.finish()
-            day_auc, day_logloss = _bayes_metrics(probs, labels)
+            day_auc, day_logloss = bayes_metrics(probs, labels)
             files.append(
                 DayFile(
                     day=day,
@@ -303,9 +303,9 @@ def _write_day(
     schema = criteo_schema(config.multi_hot)
     for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
         n = min(config.row_group_size, config.rows_per_day - start)
-        rng = _rng(_STREAM_ROWS, config.seed, day, chunk)
+        rng = seeded_rng(_STREAM_ROWS, config.seed, day, chunk)
         rows = _sample_rows(truth, rng, n, config.multi_hot)
-        probs = _sigmoid(rows.logit + truth.bias)
+        probs = sigmoid(rows.logit + truth.bias)
         labels = (rng.random(n) < probs).astype(np.int8)
         columns = [pa.array(labels), *rows.dense, *rows.sparse]
         writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
@@ -317,7 +317,7 @@ def _write_day(
     return positives, np.concatenate(probs_kept), np.concatenate(labels_kept)
 
 
-def _rng(*key: int) -> np.random.Generator:
+def seeded_rng(*key: int) -> np.random.Generator:
     """An independent generator per key: streams never depend on how others were used."""
     return np.random.default_rng(np.random.SeedSequence(list(key)))
 
@@ -331,7 +331,7 @@ def _ground_truth(config: DataConfig) -> _GroundTruth:
     sparse = []
     for index, (name, criteo) in enumerate(zip(SPARSE, CRITEO_CARDINALITIES, strict=True)):
         n = _cardinality(criteo, config)
-        rng = _rng(_STREAM_TABLES, config.seed, index)
+        rng = seeded_rng(_STREAM_TABLES, config.seed, index)
         ranks = np.arange(1, n + 1, dtype=np.float64)
         cdf = np.cumsum(ranks**-ZIPF_EXPONENT)
         cdf /= cdf[-1]
@@ -354,27 +354,27 @@ def _ground_truth(config: DataConfig) -> _GroundTruth:
                 next_id=n,
             )
         )
-    dense_rng = _rng(_STREAM_DENSE, config.seed)
+    dense_rng = seeded_rng(_STREAM_DENSE, config.seed)
     sigmas = np.array([shape[2] for shape in _DENSE_SHAPE])
     dense_weights = dense_rng.normal(0.0, DENSE_WEIGHT_SCALE, len(DENSE)) / sigmas
     truth = _GroundTruth(tuple(sparse), dense_weights, bias=0.0)
 
     calibration = _sample_rows(
         truth,
-        _rng(_STREAM_CALIBRATION, config.seed),
+        seeded_rng(_STREAM_CALIBRATION, config.seed),
         CALIBRATION_ROWS,
         config.multi_hot,
     )
-    bias = _calibrate_bias(calibration.logit, config.positive_rate)
+    bias = calibrate_bias(calibration.logit, config.positive_rate)
     return _GroundTruth(truth.sparse, truth.dense_weights, bias)
 
 
-def _calibrate_bias(logit: np.ndarray, target: float) -> float:
+def calibrate_bias(logit: np.ndarray, target: float) -> float:
     """The bias whose mean click probability over ``logit`` is ``target`` (bisection)."""
     low, high = -40.0, 40.0
     for _ in range(60):  # halves an 80-wide bracket to ~1e-16: machine precision
         mid = 0.5 * (low + high)
-        if _sigmoid(logit + mid).mean() < target:
+        if sigmoid(logit + mid).mean() < target:
             low = mid
         else:
             high = mid
@@ -425,7 +425,7 @@ def _one_hot_feature(
     present = rng.random(n) >= feature.missing_rate
     effect = feature.effect[ranks] * present
     latent = feature.latent[:, ranks] * present
-    column = pa.array(_hashed_ids(_numbers(feature, ranks), feature.id_key), mask=~present)
+    column = pa.array(hashed_ids(_numbers(feature, ranks), feature.id_key), mask=~present)
     return column, effect, latent
 
 
@@ -443,7 +443,7 @@ def _multi_hot_feature(
     effect = np.bincount(row, feature.effect[ranks], minlength=n) * inv_length
     latent = np.stack([np.bincount(row, coord[ranks], minlength=n) for coord in feature.latent])
     latent *= inv_length
-    values = pa.array(_hashed_ids(_numbers(feature, ranks), feature.id_key))
+    values = pa.array(hashed_ids(_numbers(feature, ranks), feature.id_key))
     column = pa.ListArray.from_arrays(pa.array(offsets), values)
     return column, effect, latent
 
@@ -461,7 +461,7 @@ def _drifted(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
     keep, fresh = rho, math.sqrt(1.0 - rho * rho)
     sparse = []
     for index, feature in enumerate(truth.sparse):
-        rng = _rng(_STREAM_DRIFT, config.seed, index, day)
+        rng = seeded_rng(_STREAM_DRIFT, config.seed, index, day)
         n = feature.cardinality
         effect = keep * feature.effect + fresh * rng.normal(0.0, EFFECT_STD, n) * feature.scale
         noise = rng.normal(0.0, LATENT_STD, (LATENT_DIM, n)) * feature.scale
@@ -485,7 +485,7 @@ def _drifted(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
     return _GroundTruth(tuple(sparse), truth.dense_weights, truth.bias)
 
 
-def _hashed_ids(ranks: np.ndarray, key: np.uint32) -> np.ndarray:
+def hashed_ids(ranks: np.ndarray, key: np.uint32) -> np.ndarray:
     """Scatter 0-based popularity ranks over [0, 2**32) like Criteo's hashed hex IDs.
 
     Every step (xor with a key, xor-shift, multiply by an odd constant mod 2**32) is a
@@ -502,11 +502,11 @@ def _hashed_ids(ranks: np.ndarray, key: np.uint32) -> np.ndarray:
     return x.astype(np.int64)
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
+def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # tanh form: no overflow for large |x|
 
 
-def _bayes_metrics(probs: np.ndarray, labels: np.ndarray) -> tuple[float | None, float]:
+def bayes_metrics(probs: np.ndarray, labels: np.ndarray) -> tuple[float | None, float]:
     """AUC and log loss of the true probabilities; AUC is None if one class is absent."""
     p = np.clip(probs, _PROB_EPS, 1 - _PROB_EPS)
     logloss = float(-np.mean(np.where(labels == 1, np.log(p), np.log1p(-p))))

@@ -67,11 +67,11 @@ from dlrmflow.ingest.stats import dataset_stats, write_stats
 # The Bayes metrics, bias calibration and ID scatter are the Criteo-shaped generator's, so
 # that both shapes' recorded optima are computed alike.
 from dlrmflow.ingest.synthetic import (
-    _bayes_metrics,
-    _calibrate_bias,
-    _hashed_ids,
-    _rng,
-    _sigmoid,
+    bayes_metrics,
+    calibrate_bias,
+    hashed_ids,
+    seeded_rng,
+    sigmoid,
 )
 from dlrmflow.schema import DenseFeature, FeatureSchema, SparseFeature
 
@@ -224,9 +224,9 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
             with day_file_writer(root, day, day_file_name(config, day), ARROW_SCHEMA) as writer:
                 positives, probs, labels, ignored = _write_day(writer, truth, config, day, progress)
                 written = writer.finish()
-            day_auc, day_logloss = _bayes_metrics(probs, labels)
+            day_auc, day_logloss = bayes_metrics(probs, labels)
             if day == test_day:
-                ignored_auc, _ = _bayes_metrics(_sigmoid(ignored + truth.bias), labels)
+                ignored_auc, _ = bayes_metrics(sigmoid(ignored + truth.bias), labels)
             files.append(
                 DayFile(
                     day=day,
@@ -323,9 +323,9 @@ def _write_day(
     positives = 0
     for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
         n = min(config.row_group_size, config.rows_per_day - start)
-        rng = _rng(_SHAPE_KEY, _STREAM_ROWS, config.seed, day, chunk)
+        rng = seeded_rng(_SHAPE_KEY, _STREAM_ROWS, config.seed, day, chunk)
         rows = _sample_rows(truth, rng, n)
-        probs = _sigmoid(rows.logit + truth.bias)
+        probs = sigmoid(rows.logit + truth.bias)
         labels = (rng.random(n) < probs).astype(np.int8)
         request_ids = (day << 32) + start + np.arange(n, dtype=np.int64)
         columns = {"click": pa.array(labels), "request_id": pa.array(request_ids), **rows.columns}
@@ -359,12 +359,12 @@ def _table(
     cdf[-1] = 1.0  # searchsorted of u < 1 must never run past the last rank
     effect = rng.normal(0.0, effect_std, n) * ranks**-RANK_DECAY
     key = np.uint32(rng.integers(0, 1 << 32))
-    return _Table(cdf, effect, ids(_hashed_ids(np.arange(n), key)))
+    return _Table(cdf, effect, ids(hashed_ids(np.arange(n), key)))
 
 
 def _ground_truth(config: DataConfig) -> _Truth:
     """The hidden click model: the three ID tables, the latent vectors and the bias."""
-    rng = _rng(_SHAPE_KEY, _STREAM_TABLES, config.seed)
+    rng = seeded_rng(_SHAPE_KEY, _STREAM_TABLES, config.seed)
     users = _table(
         rng,
         _cardinality(USERS, config),
@@ -386,9 +386,9 @@ def _ground_truth(config: DataConfig) -> _Truth:
         )
     truth = _Truth(users, items, tags, latents[0], latents[1], bias=0.0)
     calibration = _sample_rows(
-        truth, _rng(_SHAPE_KEY, _STREAM_CALIBRATION, config.seed), CALIBRATION_ROWS
+        truth, seeded_rng(_SHAPE_KEY, _STREAM_CALIBRATION, config.seed), CALIBRATION_ROWS
     )
-    bias = _calibrate_bias(calibration.logit, config.positive_rate)
+    bias = calibrate_bias(calibration.logit, config.positive_rate)
     return _Truth(users, items, tags, truth.user_latent, truth.item_latent, bias)
 
 

@@ -62,7 +62,7 @@ def test_the_click_model_of_day_zero_goes_stale(tmp_path: Path) -> None:
     for day in range(1, 4):
         truth = synthetic._drifted(truth, config, day)
     rows = synthetic._sample_rows(truth, np.random.default_rng(0), 20_000, False)
-    labels = np.random.default_rng(1).random(20_000) < synthetic._sigmoid(rows.logit + truth.bias)
+    labels = np.random.default_rng(1).random(20_000) < synthetic.sigmoid(rows.logit + truth.bias)
 
     def auc(logit: np.ndarray) -> float:
         return float(binary_auroc(torch.from_numpy(logit), torch.from_numpy(labels.astype(int))))
