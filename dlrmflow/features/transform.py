@@ -464,19 +464,36 @@ def _bucket_rows(chunks: list[pa.Array], n: int, d: DenseFeature) -> np.ndarray:
     return np.searchsorted(boundaries, values, side="right").astype(np.int64)
 
 
-def _list_weights(ids: pa.Array, weights: pa.Array, kept: np.ndarray) -> np.ndarray:
-    """The per-ID weights (float32) of ``ids``' leaf IDs at positions ``kept`` (of the
-    leaf slice ``_bags`` cuts), read at the same place of the same row's weight list."""
+def _list_weights(ids: pa.Array, weights: pa.Array, keep: np.ndarray | None) -> np.ndarray:
+    """The per-ID weights (float32) of ``ids``' leaf IDs that ``keep`` keeps (of the leaf
+    slice ``_bags`` cuts; None: all of them), read at the same place of the same row's
+    weight list.
+
+    When the weight lists lie exactly as the ID lists do (the same offsets, shifted by
+    where each slice starts: as a writer lays out two lists of equal lengths) an ID's
+    weight is at its own position plus that shift, so no ID needs its row looked up.
+    """
     id_offsets = _offsets(ids)
-    id_offsets = id_offsets - id_offsets[0]
     w_offsets = _offsets(weights)
+    leaf = weights.values
+    size = int(id_offsets[-1] - id_offsets[0])
+    kept = None if keep is None else np.flatnonzero(keep)
+    count = size if kept is None else len(kept)
+    if len(leaf) == 0:
+        return np.zeros(count, np.float32)
+    values = _primitive(leaf)
+    shift = int(w_offsets[0])
+    if np.array_equal(w_offsets - shift, id_offsets - id_offsets[0]):
+        if kept is None:
+            return values[shift : shift + size].astype(np.float32)
+        return values.take(kept + shift, mode="clip").astype(np.float32)
+    if kept is None:
+        kept = np.arange(size)
+    id_offsets = id_offsets - id_offsets[0]
     rows = np.searchsorted(id_offsets, kept, side="right") - 1
     at = w_offsets[rows] + (kept - id_offsets[rows])
-    leaf = weights.values
-    if len(leaf) == 0:
-        return np.zeros(len(kept), np.float32)
     # clip: ``validate`` has matched the lists' lengths; unvalidated ones stay in bounds.
-    return _primitive(leaf).take(at, mode="clip").astype(np.float32)
+    return values.take(at, mode="clip").astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -1008,11 +1025,12 @@ class BatchTransform:
                 leaf, keep, bag_lengths = _bag_of(ids_array, f)
                 bags[:] = bag_lengths
                 segments.append(_segment(f.name, leaf, keep))
-                kept = np.arange(len(leaf)) if keep is None else np.flatnonzero(keep)
                 if _is_list(ids_array.type):
-                    weights.append(_list_weights(ids_array, weight_array, kept))
+                    weights.append(_list_weights(ids_array, weight_array, keep))
+                elif keep is None:
+                    weights.append(_primitive(weight_array).astype(np.float32))
                 else:
-                    weights.append(_primitive(weight_array).take(kept).astype(np.float32))
+                    weights.append(np.compress(keep, _primitive(weight_array)).astype(np.float32))
             else:
                 start = 0
                 for arr in columns[sources[0]]:

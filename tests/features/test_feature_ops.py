@@ -169,6 +169,31 @@ def test_list_weights_travel_with_their_ids(max_length, kind):
     assert all(w == [1.0] * len(w) for w in weights_of(batch, "item"))
 
 
+@pytest.mark.parametrize("max_length", [None, 3])
+@pytest.mark.parametrize("large", [False, True])
+def test_list_weights_are_found_whatever_the_lists_offsets(max_length, large):
+    """Weight lists laid out unlike the ID lists (a null list owning values, the other
+    list width) give each ID the weight of plain ones: the lookup by row, not the shortcut
+    for offsets that match."""
+    plain = pa.array(ROWS["tag_w"], pa.list_(pa.float32()))
+    offsets, values = [0], []
+    for i, row in enumerate(ROWS["tag_w"]):
+        values += [123.0, 456.0] if row is None else row  # the null list owns two values
+        offsets.append(len(values))
+        assert (row is None) == (i == 1)
+    kind = pa.LargeListArray if large else pa.ListArray
+    laid_out = kind.from_arrays(
+        pa.array(offsets, pa.int64() if large else pa.int32()),
+        pa.array(values, pa.float32()),
+        mask=pa.array([row is None for row in ROWS["tag_w"]]),
+    )
+    assert laid_out.to_pylist() == plain.to_pylist()
+    feature = SparseFeature("tags", 97, 4, max_length=max_length, weights="tag_w")
+    transform = transform_of(feature, SparseFeature("item", 50, 4))
+    expected = every_form(transform, table())
+    assert_batches_equal(every_form(transform, table().set_column(2, "tag_w", laid_out)), expected)
+
+
 def test_one_hot_ids_take_a_weight_column_of_numbers():
     transform = transform_of(SparseFeature("item", 50, 4, weights="item_w"))
     t = table()
