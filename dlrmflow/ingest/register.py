@@ -62,6 +62,65 @@ _DATE = re.compile(r"dt=(\d{4}-\d{2}-\d{2})")
 _FOOTER_THREADS = 16
 
 
+class NoDayPartitions(DataError):
+    """A folder without day folders: its days may be in a column, and the message says
+    which of its columns could say them (``date_columns``)."""
+
+    def __init__(self, url: str, candidates: list[tuple[str, pa.DataType]]) -> None:
+        self.url = url
+        self.candidates = candidates
+        super().__init__(
+            f"{url}: no day partitions; expected day=N/ or dt=YYYY-MM-DD/ folders of Parquet, "
+            f"or the schema's day_column naming {_day_column_hint(candidates)}"
+        )
+
+
+def _day_column_hint(candidates: list[tuple[str, pa.DataType]]) -> str:
+    """What a day column could be: the date or timestamp columns seen, or what one is."""
+    if not candidates:
+        return "a date, timestamp or integer column of each row's day"
+    seen = ", ".join(f"{name} ({kind})" for name, kind in candidates)
+    return f"a column of each row's day ({seen} in the data)"
+
+
+def date_columns(url: str) -> list[tuple[str, pa.DataType]]:
+    """The date and timestamp columns (name, type) of the first data file below ``url``
+    (in path order, names starting with ``_`` or ``.`` aside): the columns likeliest to
+    say each row's day where no folder does. None where no file is found or readable."""
+    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        paths = _data_files(fs, root)
+    except OSError:
+        return []
+    if not paths:
+        return []
+    try:
+        f, _ = open_regular(join_url(url, paths[0]))
+        with f:
+            arrow = pq.ParquetFile(f).schema_arrow
+    except Exception:  # a hint only: the error it adds to names the folder already
+        return []
+    return [
+        (field.name, field.type)
+        for field in arrow
+        if pa.types.is_date(field.type) or pa.types.is_timestamp(field.type)
+    ]
+
+
+def _data_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """Every data file below ``root``, relative to it and sorted: names starting with
+    ``_`` or ``.`` (``_SUCCESS``, checksums, hidden folders) and the dataset's own files
+    aside."""
+    found = fs.find(root, detail=False)
+    prefix = root.rstrip("/") + "/"
+    return sorted(
+        relative
+        for relative in (p[len(prefix) :] for p in found if p.startswith(prefix))
+        if relative not in (MANIFEST_NAME, STATS_NAME)
+        and not any(part.startswith(("_", ".")) for part in relative.split("/"))
+    )
+
+
 @dataclass(frozen=True)
 class Partition:
     """One day's folder (or a day column's files of one day): its day number, what names
@@ -104,9 +163,7 @@ def find_partitions(url: str, day_column: str | None = None) -> list[Partition]:
             except ValueError:
                 raise DataError(f"{url}/{name}: not a date") from None
     if not found:
-        raise DataError(
-            f"{url}: no day partitions; expected day=N/ or dt=YYYY-MM-DD/ folders of Parquet"
-        )
+        raise NoDayPartitions(url, date_columns(url))
     if len(kinds) > 1:
         raise DataError(f"{url}: day=N/ and dt=YYYY-MM-DD/ folders together; use one kind")
     keys = [k for k, _, _ in found]
@@ -135,16 +192,9 @@ def column_partitions(url: str, column: str) -> list[Partition]:
     file's; and a folder without a data file."""
     fs, root = fsspec.core.url_to_fs(url)
     try:
-        found = fs.find(root, detail=False)
+        paths = _data_files(fs, root)
     except FileNotFoundError:
         raise DataError(f"{url}: no such folder") from None
-    prefix = root.rstrip("/") + "/"
-    paths = sorted(
-        relative
-        for relative in (p[len(prefix) :] for p in found if p.startswith(prefix))
-        if relative not in (MANIFEST_NAME, STATS_NAME)
-        and not any(part.startswith(("_", ".")) for part in relative.split("/"))
-    )
     if not paths:
         raise DataError(f"{url}: no data file (day_column {column} names each file's day)")
     with ThreadPoolExecutor(min(_FOOTER_THREADS, len(paths))) as pool:
@@ -357,7 +407,12 @@ def _check_columns(
     seen: dict[str, tuple[pa.DataType, str]],
 ) -> None:
     """Every declared column present in ``arrow`` with a type its role takes, and the
-    type every file before had (``seen``, filled from the first file)."""
+    type every file before had (``seen``, filled from the first file).
+
+    Per-ID weights and crosses are held to what the feature transform takes: a weight
+    column is a list (or large list) of integers or floats beside a list of IDs and one
+    integer or float beside a one-hot ID (a list of one weight is not one); a crossed
+    column holds one ID a row, never a list."""
     roles = [(schema.label, "label", _label_type)]
     if schema.weight is not None:
         roles.append((schema.weight, "weight", _dense_type))
@@ -365,18 +420,53 @@ def _check_columns(
     roles += [(name, "sparse feature", _id_type) for name in schema.sparse_names]
     roles += [(name, "key", _any_type) for name in schema.keys if name not in schema.columns]
     for name, role, fits in roles:
-        index = arrow.get_field_index(name)
-        if index < 0:
-            raise DataError(f"{url}: column {name}: missing (the schema's {role})")
-        kind = arrow.field(index).type
+        kind = _column_type(url, arrow, name, role)
         if not fits(kind):
             raise DataError(f"{url}: column {name}: type {kind} cannot be a {role}")
-        first = seen.setdefault(name, (kind, url))
-        if not _same(first[0], kind):
+        _same_as_before(url, name, kind, seen)
+    for feature in schema.sparse:
+        if feature.weights is None:
+            continue
+        name, ids = feature.weights, arrow.field(feature.column).type
+        kind = _column_type(url, arrow, name, f"per-ID weights of {feature.column}")
+        if _is_list(ids):
+            fits = _is_list(kind) and _dense_type(kind.value_type)
+            wanted = "a list of integers or floats a row, as its IDs are a list"
+        else:
+            fits = _dense_type(kind)
+            wanted = "one integer or float a row, as it has one ID a row"
+        if not fits:
             raise DataError(
-                f"{url}: column {name}: type {kind}, but {first[1]} has {first[0]}: every "
-                "day must have the same types"
+                f"{url}: column {name}: type {kind} cannot be the per-ID weights of "
+                f"{feature.column} ({ids}): they must be {wanted}"
             )
+        _same_as_before(url, name, kind, seen)
+    for cross in schema.crosses:
+        for name in cross.columns:
+            kind = arrow.field(name).type  # present and IDs: a declared sparse column
+            if _is_list(kind):
+                raise DataError(
+                    f"{url}: cross {cross.name}: column {name}: type {kind} is a list; a "
+                    "cross takes columns of one ID a row"
+                )
+
+
+def _column_type(url: str, arrow: pa.Schema, name: str, role: str) -> pa.DataType:
+    index = arrow.get_field_index(name)
+    if index < 0:
+        raise DataError(f"{url}: column {name}: missing (the schema's {role})")
+    return arrow.field(index).type
+
+
+def _same_as_before(
+    url: str, name: str, kind: pa.DataType, seen: dict[str, tuple[pa.DataType, str]]
+) -> None:
+    first = seen.setdefault(name, (kind, url))
+    if not _same(first[0], kind):
+        raise DataError(
+            f"{url}: column {name}: type {kind}, but {first[1]} has {first[0]}: every "
+            "day must have the same types"
+        )
 
 
 def _any_type(t: pa.DataType) -> bool:
@@ -397,8 +487,12 @@ def _scalar_id(t: pa.DataType) -> bool:
     return t == pa.int64() or pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
 def _id_type(t: pa.DataType) -> bool:
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
+    if _is_list(t):
         return _scalar_id(t.value_type)
     return _scalar_id(t)
 
@@ -413,10 +507,7 @@ def _same(a: pa.DataType, b: pa.DataType) -> bool:
 
 
 def _multi_hot(arrow: pa.Schema, schema: FeatureSchema) -> bool:
-    return any(
-        pa.types.is_list(arrow.field(n).type) or pa.types.is_large_list(arrow.field(n).type)
-        for n in schema.sparse_names
-    )
+    return any(_is_list(arrow.field(n).type) for n in schema.sparse_names)
 
 
 def _labels(url: str, label: str) -> tuple[int, float]:

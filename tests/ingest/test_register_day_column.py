@@ -194,6 +194,29 @@ def test_a_later_file_is_registered_alone_as_the_next_day(tmp_path):
     assert register_new_days(str(data)).new_days == []
 
 
+@pytest.mark.parametrize(
+    ("kind", "hint"),
+    [
+        (
+            pa.timestamp("ms", "UTC"),
+            "a column of each row's day (seen (timestamp[ms, tz=UTC]) in the data)",
+        ),
+        (pa.int32(), "a date, timestamp or integer column of each row's day"),
+    ],
+    ids=["timestamp-seen", "none-seen"],
+)
+def test_a_flat_folder_without_a_day_column_suggests_one(tmp_path, kind, hint):
+    data = tmp_path / "flat"
+    when = dt.datetime(2026, 11, 1, 12) if pa.types.is_timestamp(kind) else 20261101
+    write_file(data / "a.parquet", [when], kind, 0)
+    with pytest.raises(DataError) as e:
+        register_dataset(str(data), SCHEMA)
+    assert str(e.value) == (
+        f"{data}: no day partitions; expected day=N/ or dt=YYYY-MM-DD/ folders of Parquet, or "
+        f"the schema's day_column naming {hint}"
+    )
+
+
 def test_register_from_the_command_line_with_a_day_column(tmp_path, monkeypatch, capsys):
     data = tmp_path / "data"
     for offset in range(2):
