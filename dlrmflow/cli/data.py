@@ -177,6 +177,13 @@ def schema(
     data: Annotated[
         str, typer.Option(help="Root of the day-partitioned Parquet (day=N/ or dt=YYYY-MM-DD/).")
     ],
+    day_column: Annotated[
+        str | None,
+        typer.Option(
+            help="For data not in day folders: the date, timestamp or integer column of each "
+            "row's day (each file one day's rows); the guess declares it as day_column."
+        ),
+    ] = None,
 ) -> None:
     """Print a feature schema guessed from day-partitioned Parquet, to edit and register.
 
@@ -185,4 +192,4 @@ def schema(
     why. Save it (> schema.yaml), edit it, then: dlrmflow register --schema schema.yaml."""
     from dlrmflow.ingest.infer import infer_schema, schema_yaml
 
-    typer.echo(schema_yaml(infer_schema(data)), nl=False)
+    typer.echo(schema_yaml(infer_schema(data, day_column=day_column)), nl=False)

@@ -3,21 +3,26 @@
 Writing a schema by hand for a table of forty columns is where a new user gives up, and
 most of it can be read off the data: the label is the 0/1 column named like one, floats
 are dense values, strings and lists of IDs are sparse. ``infer_schema`` finds the day
-partitions as ``register`` does, reads every file's footer (rows, and whether a column has
-one type in every file) and a bounded sample of rows (the first row groups of a few files
-spread over the days, first and last day included), and ``schema_yaml`` writes the guess
-as the YAML ``dlrmflow register --schema`` takes, every column annotated with what the
-sample showed (Arrow type, null share, distinct values, list lengths) and every column
-left out listed with the reason. It is a guess: the header says so, and a dataset with no
-column that can be the label gets a placeholder that ``register`` refuses naming it.
+partitions as ``register`` does (folders, or with ``day_column`` each file's day in that
+column, which the guess then declares), reads every file's footer (rows, and whether a
+column has one type in every file) and a bounded sample of rows (the first row groups of a
+few files spread over the days, first and last day included), and ``schema_yaml`` writes
+the guess as the YAML ``dlrmflow register --schema`` takes, every column annotated with
+what the sample showed (Arrow type, null share, distinct values, list lengths) and every
+column left out listed with the reason. It is a guess: the header says so, and a dataset
+with no column that can be the label gets a placeholder that ``register`` refuses naming
+it.
 
 The rules, in order, for a column that is not the label:
 
 - a type no feature takes (times, structs, maps, bytes, decimals, booleans, lists of
   numbers) is left out, with what to do instead;
-- a column unique per row in every file sampled (row numbers, request IDs, UUIDs) is a
-  key: left out, as a model can learn nothing from a value it never sees twice; so is one
-  that is always null or holds one value, and an integer named like a time;
+- an integer named like a time is left out (derive hour or weekday columns from it);
+- a column unique per row in every file sampled (request IDs, UUIDs, row numbers) is a
+  key, not a feature, as a model can learn nothing from a value it never sees twice: the
+  guess declares it in ``keys``, which ``score`` copies beside each prediction (one named
+  as a column of ``score``'s output is left out instead, as ``score`` would refuse it);
+- a column always null or of one value is left out;
 - strings and lists of int64 or strings are sparse;
 - an integer named like an ID (``item_id``, ``userId``, ``sku``), or with hash-like
   magnitudes, is sparse when it is int64 (other widths are left out: cast them);
@@ -50,11 +55,16 @@ import yaml
 
 from dlrmflow.ingest.manifest import join_url
 from dlrmflow.ingest.reader import DataError
-from dlrmflow.ingest.register import find_partitions
+from dlrmflow.ingest.register import NoDayPartitions, find_partitions
 
 SAMPLE_FILES = 3  # files sampled, spread over the days
 SAMPLE_ROWS = 100_000  # rows read from each, from its first row groups
 LABEL_PLACEHOLDER = "EDIT_ME_label_column"
+DAY_COLUMN_OPTION = "--day-column"
+# The columns of score's output (dlrmflow.score.output.SCHEMA, held equal by a test): a key
+# column of one of these names is refused there, so it is never guessed as one. Ingest
+# sits before score, so the names are written out rather than imported.
+SCORE_COLUMNS = ("day", "row", "label", "prediction")
 
 # Names a label goes by, in order of preference.
 _LABEL_NAMES = ("click", "label", "clicked", "target", "y", "is_click")
@@ -125,16 +135,26 @@ class Inference:
     label: Guess | None
     dense: list[Guess] = field(default_factory=list)
     sparse: list[Guess] = field(default_factory=list)
+    keys: list[Guess] = field(default_factory=list)  # unique per row: not features
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (column, why)
+    day_column: tuple[str, pa.DataType] | None = None  # the column of each row's day, its type
 
 
 def infer_schema(
-    url: str, files: int = SAMPLE_FILES, rows_per_file: int = SAMPLE_ROWS
+    url: str,
+    files: int = SAMPLE_FILES,
+    rows_per_file: int = SAMPLE_ROWS,
+    day_column: str | None = None,
 ) -> Inference:
     """Guess the feature schema of the day-partitioned Parquet at ``url`` (see the module's
-    docstring). A folder without day partitions, or a file that is not Parquet, fails in
-    one line naming it."""
-    partitions = find_partitions(url)
+    docstring); ``day_column``: the column of each row's day, for data not in day folders
+    (as the schema's ``day_column``), never a feature. A folder without day partitions
+    fails in one line naming it and the date or timestamp columns that could say its
+    days; so does a file that is not Parquet, or one that gives no one day."""
+    try:
+        partitions = find_partitions(url, day_column)
+    except NoDayPartitions as e:
+        raise NoDayPartitions(e.url, e.candidates, DAY_COLUMN_OPTION) from None
     paths = [join_url(url, f) for p in partitions for f in p.files]
     with ThreadPoolExecutor(min(16, len(paths))) as pool:  # an object store answers slowly
         footers = list(pool.map(_footer, paths))
@@ -154,7 +174,7 @@ def infer_schema(
     profiles = [
         _profile(name, first.field(name).type, [t.column(name) for t in samples])
         for name in first.names
-        if name not in differs
+        if name not in differs and name != day_column
     ]
     label = _label(profiles)
     inference = Inference(
@@ -165,6 +185,7 @@ def infer_schema(
         sampled_files=[paths[i] for i in chosen],
         sampled_rows=sum(t.num_rows for t in samples),
         label=label,
+        day_column=None if day_column is None else (day_column, first.field(day_column).type),
     )
     inference.left_out += [
         (name, f"type differs between files: {why}") for name, why in differs.items()
@@ -177,6 +198,8 @@ def infer_schema(
             inference.dense.append(guess)
         elif role == "sparse":
             inference.sparse.append(guess)
+        elif role == "key":
+            inference.keys.append(guess)
         else:
             inference.left_out.append((profile.name, guess.why))
     _pair_weights(inference, samples, {f.name: f.type for f in first})
@@ -277,6 +300,20 @@ def schema_yaml(inference: Inference) -> str:
                     "a list of numbers as long as this one in every sampled row: a weight per ID",
                 )
             )
+    if inference.keys:
+        lines.append(("keys:", "not features: score copies them beside each prediction"))
+    for guess in inference.keys:
+        lines.append(
+            (f"  - {_yaml_name(guess.profile.name)}", f"{guess.profile.note()}; {guess.why}")
+        )
+    if inference.day_column is not None:
+        name, kind = inference.day_column
+        lines.append(
+            (
+                f"day_column: {_yaml_name(name)}",
+                f"{_type_name(kind)}: each row's day; register groups the files by it",
+            )
+        )
     width = max(len(text) for text, _ in lines) + 2
     out += [f"{text:<{width}}# {note}" if note else text for text, note in lines]
     if inference.left_out:
@@ -434,7 +471,7 @@ def _rate(p: Profile) -> str:
 
 
 def _role(p: Profile) -> tuple[str, Guess]:
-    """``dense``, ``sparse`` or ``out``, with why (see the module's docstring)."""
+    """``dense``, ``sparse``, ``key`` or ``out``, with why (see the module's docstring)."""
     kind, plain = p.type, _plain(p.type)
     out = _unusable(kind)
     if out:
@@ -446,21 +483,26 @@ def _role(p: Profile) -> tuple[str, Guess]:
         if p.length_p99 and p.length_max is not None and p.length_max > 2 * p.length_p99:
             guess.max_length = p.length_p99
         return "sparse", guess
-    if p.unique_per_file and (pa.types.is_integer(plain) or _is_string(plain)):
+    if pa.types.is_integer(plain) and _TIME_NAME.search(p.name):
         return "out", Guess(
-            p, f"{_type_name(kind)}, unique per row in every file sampled: a key, not a feature"
+            p,
+            f"{_type_name(kind)} named like a time: not a feature as it is (derive hour "
+            "or weekday columns from it)",
         )
+    if p.unique_per_file and (pa.types.is_integer(plain) or _is_string(plain)):
+        unique = f"{_type_name(kind)}, unique per row in every file sampled: a key"
+        if p.name in SCORE_COLUMNS:
+            return "out", Guess(
+                p,
+                f"{unique}, but score's output has a column {p.name} (rename it to copy it "
+                "beside each prediction)",
+            )
+        return "key", Guess(p, "unique per row in every file sampled: a key, not a feature")
     if p.distinct == 1 and p.nulls == 0 and p.nans == 0:
         return "out", Guess(p, f"{_type_name(kind)}: one value in the sample, nothing to learn")
     if _is_string(plain):
         return "sparse", Guess(p, "string IDs")
     if pa.types.is_integer(plain):
-        if _TIME_NAME.search(p.name):
-            return "out", Guess(
-                p,
-                f"{_type_name(kind)} named like a time: not a feature as it is (derive hour "
-                "or weekday columns from it)",
-            )
         hashed = max(abs(p.low or 0), abs(p.high or 0)) >= _HASH_LIKE
         many = p.distinct > max(_MANY_DISTINCT, 0.01 * (p.rows - p.nulls))
         if _ID_NAME.search(p.name) or hashed or not (many or p.binary):

@@ -64,14 +64,20 @@ _FOOTER_THREADS = 16
 
 class NoDayPartitions(DataError):
     """A folder without day folders: its days may be in a column, and the message says
-    which of its columns could say them (``date_columns``)."""
+    which of its columns could say them (``date_columns``) and ``how`` to name one (the
+    schema's ``day_column``, or a command's option)."""
 
-    def __init__(self, url: str, candidates: list[tuple[str, pa.DataType]]) -> None:
+    def __init__(
+        self,
+        url: str,
+        candidates: list[tuple[str, pa.DataType]],
+        how: str = "the schema's day_column",
+    ) -> None:
         self.url = url
         self.candidates = candidates
         super().__init__(
             f"{url}: no day partitions; expected day=N/ or dt=YYYY-MM-DD/ folders of Parquet, "
-            f"or the schema's day_column naming {_day_column_hint(candidates)}"
+            f"or {how} naming {_day_column_hint(candidates)}"
         )
 
 

@@ -5,9 +5,6 @@ the file and the column (and the cross)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +19,7 @@ from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.schema import Cross, FeatureSchema, SparseFeature
+from tests.conftest import run_cli
 
 ROWS = 40
 
@@ -188,19 +186,15 @@ def test_a_crossed_list_is_refused_naming_the_cross_and_the_column(tmp_path, kin
     )
 
 
-def test_register_command_refuses_a_bad_weight_column_in_one_line(tmp_path):
+def test_register_command_refuses_a_bad_weight_column_in_one_line(tmp_path, monkeypatch, capsys):
     root = _write_days(tmp_path / "data", {"tags": LIST, "tags_w": pa.float32()})
     schema = tmp_path / "schema.yaml"
     schema.write_text("label: click\nsparse:\n  - column: tags\n    weights: tags_w\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "dlrmflow", "register", "--data", str(root)]
-        + ["--schema", str(schema)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "DLRMFLOW_DEBUG": ""},
+    code, printed, err = run_cli(
+        monkeypatch, capsys, "register", "--data", str(root), "--schema", str(schema)
     )
-    assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.strip().splitlines() == [
+    assert code == 1 and printed == ""
+    assert err == [
         f"error: {root}/day=0/part-0.parquet: column tags_w: type float cannot be the per-ID "
         "weights of tags (list<element: int64>): they must be a list of integers or floats a "
         "row, as its IDs are a list"
