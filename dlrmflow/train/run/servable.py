@@ -11,6 +11,10 @@ dlrmflow, no training code. The program takes plain tensors in the project's
 * ``offsets``: int64 ``[T * B + 1]``, where bag ``k * B + i`` (feature ``k``, sample
   ``i``) holds ``values[offsets[k * B + i]:offsets[k * B + i + 1]]``; an empty bag is a
   missing ID;
+* ``weights`` (only a model with per-ID weights: schema ``weights`` on some feature):
+  float32 ``[N]``, each ID's weight, 1 for the IDs of features without weights; a bag is
+  the weighted sum of its rows, as in training. A model without them keeps the
+  three-input program it always had;
 * output: float32 ``[B]``, ``sigmoid`` of the click logit.
 
 ``B`` (at least 1) and ``N`` (at least 0) are dynamic. The program checks the layout and
@@ -45,15 +49,13 @@ the checkpoint and step, the quantization and this input convention) travels in 
 archive as JSON (``extra_files``); ``load_servable`` reads it back with the program.
 
 How a serving system without dlrmflow makes the inputs from a raw row is in that JSON too
-(``raw_inputs``, ``raw_recipe``): each dense column's fill and transform, in ``dense``'s
-order; each sparse column, in ``values``' key order, with its table's rows and its hash
-salt; string IDs become int64 by FNV-1a 64 over their UTF-8 bytes and then splitmix64's
-finalizer (``dlrmflow.ingest.strings``); an int64 ID ``x`` becomes the row
-``((h(x + salt) >> 32) * rows) >> 32`` in uint64 arithmetic, where
-``h(z) = z ^= z >> 32; z *= 0xBF58476D1CE4E5B9; z ^= z >> 32; z *= 0x94D049BB133111EB``
-(``features.ids.HashIds``). A vocabulary run's rows come from its ``vocab.npz`` instead,
-which the recipe names. ``tests/train/run/test_servable_raw.py`` builds the inputs from
-the recipe alone and gets the checkpoint's scores.
+(``raw_inputs``, ``recipe.raw_recipe``): each dense column's fill and transform
+(standardize's mean and deviation), in ``dense``'s order; each sparse feature, in
+``values``' key order, with the column(s) it reads and how they become rows: string IDs
+hashed to int64, list cuts, per-ID weights, the hash with its salt or the vocabulary,
+crosses' and buckets' formulas, each written out with its constants.
+``tests/train/run/test_servable_raw.py`` builds the inputs from the recipe alone and gets
+dlrmflow's scores.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.outputs import atomic_path, output_target
 from dlrmflow.supervise import interrupt_on_signals, signals_deferred
+from dlrmflow.train.run.recipe import program_inputs, raw_recipe
 
 if TYPE_CHECKING:
     from dlrmflow.train.run.checkpoint import Checkpoint
@@ -88,6 +91,7 @@ __all__ = [
     "Servable",
     "ServableDLRM",
     "ServableError",
+    "WeightedServableDLRM",
     "export_run",
     "export_servable",
     "is_servable",
@@ -103,14 +107,6 @@ VERIFY_ROWS = 50_000
 METADATA_FILE = "dlrmflow/servable.json"
 KIND = "dlrmflow-servable"
 VERSION = 1
-INPUTS = {
-    "dense": "float32 [B, n_dense]: the transformed dense features, as Batch.dense",
-    "values": "int64 [N]: embedding rows, key-major (all samples' IDs of feature 0, then 1, ...)",
-    "offsets": "int64 [T*B+1]: bag k*B+i (feature k, sample i) is values[offsets[k*B+i]:"
-    "offsets[k*B+i+1]]; an empty bag is a missing ID",
-    "output": "float32 [B]: click probabilities",
-    "dynamic": "B >= 1 and N >= 0",
-}
 
 
 class ServableError(DlrmflowError):
@@ -124,7 +120,11 @@ class ServableDLRM(nn.Module):
     training model can be dropped. ``forward(dense, values, offsets)`` returns the click
     probabilities (see the module docstring for the layout). Written with nothing the
     exporter cannot trace: no Python branch on tensor values, no data-dependent shape.
+    A spec with per-ID weights takes ``WeightedServableDLRM``, whose program has them as
+    an input.
     """
+
+    takes_weights = False
 
     def __init__(
         self,
@@ -153,6 +153,12 @@ class ServableDLRM(nn.Module):
                     f"table {feature.name!r} has {table.shape[0]} rows, its spec "
                     f"{feature.num_embeddings}"
                 )
+        weighted = _weighted(spec)
+        if bool(weighted) != self.takes_weights:
+            raise ValueError(
+                f"features with per-ID weights {weighted}: build a WeightedServableDLRM "
+                "for them, a ServableDLRM without"
+            )
         self.arch = arch
         self.quantize = quantize
         self.n_tables = len(tables)
@@ -197,7 +203,8 @@ class ServableDLRM(nn.Module):
             raise ValueError(f"the model's tables {bag.names} differ from the spec's features")
         arch = model.dense_arch
         tables = [bag.table(name).detach().cpu() for name in bag.names]
-        return cls(
+        kind = WeightedServableDLRM if _weighted(spec) else ServableDLRM
+        return kind(
             spec,
             tables,
             copy.deepcopy(arch.bottom).float().cpu(),
@@ -215,6 +222,17 @@ class ServableDLRM(nn.Module):
     def forward(
         self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
+        return self._probabilities(dense, values, offsets, None)
+
+    def _probabilities(
+        self,
+        dense: torch.Tensor,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The click probabilities; ``weights`` (None: unweighted) scale each ID's row in
+        its bag's sum, as the training's bag does."""
         batch, n_ids, n_tables = dense.shape[0], values.shape[0], self.n_tables
         # Each ID's table: the bags are key-major, so table k's IDs end where its last bag does.
         table_ends = offsets[1:].view(n_tables, batch)[:, -1].contiguous()
@@ -229,13 +247,20 @@ class ServableDLRM(nn.Module):
             & (values >= 0).all()
             & (values < self.table_rows[table]).all()
         )
-        torch._assert_async(
-            well_formed,
-            "servable inputs: offsets must rise from 0 to len(values) and every ID must lie "
-            "in its feature's table",
-        )
+        if weights is None:
+            torch._assert_async(
+                well_formed,
+                "servable inputs: offsets must rise from 0 to len(values) and every ID must lie "
+                "in its feature's table",
+            )
+        else:
+            torch._assert_async(
+                well_formed & torch.isfinite(weights).all(),
+                "servable inputs: offsets must rise from 0 to len(values), every ID must lie "
+                "in its feature's table and every weight must be finite",
+            )
         rows = values + self.table_start[table]
-        pooled = self._pool(rows, offsets)  # [T * B, dim], key-major bags
+        pooled = self._pool(rows, offsets, weights)  # [T * B, dim], key-major bags
         if self.has_mean:
             lengths = offsets[1:] - offsets[:-1]
             mean = self.is_mean[:, None].expand(n_tables, batch).reshape(-1)
@@ -251,23 +276,57 @@ class ServableDLRM(nn.Module):
             features = self.cross(torch.cat([dense_out, pooled], dim=1))
         return torch.sigmoid(self.top(features).squeeze(1))
 
-    def _pool(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Sum of each bag's rows, float32, by the stored precision's kernel."""
+    def _pool(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(Weighted) sum of each bag's rows, float32, by the stored precision's kernel."""
         if self.quantize == "int8":
             return torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-                self.weight, rows, offsets, False, 0, False, None, None, True
+                self.weight, rows, offsets, False, 0, False, weights, None, True
             )
         if self.quantize == "fp16":
             gathered = self.weight.index_select(0, rows).float()
             positions = torch.arange(rows.shape[0], device=rows.device)
             return F.embedding_bag(
-                positions, gathered, offsets, mode="sum", include_last_offset=True
+                positions,
+                gathered,
+                offsets,
+                mode="sum",
+                per_sample_weights=weights,
+                include_last_offset=True,
             )
-        return F.embedding_bag(rows, self.weight, offsets, mode="sum", include_last_offset=True)
+        return F.embedding_bag(
+            rows,
+            self.weight,
+            offsets,
+            mode="sum",
+            per_sample_weights=weights,
+            include_last_offset=True,
+        )
+
+
+class WeightedServableDLRM(ServableDLRM):
+    """A ``ServableDLRM`` whose spec has per-ID weights: ``forward`` takes them as a fourth
+    input, ``weights`` (float32 ``[N]``, one per ID of ``values``: the feature's weight, 1
+    for IDs of features without any), which scale each ID's row in its bag's sum as the
+    training's bag scales it. A class of its own so that a model without weights keeps
+    its three-input program."""
+
+    takes_weights = True
+
+    def forward(  # type: ignore[override]
+        self,
+        dense: torch.Tensor,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._probabilities(dense, values, offsets, weights)
 
 
 def example_inputs(spec: FeatureSpec, batch: int = 3) -> tuple[torch.Tensor, ...]:
-    """A small valid input to trace with: bags of 0 to 2 IDs, row 0 of each table.
+    """A small valid input to trace with: bags of 0 to 2 IDs, row 0 of each table (and a
+    weight of 1 for each ID, where the spec has per-ID weights).
 
     ``batch`` and the ID count must not be 0 or 1 (the exporter would specialize those
     sizes), nor equal (it might take them for one size).
@@ -281,7 +340,15 @@ def example_inputs(spec: FeatureSpec, batch: int = 3) -> tuple[torch.Tensor, ...
     offsets = torch.zeros(n_tables * batch + 1, dtype=torch.int64, device="cpu")
     torch.cumsum(lengths, 0, out=offsets[1:])
     values = torch.zeros(int(offsets[-1]), dtype=torch.int64, device="cpu")
-    return torch.zeros(batch, len(spec.dense), device="cpu"), values, offsets
+    dense = torch.zeros(batch, len(spec.dense), device="cpu")
+    if not _weighted(spec):
+        return dense, values, offsets
+    return dense, values, offsets, torch.ones(len(values), device="cpu")
+
+
+def _weighted(spec: FeatureSpec) -> list[str]:
+    """The features of ``spec`` with per-ID weights: the program then takes ``weights``."""
+    return [f.name for f in spec.sparse if f.weights is not None]
 
 
 def export_program(module: ServableDLRM, spec: FeatureSpec) -> torch.export.ExportedProgram:
@@ -293,6 +360,8 @@ def export_program(module: ServableDLRM, spec: FeatureSpec) -> torch.export.Expo
         "values": {0: ids},
         "offsets": {0: len(spec.sparse) * batch + 1},
     }
+    if _weighted(spec):
+        dynamic["weights"] = {0: ids}  # one per ID: the program checks the sizes agree
     module.eval()
     with torch.no_grad():
         return torch.export.export(module, example_inputs(spec), dynamic_shapes=dynamic)
@@ -313,10 +382,26 @@ class Servable:
     path: Path
 
     def __call__(
-        self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
+        self,
+        dense: torch.Tensor,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Click probabilities ``[B]`` of one batch in the program's layout (on the CPU,
-        cast to the program's dtypes). An empty batch scores to an empty tensor."""
+        cast to the program's dtypes). ``weights``: one per ID of ``values``, which a
+        program of a spec with per-ID weights needs and any other refuses. An empty batch
+        scores to an empty tensor."""
+        weighted = _weighted(self.spec)
+        if weighted and weights is None:
+            raise ServableError(
+                f"{self.path}: the program takes per-ID weights (of {', '.join(weighted)}; "
+                "1 for other features' IDs); none were given"
+            )
+        if not weighted and weights is not None:
+            raise ServableError(
+                f"{self.path}: the program takes no per-ID weights; weights were given"
+            )
         dense = dense.detach().to("cpu", torch.float32)
         if dense.shape[0] == 0:
             return torch.empty(0, device="cpu")
@@ -326,30 +411,45 @@ class Servable:
                 f"{self.path}: offsets has {offsets.numel()} entries; {dense.shape[0]} samples "
                 f"of {n_tables} features need {n_tables * dense.shape[0] + 1}"
             )
+        inputs = [
+            dense.contiguous(),
+            values.to("cpu", torch.int64).contiguous(),
+            offsets.to("cpu", torch.int64).contiguous(),
+        ]
+        if weights is not None:
+            if weights.numel() != values.numel():
+                raise ServableError(
+                    f"{self.path}: {weights.numel()} weights for {values.numel()} IDs; "
+                    "the program takes one weight per ID"
+                )
+            inputs.append(weights.detach().to("cpu", torch.float32).contiguous())
         with torch.no_grad():
-            return self.program(
-                dense.contiguous(),
-                values.to("cpu", torch.int64).contiguous(),
-                offsets.to("cpu", torch.int64).contiguous(),
-            )
+            return self.program(*inputs)
 
     def predict_batch(self, batch: Batch) -> torch.Tensor:
         """Click probabilities ``[len(batch)]`` of a project ``Batch``, one-hot (``-1`` rows
-        become empty bags) or jagged. Per-ID weights are refused: the program has none."""
+        become empty bags) or jagged, with its per-ID weights where the program takes them
+        (a batch without, or with weights the program does not take, is refused)."""
         sparse = batch.sparse
         if sparse.keys != self.spec.sparse_names:
             raise ServableError(
                 f"{self.path}: batch features {sparse.keys} differ from the export's "
                 f"{self.spec.sparse_names}"
             )
-        if sparse.weights is not None:
+        weighted = _weighted(self.spec)
+        if sparse.weights is not None and not weighted:
             raise ServableError(
                 f"{self.path}: the servable takes unweighted IDs; this batch has weights"
+            )
+        if weighted and sparse.weights is None:
+            raise ServableError(
+                f"{self.path}: the servable takes per-ID weights (of {', '.join(weighted)}); "
+                "this batch has none"
             )
         if len(batch) == 0:
             return torch.empty(0, device="cpu")
         sparse = sparse.to("cpu")  # the jagged form is built on the CPU
-        return self(batch.dense, sparse.values, sparse.offsets())
+        return self(batch.dense, sparse.values, sparse.offsets(), sparse.weights)
 
 
 def archive_metadata(path: Path) -> dict[str, Any] | None:
@@ -514,31 +614,6 @@ def export_run(
         )
 
 
-def raw_recipe(spec: FeatureSpec, config: RunConfig) -> dict[str, Any]:
-    """How the program's inputs are made from a raw row (see the module's docstring)."""
-    from dlrmflow.features.ids import feature_salt
-    from dlrmflow.schema import DenseFeature
-
-    dense = spec.dense_transforms or tuple(DenseFeature(column=c) for c in spec.dense)
-    hashed = config.features.ids == "hash"
-    return {
-        "label": spec.label,
-        "dense": [d.model_dump(mode="json") for d in dense],
-        "sparse": [
-            {"column": f.name, "rows": f.num_embeddings}
-            | ({"salt": feature_salt(f.name)} if hashed else {})
-            for f in spec.sparse
-        ],
-        "ids": "hash" if hashed else "vocab (the run's vocab.npz: its ID -> row tables)",
-        "string_ids": "FNV-1a 64 over the UTF-8 bytes, then z ^= z >> 30; "
-        "z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31",
-        "row": "((h(x + salt) >> 32) * rows) >> 32, h(z): z ^= z >> 32; "
-        "z *= 0xBF58476D1CE4E5B9; z ^= z >> 32; z *= 0x94D049BB133111EB (uint64)",
-        "dense_transforms": "fill nulls and NaN, then log: log1p(max(x, 0)); clip: "
-        "min(max(x, clip_min), clip_max); none: x; as float32",
-    }
-
-
 def export_servable(
     checkpoint: str | Path,
     out: str | Path,
@@ -581,8 +656,8 @@ def export_servable(
         "arch": module.arch,
         "spec": ckpt.spec.to_dict(),
         "config": ckpt.config.model_dump(mode="json"),
-        "inputs": INPUTS,
-        "raw_inputs": raw_recipe(ckpt.spec, ckpt.config),
+        "inputs": program_inputs(ckpt.spec),
+        "raw_inputs": raw_recipe(ckpt.spec, ckpt.config, run_dir),
         "table_bytes": module.table_bytes,
         "torch": torch.__version__,
         "trained_multi_hot": ckpt.multi_hot,  # a one-hot model refuses multi-hot data
