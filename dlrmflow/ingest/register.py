@@ -488,8 +488,9 @@ def _dense_type(t: pa.DataType) -> bool:
 
 
 def _scalar_id(t: pa.DataType) -> bool:
+    """int64 or string IDs, or such behind signed dictionary indices (the transform's)."""
     if pa.types.is_dictionary(t):
-        return _scalar_id(t.value_type)
+        return _scalar_id(t.value_type) and pa.types.is_signed_integer(t.index_type)
     return t == pa.int64() or pa.types.is_string(t) or pa.types.is_large_string(t)
 
 

@@ -136,6 +136,31 @@ def test_per_id_weights_register_exactly_where_the_transform_takes_them(
     assert not (root / "manifest.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("indices", "fits"), [(pa.int8(), True), (pa.uint8(), False)], ids=["signed", "unsigned"]
+)
+def test_dictionary_ids_register_exactly_where_the_transform_takes_them(tmp_path, indices, fits):
+    root = tmp_path / "data"
+    for day in range(2):
+        ids = pa.DictionaryArray.from_arrays(
+            pa.array([i % 3 for i in range(ROWS)], indices), pa.array(["a", "b", "c"])
+        )
+        (root / f"day={day}").mkdir(parents=True)
+        table = pa.table({"click": pa.array([day] * ROWS, pa.int8()), "ids": ids})
+        pq.write_table(table, root / f"day={day}" / "part-0.parquet")
+    schema = FeatureSchema(label="click", sparse=(SparseFeature(column="ids"),))
+    assert _transform_accepts(root, schema) == fits
+    if fits:
+        assert register_dataset(str(root), schema).cardinalities == {"ids": 3}
+        return
+    with pytest.raises(DataError) as caught:
+        register_dataset(str(root), schema)
+    assert str(caught.value) == (
+        f"{root}/day=0/part-0.parquet: column ids: type dictionary<values=string, "
+        "indices=uint8, ordered=0> cannot be a sparse feature"
+    )
+
+
 def test_a_missing_weight_column_is_named(tmp_path):
     root = _write_days(tmp_path / "data", {"ids": LIST})
     with pytest.raises(DataError) as caught:
