@@ -123,13 +123,20 @@ def _run_dir_of(checkpoint: Path) -> Path:
 
 
 def _ids(config: RunConfig, spec: FeatureSpec, run_dir: Path | None, model: str) -> IdMapper:
-    """The run's ID mapping: hashing needs only the spec; a vocabulary is the run's file,
-    which an export does not carry (its metadata names the run directory it came from)."""
-    if config.features.ids == "vocab":
+    """The run's ID mapping: hashing needs only the spec; a vocabulary (the run's
+    ``features.ids``, or a feature's own ``ids: vocab``) is the run's file, which an
+    export does not carry (its metadata names the run directory it came from)."""
+    looked_up = [f.name for f in spec.sparse if f.mapping(config.features.ids) == "vocab"]
+    if looked_up:
         where = run_dir / VOCAB_FILE if run_dir is not None else None
         if where is None or not where.is_file():
+            why = (
+                "features.ids=vocab"
+                if config.features.ids == "vocab"
+                else f"feature {looked_up[0]}: ids vocab"
+            )
             raise ModelNotFound(
-                f"{model}: its IDs map through a vocabulary (features.ids=vocab), and "
+                f"{model}: its IDs map through a vocabulary ({why}), and "
                 f"{where or 'no run directory'} holds none; score the run directory instead"
             )
     return load_ids(config.features.ids, spec, run_dir if run_dir is not None else Path("."))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from dlrmflow.config import build_config
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.schema import parse_schema
+from dlrmflow.score.model import ModelNotFound
+from dlrmflow.score.score import score_dataset
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.data import load_ids
 from dlrmflow.train.run.servable import ServableError, export_servable, load_servable
@@ -340,3 +343,34 @@ def test_quantized_tables_take_per_id_weights(
     result = export_servable(run_dir, tmp_path / "model.pt2", quantize=quantize)
     check = result["verify"]
     assert check["rows"] == 1200 and 0 < check["max_abs_diff"] < tolerance, check
+
+
+def test_scoring_with_the_export_equals_scoring_with_the_checkpoint(
+    every_operation: tuple[Path, Path, dict], tmp_path: Path
+):
+    """``dlrmflow score --model model.pt2`` feeds the per-ID weights to the program."""
+    data, run_dir, result = every_operation
+    by_export = score_dataset(result["out"], str(data), tmp_path / "a", days="2")
+    by_checkpoint = score_dataset(str(run_dir), str(data), tmp_path / "b", days="2")
+    assert by_export["rows"] == by_checkpoint["rows"] == 1200
+    a = pq.read_table(tmp_path / "a").sort_by("row")
+    b = pq.read_table(tmp_path / "b").sort_by("row")
+    assert a["prediction"].equals(b["prediction"])
+
+
+def test_an_export_whose_vocabulary_is_gone_is_refused_in_one_line(
+    every_operation: tuple[Path, Path, dict], tmp_path: Path
+):
+    """One feature's vocabulary (``ids: vocab``, the run hashing the others) lives in the
+    run directory, not in the archive: scoring without it names the feature."""
+    data, run_dir, _ = every_operation
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    export_servable(copy, tmp_path / "model.pt2", verify_rows=0)
+    (copy / "vocab.npz").unlink()
+    with pytest.raises(ModelNotFound) as failed:
+        score_dataset(tmp_path / "model.pt2", str(data), tmp_path / "out", days="2")
+    line = str(failed.value)
+    assert "\n" not in line
+    assert "its IDs map through a vocabulary (feature user_id: ids vocab), and " in line
+    assert f"{copy / 'vocab.npz'} holds none" in line
