@@ -328,3 +328,86 @@ def inverse_permutation(order: np.ndarray, dest: np.ndarray) -> bool:
         if dest[order[j]] != j:
             return False
     return True
+
+
+# Bags gathered in emission order read their rows' lengths and starts from anywhere in the
+# window (a batch's rows ascend through it): asked for this many bags ahead, and the
+# bags' values half as far ahead (by then their start is cached).
+_BAGS_AHEAD = 32
+
+
+@numba.njit(nogil=True, cache=True)
+def bag_starts(
+    lengths: np.ndarray, first: int, base: int, out_lengths: np.ndarray, out_starts: np.ndarray
+) -> int:
+    """A jagged block's bags (``lengths``, key-major [keys, n]; their values key-major from
+    ``base`` of the window's values) as rows ``first:first + n`` of the window's
+    ``out_lengths`` and ``out_starts`` ([keys, window rows]); returns where the next
+    block's values start."""
+    for k in range(lengths.shape[0]):
+        row, into_lengths, into_starts = lengths[k], out_lengths[k], out_starts[k]
+        for i in range(lengths.shape[1]):
+            into_lengths[first + i] = row[i]
+            into_starts[first + i] = base
+            base += row[i]
+    return base
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_bags(
+    order: np.ndarray,
+    lengths: np.ndarray,
+    starts: np.ndarray,
+    values: np.ndarray,
+    weights: np.ndarray,
+    out_lengths: np.ndarray,
+    out_values: np.ndarray,
+    out_weights: np.ndarray,
+) -> None:
+    """The jagged window in emission order: bag ``(k, order[j])`` (``lengths`` and
+    ``starts`` [keys, rows] into ``values`` and ``weights``, or empty for none) becomes bag
+    ``(k, j)``, key-major, its values (and weights) one after another.
+
+    The writes are one sequential stream; the reads follow each batch's rows up through the
+    window, asked for ahead (see ``_BAGS_AHEAD``).
+    """
+    weighted = weights.shape[0] != 0
+    n = order.shape[0]
+    values_base, weights_base = values.ctypes.data, weights.ctypes.data
+    to = 0
+    for k in range(lengths.shape[0]):
+        row_lengths, row_starts, into = lengths[k], starts[k], out_lengths[k]
+        lengths_base, starts_base = row_lengths.ctypes.data, row_starts.ctypes.data
+        for j in range(n):
+            if j + 2 * _BAGS_AHEAD < n:
+                r = order[j + 2 * _BAGS_AHEAD]
+                prefetch_read(lengths_base + r * 4)
+                prefetch_read(starts_base + r * 8)
+            if j + _BAGS_AHEAD < n:
+                at = row_starts[order[j + _BAGS_AHEAD]]
+                prefetch_read(values_base + at * 8)
+                if weighted:
+                    prefetch_read(weights_base + at * 4)
+            r = order[j]
+            size, at = row_lengths[r], row_starts[r]
+            into[j] = size
+            for m in range(size):
+                out_values[to + m] = values[at + m]
+            if weighted:
+                for m in range(size):
+                    out_weights[to + m] = weights[at + m]
+            to += size
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_samples(values: np.ndarray, order: np.ndarray, out: np.ndarray) -> None:
+    """``out[j] = values[order[j]]`` for sample-major rows (dense features, labels as one
+    column, one-hot IDs), each row asked for ``_BAGS_AHEAD`` rows ahead."""
+    n = order.shape[0]
+    base, stride = values.ctypes.data, values.strides[0]
+    for j in range(n):
+        if j + _BAGS_AHEAD < n:
+            prefetch_read(base + order[j + _BAGS_AHEAD] * stride)
+        r = order[j]
+        for k in range(values.shape[1]):
+            out[j, k] = values[r, k]

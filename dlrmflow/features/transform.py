@@ -776,6 +776,8 @@ class BatchTransform:
         one after another (``order`` is a permutation of their rows). On the compiled path
         every row is written straight to its place, so neither the concatenation nor the
         gather costs a pass of its own, and the batches cut from the result are views.
+        Other layouts transform each table, then write its rows and bags to their places
+        (``_shuffled``).
         """
         n = sum(t.num_rows for t in tables)
         order, dest = _destinations(order, n)
@@ -787,7 +789,7 @@ class BatchTransform:
             layout, columns, lengths = self._read(table)
             if lengths is not None:
                 return self._compiled(columns, layout, lengths, dest)
-        return Batch.concat([self(t) for t in tables]).take(order)
+        return _shuffled([self(t) for t in tables], order)
 
     def window_writer(self, order: np.ndarray, dest: np.ndarray | None = None) -> WindowWriter:
         """A ``WindowWriter`` for ``window(tables, order)``: the same ``Batch``, built as
@@ -1152,8 +1154,10 @@ class WindowWriter:
     rows are written straight to their shuffled places as it arrives and the table is not
     kept: the reader transforms a row group right after decoding it, while its columns are
     still in cache, and frees it before decoding the next (a whole window decoded first
-    no longer fits in cache when it is transformed). Other layouts keep the tables and
-    hand them to ``window`` at ``finish``.
+    no longer fits in cache when it is transformed). Other layouts (lists, per-ID weights,
+    dictionaries, declared transforms ...) are transformed as they arrive too, and at
+    ``finish`` each block's rows and bags are written straight to their places
+    (``_shuffled``), rather than concatenated and then gathered.
 
     Used by one thread at a time; ``add`` raises for a table whose rows overflow
     ``order`` or whose layout differs from the compiled one of the tables before it.
@@ -1175,7 +1179,8 @@ class WindowWriter:
         # Decided by the first table with rows: the compiled path's arrays, or (when it
         # does not apply) the tables, kept for ``window``.
         self._out: _Rows | None = None
-        self._tables: list[pa.Table] = []
+        self._tables: list[pa.Table] = []  # tables without rows, before the path is decided
+        self._blocks: list[Batch] = []  # the transformed tables, where not compiled
         self._decided = False
 
     def add(self, table: pa.Table) -> None:
@@ -1184,11 +1189,13 @@ class WindowWriter:
         if start + n > len(self._dest):
             raise ValueError(f"window: {start + n} rows added, but order holds {len(self._dest)}")
         self._start += n
+        t = self._transform
         if n == 0 or (self._decided and self._out is None):
-            if self._out is None:
+            if self._decided:
+                self._blocks.append(t(table))
+            elif self._out is None:
                 self._tables.append(table)
             return
-        t = self._transform
         layout, columns, lengths = t._read(table)
         if layout.compiled and lengths is None:
             # Columns chunked differently: one chunk each, and the compiled path applies.
@@ -1200,7 +1207,9 @@ class WindowWriter:
                     "the tables of one window must share one schema"
                 )
             self._decided = True
-            self._tables.append(table)
+            # Transformed now, while its columns are in cache.
+            self._blocks = [t(x) for x in self._tables] + [t(table)]
+            self._tables = []
             return
         if not self._decided:
             self._decided, self._tables = True, []
@@ -1216,6 +1225,93 @@ class WindowWriter:
             )
         if self._out is not None:
             return self._transform._finish(self._out)
+        if self._blocks:
+            return _shuffled(self._blocks, self._order)
         if not self._tables:
             return self._transform._empty()
         return self._transform.window(self._tables, self._order)
+
+
+def _shuffled(blocks: list[Batch], order: np.ndarray) -> Batch:
+    """``Batch.concat(blocks).take(order)``, gathered in one compiled pass per part.
+
+    ``KeyedJaggedTensor.take`` works out every ID's position in numpy (a repeat and an
+    arange the size of the window's IDs) before gathering; here each bag is copied in
+    emission order straight from the joined blocks' values, the writes one sequential
+    stream. (A scatter from each block to its place instead writes to every batch at
+    once, at places a batch apart, which share cache sets.) Blocks of mixed forms (one-hot
+    and jagged, with and without weights) take the plain way, which also raises where
+    they cannot be joined.
+    """
+
+    def form(b: Batch) -> tuple[object, ...]:
+        s = b.sparse
+        rows = s.one_hot_rows
+        return (
+            b.dense.shape[1],
+            b.dense.dtype,
+            None if rows is None else rows.dtype,
+            s.weights is None,
+            b.sample_weights is None,
+            tuple(s.keys),
+        )
+
+    forms = {form(b) for b in blocks}
+    if len(forms) != 1 or blocks[0].dense.dtype != torch.float32:
+        return Batch.concat(blocks).take(order)
+    n, first = len(order), blocks[0]
+    keys = list(first.sparse.keys)
+
+    def gathered(parts: list[torch.Tensor]) -> torch.Tensor:
+        """Sample-major ``parts`` (one per block), joined and gathered in emission order."""
+        arrays = [p.numpy() for p in parts]
+        joined = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        out = np.empty((n, *joined.shape[1:]), joined.dtype)
+        width = int(np.prod(joined.shape[1:]))  # 1 for a 1-D part
+        jit.gather_samples(joined.reshape(n, width), order, out.reshape(n, width))
+        return torch.from_numpy(out)
+
+    weights_of_samples = [b.sample_weights for b in blocks]
+    sample_weights = None
+    if first.sample_weights is not None:
+        sample_weights = gathered([w for w in weights_of_samples if w is not None])
+    one_hot = [b.sparse.one_hot_rows for b in blocks]
+    if first.sparse.one_hot_rows is not None:
+        rows = gathered([r for r in one_hot if r is not None])
+        sparse = KeyedJaggedTensor.from_one_hot(keys, rows)
+    else:
+        sparse = _gathered_bags([b.sparse for b in blocks], order)
+    return Batch(
+        dense=gathered([b.dense for b in blocks]),
+        sparse=sparse,
+        labels=gathered([b.labels for b in blocks]),
+        sample_weights=sample_weights,
+    )
+
+
+def _gathered_bags(parts: list[KeyedJaggedTensor], order: np.ndarray) -> KeyedJaggedTensor:
+    """``KeyedJaggedTensor.concat(parts).take(order)`` for jagged parts that all carry
+    weights or none, in one compiled pass (``jit.gather_bags``)."""
+    keys, n = list(parts[0].keys), len(order)
+    lengths = np.empty((len(keys), n), np.int32)
+    starts = np.empty((len(keys), n), np.int64)
+    base = row = 0
+    for p in parts:
+        block_lengths = p.lengths.numpy().reshape(len(keys), p.stride)
+        base = jit.bag_starts(block_lengths, row, base, lengths, starts)
+        row += p.stride
+    values = np.concatenate([p.values.numpy() for p in parts])
+    weights = [p.weights.numpy() for p in parts if p.weights is not None]
+    joined_weights = np.concatenate(weights) if weights else np.zeros(0, np.float32)
+    out_lengths = np.empty((len(keys), n), np.int32)
+    out_values = np.empty(len(values), np.int64)
+    out_weights = np.empty(len(joined_weights), np.float32)
+    jit.gather_bags(
+        order, lengths, starts, values, joined_weights, out_lengths, out_values, out_weights
+    )
+    return KeyedJaggedTensor(
+        keys,
+        torch.from_numpy(out_values),
+        torch.from_numpy(out_lengths.reshape(-1)),
+        torch.from_numpy(out_weights) if weights else None,
+    )
