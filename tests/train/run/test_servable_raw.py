@@ -19,7 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from typer.testing import CliRunner
 
+from dlrmflow.cli import app
 from dlrmflow.config import build_config
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.register import register_dataset
@@ -235,8 +237,8 @@ crosses:
 
 @pytest.fixture(scope="module")
 def every_operation(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
-    """A tiny model of a schema with every operation, exported and checked on its held-out
-    day: (data, run directory, export's result)."""
+    """A tiny model of a schema with every operation, exported (``dlrmflow export --format
+    torch-export``) and checked on its held-out day: (data, run directory, its result)."""
     root = tmp_path_factory.mktemp("every_operation")
     data = root / "data"
     write_days(data)
@@ -250,8 +252,13 @@ def every_operation(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
         }
     )
     train(config)
-    result = export_servable(root / "run", root / "model.pt2")
-    return data, root / "run", result
+    out = root / "model.pt2"
+    exported = CliRunner().invoke(
+        app,
+        ["export", "--run-dir", str(root / "run"), "--out", str(out), "--format", "torch-export"],
+    )
+    assert exported.exit_code == 0, exported.output
+    return data, root / "run", json.loads(exported.output)
 
 
 def _raw_rows(data: Path) -> list[dict]:
