@@ -1,5 +1,6 @@
 """The ingest benchmark at tiny size: equal threads and footers on both sides, never speed."""
 
+import json
 import math
 
 import pyarrow.compute as pc
@@ -21,6 +22,7 @@ from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import list_splits, reader_threads
 from dlrmflow.ingest.synthetic_logs import generate_logs_dataset
 from dlrmflow.runtime.glibc_malloc import applied_threshold
+from tests.conftest import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +132,18 @@ def test_an_existing_dataset_is_recorded_under_its_shape_and_its_jagged_bytes(tm
 def test_an_unknown_shape_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^shape must be one of criteo, logs, not 'tsv'$"):
         run_ingest_benchmark(rows=100, shape="tsv")
+
+
+def test_bench_ingest_takes_the_shape_and_refuses_an_unknown_one_in_one_line(
+    monkeypatch, capsys, tmp_path
+):
+    out = tmp_path / "ingest.json"
+    args = ["bench", "ingest", "--rows", "4000", "--repeats", "1", "--shape", "logs"]
+    code, _, _ = run_cli(monkeypatch, capsys, *args, "--json", str(out))
+    assert code == 0
+    assert json.loads(out.read_text())["shape"] == "logs"
+    code, _, err = run_cli(
+        monkeypatch, capsys, "bench", "ingest", "--rows", "100", "--shape", "tsv"
+    )
+    assert code == 1
+    assert len(err) == 1 and err[0].endswith("shape must be one of criteo, logs, not 'tsv'")

@@ -225,3 +225,24 @@ def test_an_ingest_run_apart_replaces_the_reports(report, tmp_path):
     assert "0.123" in ingest and "Bytes written per row" in ingest
     assert "| Ingest | `reader_transform_vs_pyarrow_decode_1w` |" in readme.read_text()
     assert "0.12 |" in readme.read_text()
+
+
+def test_the_logs_shape_ingest_has_its_section_and_a_run_apart_replaces_it(report, tmp_path):
+    from dlrmflow.bench.docs import RESULTS_END, RESULTS_START, write_docs
+
+    out, record = report
+    assert record["ingest_logs"]["shape"] == "logs" and record["ingest"]["shape"] == "criteo"
+    assert "## Ingest, logs shape" in (out / "report.md").read_text()
+    apart = json.loads(json.dumps(record["ingest_logs"]))
+    apart["ratios"]["reader_transform_vs_pyarrow_decode_1w"] = 0.654321
+    (tmp_path / "logs.json").write_text(json.dumps(apart))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{RESULTS_START}\n{RESULTS_END}\n")
+    write_docs(
+        out / "report.json", tmp_path / "docs", readme, ingest_logs_run=tmp_path / "logs.json"
+    )
+    markdown = (tmp_path / "docs" / "benchmarks.md").read_text()
+    logs = markdown.split("## Ingest, logs shape", 1)[1].split("\n## ", 1)[0]
+    assert "`dlrmflow bench ingest --shape logs`" in logs and "0.654" in logs
+    assert "| Ingest, logs shape | `reader_transform_vs_pyarrow_decode_1w` |" in readme.read_text()
+    assert "0.65 |" in readme.read_text()

@@ -48,6 +48,7 @@ from dlrmflow.bench.train import CODECS, run_train_benchmark
 from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
+from dlrmflow.ingest.synthetic_logs import SHAPE as LOGS_SHAPE
 from dlrmflow.kernels.tbe import RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import write_atomic
@@ -258,10 +259,11 @@ def ingest_section(record: dict) -> str:
         if written
         else ""
     )
-    apart = _run_apart(record, "ingest")
+    shape = record.get("shape", "criteo")  # older records are Criteo's
+    apart = _run_apart(record, "ingest" if shape == "criteo" else f"ingest --shape {shape}")
     return "\n\n".join(
         [
-            "## Ingest",
+            "## Ingest" if shape == "criteo" else f"## Ingest, {shape} shape",
             f"Baseline: {record['baseline']}. {record['rows']:,} rows in {record['splits']} "
             "splits; both sides in one process under the same allocator setting "
             f'({_threshold(record["machine"]["malloc_mmap_threshold"])}). "Decode + '
@@ -814,6 +816,8 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
     started = time.perf_counter()
     tune_allocator()  # the in-process benchmarks (tiered too) run as the CLI's would
     ingest = run_ingest_benchmark(**INGEST_QUICK) if quick else run_ingest_benchmark()
+    # A team's layout (string IDs, a weighted list, declared transforms): the jagged path.
+    ingest_logs = run_ingest_benchmark(**(INGEST_QUICK if quick else {}), shape=LOGS_SHAPE)
     kernels = run_kernel_benchmark(quick=quick)
     train = run_train_benchmark(quick=quick)
     step = run_step_benchmark(quick=quick)
@@ -831,6 +835,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
         "seconds": time.perf_counter() - started,
         "noise": NOISE_NOTE,
         "ingest": ingest,
+        "ingest_logs": ingest_logs,
         "kernels": kernels,
         "train": train,
         "step": step,
@@ -854,6 +859,7 @@ def run_report(out_dir: str | Path, quick: bool = False, *, torchrec: bool = Tru
     sections = [
         header,
         ingest_section(ingest),
+        ingest_section(ingest_logs),
         kernels_section(kernels),
         train_section(train),
         step_section(step),

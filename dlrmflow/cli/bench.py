@@ -23,11 +23,18 @@ def bench_ingest(
     repeats: Annotated[
         int, typer.Option(min=1, help="Runs per measurement; each side's best counts.")
     ] = 5,
+    shape: Annotated[
+        str,
+        typer.Option(
+            help="The generated dataset's shape: criteo, or logs (string IDs, a weighted "
+            "list of IDs, declared dense transforms). Not used with --data."
+        ),
+    ] = "criteo",
 ) -> None:
     """Reader + transform rows/s against plain pyarrow.parquet decode, at 1 and 2 workers."""
     from dlrmflow.bench.ingest import run_ingest_benchmark
 
-    result = run_ingest_benchmark(rows=rows, data_url=data, repeats=repeats)
+    result = run_ingest_benchmark(rows=rows, data_url=data, repeats=repeats, shape=shape)
     emit_benchmark(result, json_out)
 
 
@@ -188,13 +195,30 @@ def bench_docs(
     movielens: Annotated[
         Path | None, typer.Option(help="A `dlrmflow bench movielens` JSON to add.")
     ] = None,
+    ingest_logs: Annotated[
+        Path | None,
+        typer.Option(
+            help="A `dlrmflow bench ingest --shape logs` JSON in place of the report's "
+            "logs-shape ingest run."
+        ),
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
 
     echo_json(
         write_docs(
-            report, docs_dir, readme, scale, recurring, schedule, kernels, step, ingest, movielens
+            report,
+            docs_dir,
+            readme,
+            scale,
+            recurring,
+            schedule,
+            kernels,
+            step,
+            ingest,
+            movielens,
+            ingest_logs,
         )
     )
 
