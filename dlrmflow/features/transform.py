@@ -1,8 +1,9 @@
 """Arrow row group -> ``Batch``: dense transforms, sparse IDs to rows, labels.
 
-The reader transforms each decoded row group (~65k rows) once, straight into its place in
-a shuffled window (``WindowWriter``), and cuts training batches out of the window as
-slices (without a compiled path: ``Batch.concat`` and ``Batch.take``). At that size
+The reader transforms each decoded row group (~65k rows) once, as it is decoded, into a
+shuffled window (``WindowWriter``), and cuts training batches out of the window as slices:
+the compiled path writes each row straight to its place, other layouts gather the
+transformed row groups in emission order (``_shuffled``). At that size
 numpy's per-call cost is negligible, so the code works column by column on zero-copy
 numpy views of the Arrow buffers (validity bitmaps, offsets, values, dictionaries), and
 all IDs of a row group go to the mapper in one call. When every ID column is one-hot
