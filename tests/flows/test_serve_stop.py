@@ -29,6 +29,9 @@ from tests.conftest import TINY_DATA
 from tests.flows.records import call_client
 from tests.prefect_server import server_env, stop_process_group
 
+# It times waits and signals: run alone, after the rest of the suite (make test).
+pytestmark = pytest.mark.serial
+
 WAIT_S = 180  # for serving to start, and for a run to start
 STOP_S = 90  # for the command to end once signalled (the runner cancels its runs first)
 MARK = "SERVE_STOP_TEST_MARK"  # inherited by everything the command starts

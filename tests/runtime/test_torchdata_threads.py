@@ -9,9 +9,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from torchdata.nodes import BaseNode, IterableWrapper, Prefetcher
 
 from dlrmflow.runtime.torchdata_threads import stop_prefetch_thread
+
+# It times waits and signals: run alone, after the rest of the suite (make test).
+pytestmark = pytest.mark.serial
 
 
 class Endless(BaseNode[int]):

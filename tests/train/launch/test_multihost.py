@@ -43,6 +43,9 @@ from dlrmflow.train.run.checkpoint import list_checkpoints, load_checkpoint
 from dlrmflow.train.run.evaluate import evaluate
 from tests.conftest import tiny_run_config
 
+# It times waits and signals: run alone, after the rest of the suite (make test).
+pytestmark = pytest.mark.serial
+
 # --- option checks: anywhere -------------------------------------------------------------
 
 

@@ -39,6 +39,9 @@ from tests.train.launch.test_readers import (
     with_readers,
 )
 
+# It times waits and signals: run alone, after the rest of the suite (make test).
+pytestmark = pytest.mark.serial
+
 DEADLINE_S = 2.0
 # Beyond the deadlines a test waits out: reading the tiny epoch, starting a training run.
 SLACK_S = 30.0

@@ -49,6 +49,9 @@ from dlrmflow.train.launch.job import free_port
 from dlrmflow.train.run.trainer import train
 from tests.conftest import same_weights, tiny_run_config
 
+# It times waits and signals: run alone, after the rest of the suite (make test).
+pytestmark = pytest.mark.serial
+
 SECRET = "s3cret-reader-token-0123456789abcdef"
 COLUMNS = ["label", "I1", "C1"]
 READ = {"batch_size": 700, "seed": 3, "shuffle_window": 1}

@@ -20,6 +20,9 @@ import pytest
 from dlrmflow.supervise import MARGIN_S, Watchdog
 from dlrmflow.train.run.rundir import LOCK_FILE
 
+# It times waits and signals: run alone, after the rest of the suite (make test).
+pytestmark = pytest.mark.serial
+
 SETS = [
     "model.embedding_dim=8",
     "model.bottom_mlp=[16,8]",
