@@ -29,7 +29,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import torch
@@ -38,18 +37,13 @@ from dlrmflow.config import DataConfig
 from dlrmflow.ingest.dayfile import (
     DayFileWriter,
     day_file_writer,
-    discard_unlisted,
     file_name,
-    join,
-    remove_temporaries,
 )
+from dlrmflow.ingest.generated import day_record, grow_days, unchanged_days
 from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import (
     DayFile,
     Manifest,
-    listed_paths,
-    publish_manifest,
-    read_manifest,
 )
 from dlrmflow.ingest.schema import (
     CRITEO_CARDINALITIES,
@@ -186,91 +180,58 @@ def generate_dataset(
 
 
 def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | None) -> Manifest:
-    """``generate_dataset``'s writing, under the dataset's lock."""
+    """``generate_dataset``'s writing, under the dataset's lock (``generated.grow_days``)."""
     truth = _ground_truth(config)
-    remove_temporaries(root)
     test_day = config.days - 1
     schema = criteo_schema(config.multi_hot)
-    files: list[DayFile] = []
-    positives_total = 0
-    kept = _kept_days(root, config)
-    day_truth = truth
-    try:
-        for day in range(config.days):
-            if day > 0 and config.drift > 0:
-                day_truth = _drifted(day_truth, config, day)
-            if day in kept:
-                files.append(kept[day])
-                positives_total += round(kept[day].positive_rate * kept[day].rows)
-                if progress is not None:
-                    progress(kept[day].rows)
-                continue
-            with day_file_writer(root, day, day_file_name(config, day), schema) as writer:
-                # The one per-day buffer: the exact Bayes AUC needs the whole day at once.
-                positives, probs, labels = _write_day(writer, day_truth, config, day, progress)
-                written = writer.finish()
-            day_auc, day_logloss = bayes_metrics(probs, labels)
-            files.append(
-                DayFile(
-                    day=day,
-                    path=written.path,
-                    rows=config.rows_per_day,
-                    positive_rate=positives / config.rows_per_day,
-                    digest=written.digest,
-                    bytes=written.bytes,
-                    bayes_auc=day_auc,
-                    bayes_logloss=day_logloss,
-                )
-            )
-            positives_total += positives
+    drifting = {"day": 0, "truth": truth}  # the click model of the last day reached
 
-        bayes_auc, bayes_logloss = files[test_day].bayes_auc, files[test_day].bayes_logloss
+    def truth_of(day: int) -> _GroundTruth:
+        """Day ``day``'s click model: each day's is the day before's moved by one step."""
+        while drifting["day"] < day:
+            drifting["day"] += 1
+            if config.drift > 0:
+                drifting["truth"] = _drifted(drifting["truth"], config, drifting["day"])
+        return drifting["truth"]
+
+    def write_day(day: int) -> DayFile:
+        with day_file_writer(root, day, day_file_name(config, day), schema) as writer:
+            # The one per-day buffer: the exact Bayes AUC needs the whole day at once.
+            probs, labels = _write_day(writer, truth_of(day), config, day, progress)
+            written = writer.finish()
+        return day_record(day, written, probs, labels, bayes_metrics)
+
+    def manifest_of(files: list[DayFile], positives: int) -> Manifest:
         total_rows = config.rows_per_day * config.days
-        manifest = Manifest(
+        return Manifest(
             source="synthetic",
             rows=total_rows,
             days=config.days,
             test_day=test_day,
-            positive_rate=positives_total / total_rows,
+            positive_rate=positives / total_rows,
             multi_hot=config.multi_hot,
             files=files,
             schema=schema_to_json(schema),
             cardinalities={s.name: s.cardinality for s in truth.sparse},
-            bayes_auc=bayes_auc,
-            bayes_logloss=bayes_logloss,
+            bayes_auc=files[test_day].bayes_auc,
+            bayes_logloss=files[test_day].bayes_logloss,
             generator=_generator_record(config, truth),
         )
-        publish_manifest(root, manifest)
-    except BaseException:
-        # Against the manifest in place now: once the new one is, its files stay.
-        discard_unlisted(root, [f.path for f in files], listed_paths(root))
-        raise
-    return manifest
+
+    return grow_days(root, config.days, _kept_days(root, config), write_day, manifest_of, progress)
 
 
 def _kept_days(root: str, config: DataConfig) -> dict[int, DayFile]:
     """The days of the dataset at ``root`` that generating ``config`` would write again
-    byte for byte: listed by its manifest under this day's file name, with their digest,
-    Bayes metrics and the size listed (a stat, not a read); none where there is no
-    readable manifest."""
-    try:
-        manifest = read_manifest(root)
-    except (FileNotFoundError, ValueError, OSError):
-        return {}
-    fs, root_path = fsspec.core.url_to_fs(root)
-    kept = {}
-    for f in manifest.files:
-        if f.path != f"day={f.day}/{day_file_name(config, f.day)}" or f.day >= config.days:
-            continue
-        if None in (f.digest, f.bytes, f.bayes_logloss) or f.rows != config.rows_per_day:
-            continue  # from before identities or per-day metrics: written again
-        try:
-            if fs.size(join(root_path, f.path)) != f.bytes:
-                continue
-        except OSError:
-            continue
-        kept[f.day] = f
-    return kept
+    byte for byte (``generated.unchanged_days``), with their digest, Bayes metrics and
+    this configuration's rows (days from before identities or per-day metrics are written
+    again)."""
+    _, kept = unchanged_days(root, config.days, lambda day: day_file_name(config, day))
+    return {
+        day: f
+        for day, f in kept.items()
+        if None not in (f.digest, f.bytes, f.bayes_logloss) and f.rows == config.rows_per_day
+    }
 
 
 def day_file_name(config: DataConfig, day: int) -> str:
@@ -294,12 +255,11 @@ def _write_day(
     config: DataConfig,
     day: int,
     progress: Callable[[int], None] | None,
-) -> tuple[int, np.ndarray, np.ndarray]:
-    """Write one day file, a row group at a time: its positives, true probabilities, labels
-    (kept for the day's Bayes metrics: 9 bytes a row)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Write one day file, a row group at a time: its true probabilities and labels (kept
+    for the day's Bayes metrics: 9 bytes a row)."""
     probs_kept: list[np.ndarray] = []
     labels_kept: list[np.ndarray] = []
-    positives = 0
     schema = criteo_schema(config.multi_hot)
     for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
         n = min(config.row_group_size, config.rows_per_day - start)
@@ -309,12 +269,11 @@ def _write_day(
         labels = (rng.random(n) < probs).astype(np.int8)
         columns = [pa.array(labels), *rows.dense, *rows.sparse]
         writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
-        positives += int(labels.sum())
         probs_kept.append(probs)
         labels_kept.append(labels)
         if progress is not None:
             progress(n)
-    return positives, np.concatenate(probs_kept), np.concatenate(labels_kept)
+    return np.concatenate(probs_kept), np.concatenate(labels_kept)
 
 
 def seeded_rng(*key: int) -> np.random.Generator:

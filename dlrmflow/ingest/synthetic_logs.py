@@ -39,7 +39,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -48,18 +47,13 @@ from dlrmflow.config import ConfigError, DataConfig
 from dlrmflow.ingest.dayfile import (
     DayFileWriter,
     day_file_writer,
-    discard_unlisted,
     file_name,
-    join,
-    remove_temporaries,
 )
+from dlrmflow.ingest.generated import day_record, grow_days, unchanged_days
 from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import (
     DayFile,
     Manifest,
-    listed_paths,
-    publish_manifest,
-    read_manifest,
 )
 from dlrmflow.ingest.schema import schema_to_json
 from dlrmflow.ingest.stats import dataset_stats, write_stats
@@ -206,47 +200,29 @@ def generate_logs_dataset(
 
 
 def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | None) -> Manifest:
-    """``generate_logs_dataset``'s writing, under the dataset's lock."""
+    """``generate_logs_dataset``'s writing, under the dataset's lock
+    (``generated.grow_days``)."""
     truth = _ground_truth(config)
-    remove_temporaries(root)
     test_day = config.days - 1
-    files: list[DayFile] = []
-    positives_total = 0
     kept, ignored_auc = _kept_days(root, config)
-    try:
-        for day in range(config.days):
-            if day in kept:
-                files.append(kept[day])
-                positives_total += round(kept[day].positive_rate * kept[day].rows)
-                if progress is not None:
-                    progress(kept[day].rows)
-                continue
-            with day_file_writer(root, day, day_file_name(config, day), ARROW_SCHEMA) as writer:
-                positives, probs, labels, ignored = _write_day(writer, truth, config, day, progress)
-                written = writer.finish()
-            day_auc, day_logloss = bayes_metrics(probs, labels)
-            if day == test_day:
-                ignored_auc, _ = bayes_metrics(sigmoid(ignored + truth.bias), labels)
-            files.append(
-                DayFile(
-                    day=day,
-                    path=written.path,
-                    rows=config.rows_per_day,
-                    positive_rate=positives / config.rows_per_day,
-                    digest=written.digest,
-                    bytes=written.bytes,
-                    bayes_auc=day_auc,
-                    bayes_logloss=day_logloss,
-                )
-            )
-            positives_total += positives
+    test = {"ignored_auc": ignored_auc}
+
+    def write_day(day: int) -> DayFile:
+        with day_file_writer(root, day, day_file_name(config, day), ARROW_SCHEMA) as writer:
+            probs, labels, ignored = _write_day(writer, truth, config, day, progress)
+            written = writer.finish()
+        if day == test_day:
+            test["ignored_auc"], _ = bayes_metrics(sigmoid(ignored + truth.bias), labels)
+        return day_record(day, written, probs, labels, bayes_metrics)
+
+    def manifest_of(files: list[DayFile], positives: int) -> Manifest:
         total_rows = config.rows_per_day * config.days
-        manifest = Manifest(
+        return Manifest(
             source="synthetic",
             rows=total_rows,
             days=config.days,
             test_day=test_day,
-            positive_rate=positives_total / total_rows,
+            positive_rate=positives / total_rows,
             multi_hot=True,
             files=files,
             schema=schema_to_json(ARROW_SCHEMA),
@@ -257,13 +233,11 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
             },
             bayes_auc=files[test_day].bayes_auc,
             bayes_logloss=files[test_day].bayes_logloss,
-            generator=_generator_record(config, truth, ignored_auc),
+            generator=_generator_record(config, truth, test["ignored_auc"]),
             features=LOGS_SCHEMA.to_dict(),
         )
-        publish_manifest(root, manifest)
-    except BaseException:
-        discard_unlisted(root, [f.path for f in files], listed_paths(root))
-        raise
+
+    manifest = grow_days(root, config.days, kept, write_day, manifest_of, progress)
     # As registering a user's data does: the statistics the planner and transforms read.
     write_stats(root, dataset_stats(root, manifest))
     return manifest
@@ -271,27 +245,12 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
 
 def _kept_days(root: str, config: DataConfig) -> tuple[dict[int, DayFile], float | None]:
     """The days of the dataset at ``root`` that generating ``config`` would write again
-    byte for byte (listed under this day's file name, at the size listed; the test day only
-    where it was the test day, which alone has ``auc_list_weights_ignored``), and that
-    figure where the test day is kept; none where there is no readable manifest of this
-    shape."""
-    try:
-        manifest = read_manifest(root)
-    except (FileNotFoundError, ValueError, OSError):
+    byte for byte (``generated.unchanged_days``; the test day only where it was the test
+    day, which alone has ``auc_list_weights_ignored``), and that figure where the test day
+    is kept; none where there is no readable manifest of this shape."""
+    manifest, kept = unchanged_days(root, config.days, lambda day: day_file_name(config, day))
+    if manifest is None or (manifest.generator or {}).get("shape") != SHAPE:
         return {}, None
-    if (manifest.generator or {}).get("shape") != SHAPE:
-        return {}, None
-    fs, root_path = fsspec.core.url_to_fs(root)
-    kept = {}
-    for f in manifest.files:
-        if f.day >= config.days or f.path != f"day={f.day}/{day_file_name(config, f.day)}":
-            continue
-        try:
-            if fs.size(join(root_path, f.path)) != f.bytes:
-                continue
-        except OSError:
-            continue
-        kept[f.day] = f
     test_day = config.days - 1
     if manifest.test_day != test_day:
         kept.pop(test_day, None)  # written again for its auc_list_weights_ignored
@@ -316,11 +275,10 @@ def _write_day(
     config: DataConfig,
     day: int,
     progress: Callable[[int], None] | None,
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """Write one day, a row group at a time: its positives, true probabilities, labels and
-    logits with the tags' weights ignored (kept for the day's metrics: 17 bytes a row)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Write one day, a row group at a time: its true probabilities, labels and logits with
+    the tags' weights ignored (kept for the day's metrics: 17 bytes a row)."""
     probs_kept, labels_kept, ignored_kept = [], [], []
-    positives = 0
     for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
         n = min(config.row_group_size, config.rows_per_day - start)
         rng = seeded_rng(_SHAPE_KEY, _STREAM_ROWS, config.seed, day, chunk)
@@ -330,14 +288,12 @@ def _write_day(
         request_ids = (day << 32) + start + np.arange(n, dtype=np.int64)
         columns = {"click": pa.array(labels), "request_id": pa.array(request_ids), **rows.columns}
         writer.write_table(pa.table(columns, schema=ARROW_SCHEMA), row_group_size=n)
-        positives += int(labels.sum())
         probs_kept.append(probs)
         labels_kept.append(labels)
         ignored_kept.append(rows.logit_weights_ignored)
         if progress is not None:
             progress(n)
     return (
-        positives,
         np.concatenate(probs_kept),
         np.concatenate(labels_kept),
         np.concatenate(ignored_kept),
