@@ -37,7 +37,7 @@ def _indices(indices: np.ndarray | torch.Tensor, size: int) -> torch.Tensor:
 def _jagged_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, lengths) of one-hot ``rows`` [B, n_keys], where -1 means no ID.
 
-    numpy, not torch, on the CPU: its compress is ~3x faster than ``masked_select`` here.
+    numpy, not torch, on the CPU: its compress is faster than ``masked_select`` here.
     """
     if rows.device.type != "cpu":
         key_major = rows.t().reshape(-1)
@@ -60,8 +60,8 @@ class KeyedJaggedTensor:
     One-hot data (every bag holds one ID or none) can instead be stored sample-major with
     ``from_one_hot``: one row of IDs per sample. That is the form the transform gives row
     groups: a ``take`` from it reads one contiguous row per sample instead of a length, an
-    offset and a value per key scattered over the key-major arrays (about 6x less time in
-    cache misses). ``values`` and ``lengths`` are then built on first access; ``take``
+    offset and a value per key scattered over the key-major arrays (less time in cache
+    misses). ``values`` and ``lengths`` are then built on first access; ``take``
     keeps the form, and the model reads ``one_hot_rows`` without building them.
 
     Treat it as immutable: the offsets and the built forms are kept once computed, so that
@@ -175,7 +175,7 @@ class KeyedJaggedTensor:
             return KeyedJaggedTensor([], self.values[:0], self.lengths[:0], weights)
         idx = _indices(indices, self.stride).numpy()
         # Slots of (key k, sample idx[j]) in ``lengths``, key-major like the output. numpy,
-        # not torch: its gathers and repeat measured about 2x faster here.
+        # not torch: its gathers and repeat are faster here.
         slots = (np.arange(len(self.keys)) * self.stride)[:, None] + idx
         lengths = self.lengths.numpy().take(slots.reshape(-1))
         starts = self.offsets().numpy().take(slots.reshape(-1))

@@ -165,11 +165,12 @@ class HashIds(_OneHotMapper):
 
     ``salt = feature_salt(name, seed)`` and ``n = num_embeddings[name]``. The range
     reduction is Lemire's multiply-shift rather than ``hash % n``: a 64-bit modulo costs
-    ~2.6 ns per ID in numpy, more than the whole hash, multiply-shift ~0.7 ns. It uses the
+    more in numpy than the whole hash, a multiply-shift much less. It uses the
     hash's top 32 bits, the best mixed, and gives every row floor or ceil of ``2**32 / n``
     hash values, the bias of a modulo of a 32-bit hash; tables are limited to ``2**32`` rows.
     The hash's final fold only changes its low 32 bits, so it is skipped here. The loop is
-    compiled (``jit``): ~1.3 ns per ID where the same steps as numpy calls took ~5 ns.
+    compiled (``jit``): one pass, where the same steps as numpy calls pass over the array
+    once each.
     """
 
     def __init__(self, num_embeddings: Mapping[str, int], *, seed: int = 0) -> None:
@@ -289,11 +290,11 @@ def _build_region(ranked: np.ndarray) -> tuple[np.ndarray, int]:
 class _ProbeTable:
     """ID -> row lookups for all features of a vocabulary in one open-addressing table.
 
-    Binary search over sorted IDs (``np.searchsorted``) measured 70-150 ns per ID here:
-    ~17 dependent cache misses each. Linear probing needs about one random read per ID
-    (ID and row sit side by side, so one read fetches both), and the compiled probe
-    (``jit.vocab_rows``, ``jit.one_hot_vocab_rows``) hashes and probes each ID in
-    registers, as the hashing mapper's loops do.
+    Binary search over sorted IDs (``np.searchsorted``) pays ~17 dependent cache misses
+    per ID. Linear probing needs about one random read per ID (ID and row sit side by
+    side, so one read fetches both), and the compiled probe (``jit.vocab_rows``,
+    ``jit.one_hot_vocab_rows``) hashes and probes each ID in registers, as the hashing
+    mapper's loops do.
     """
 
     def __init__(self, ranked: Mapping[str, np.ndarray]) -> None:

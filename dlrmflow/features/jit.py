@@ -1,14 +1,14 @@
 """Compiled loops of the feature transform (numba): one pass where numpy needs ten.
 
 Hashing an ID is about ten dependent integer operations. As numpy calls, each one is a
-pass over the whole array (reading and writing it again), which measured ~5 ns per ID;
-compiled as one loop, every ID stays in registers from load to store, ~1.3 ns per ID. The
+pass over the whole array (reading and writing it again); compiled as one loop, every ID
+stays in registers from load to store and the array is read and written once. The
 loops release the GIL, so the reader's threads hash in parallel.
 
 Each function computes exactly what ``ids.HashIds`` documents, in the same wrapping uint64
 arithmetic, so results are bitwise those of the numpy formulation (which the tests keep
 as the reference). Compiled code is cached on disk beside this module (or in numba's
-user cache when that is read-only): only a new machine pays the ~1 s compile.
+user cache when that is read-only): only a new machine pays the compile.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def _row(raw: np.uint64, salt: np.uint64, rows: np.uint64) -> np.uint64:
 
     ``(top * rows) >> 32`` for ``rows`` in ``[1, 2**32]``. Below ``2**32``, ``rows`` is
     masked to 32 bits (a no-op there): the compiler then knows both factors fit in 32 bits
-    and multiplies with one fast 32x32->64 vector instruction instead of a 64-bit one
-    (measured ~17% off hashing 26 columns). ``rows == 2**32`` gives ``top`` itself.
+    and multiplies with one fast 32x32->64 vector instruction instead of a 64-bit one,
+    which makes hashing faster. ``rows == 2**32`` gives ``top`` itself.
     """
     z = raw + salt
     z ^= z >> _S32
@@ -77,14 +77,14 @@ def hash_rows(ids: np.ndarray, salt: np.uint64, rows: np.uint64, out: np.ndarray
 # Samples per block of the sample-major kernels below. Their inputs are one array per
 # column and their output is [n, columns]. Each block is computed column by column into a
 # contiguous scratch [columns, block] (loops the compiler vectorizes), then transposed
-# into the output while both are in cache: storing straight down each output column
-# measured 1.6x slower, every column touching every output cache line again.
+# into the output while both are in cache: storing straight down each output column is
+# slower, every column touching every output cache line again.
 #
 # The per-column loops are functions of their own, not inlined: inside the block loop the
-# compiler left them scalar (hashing measured ~3.5 ns per ID there against ~1.7 as a
-# function of its own). Nulls are chosen branch-free (a select per slot the compiler
-# vectorizes): a branch per slot mispredicted on every null, which cost more than the
-# hashing itself where a tenth of the slots were null.
+# compiler left them scalar, and hashing there was slower than as a function of its own.
+# Nulls are chosen branch-free (a select per slot the compiler vectorizes): a branch per
+# slot mispredicted on every null, which cost more than the hashing itself where a tenth
+# of the slots were null.
 _BLOCK = 512
 
 
@@ -244,8 +244,7 @@ def _one_hot(
     for start in range(0, n, _BLOCK):
         end = min(start + _BLOCK, n)
         # The next block of every column, asked for now: each is a page of its own, where
-        # the hardware prefetcher would start cold (measured on uncached columns: 47 ns a
-        # row against 56-58 without).
+        # the hardware prefetcher would start cold (it helps on uncached columns).
         for k in range(keys):
             _prefetch_block(ids[k], end, end + _BLOCK)
             _prefetch_block(valid[k], end, end + _BLOCK)
@@ -291,8 +290,8 @@ def scatter_rows(values: np.ndarray, out: np.ndarray, dest: np.ndarray) -> None:
 # Rows are written to a shuffled window: each goes to one of ~64 batches, the next row of
 # a batch some rows later. The hardware prefetcher cannot follow that many streams, so a
 # first write to a line would wait for memory; each row's lines are asked for this many
-# rows ahead (``dest`` says where). Measured on a 65k-row block into an uncached window:
-# 35-40 ns per row without, 25 with (the same as into a cached one).
+# rows ahead (``dest`` says where), so that writing into an uncached window goes about as
+# fast as into a cached one.
 _OUT_AHEAD = 64
 
 

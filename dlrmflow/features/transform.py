@@ -85,9 +85,9 @@ def _check_dense_range(name: str, chunks: Sequence[pa.Array]) -> None:
     """Raise ``ValueError`` if a dense column (its ``chunks``) holds a value float32 cannot.
 
     Only floating columns can (an int64 is below 1e19). The common case costs a NaN-
-    skipping min and max over each chunk's raw values (a few microseconds a row group;
-    Arrow's null-aware min/max is ~20x slower). Those include whatever lies under nulls,
-    so a bound out of range is looked at again with the nulls left out.
+    skipping min and max over each chunk's raw values (Arrow's null-aware min/max is much
+    slower). Those include whatever lies under nulls, so a bound out of range is looked at
+    again with the nulls left out.
     """
     if not chunks or not pa.types.is_floating(chunks[0].type):
         return
@@ -525,7 +525,7 @@ def _segment(name: str, arr: pa.Array, keep: np.ndarray | None) -> _Segment:
     """
     if not pa.types.is_dictionary(arr.type):
         ids = _ids_of(arr)
-        # np.compress, not ids[keep]: boolean indexing is ~3x slower on random masks.
+        # np.compress, not ids[keep]: boolean indexing is slower on random masks.
         return _Segment(name, ids if keep is None else np.compress(keep, ids))
     indices = _primitive(arr.indices)
     if keep is not None:
@@ -717,7 +717,7 @@ class BatchTransform:
             self._check_types(table.schema)
             checks = self._checks = _Checks.of(table.schema, self.spec)
         # Only the columns whose type can hold a bad value are looked at (by position: a
-        # lookup by name costs ~1 us, which a row group paid 40 times).
+        # lookup by name is not free, and a row group paid it 40 times).
         for name, i in checks.floating:
             _check_dense_range(name, table.column(i).chunks)
         self._check_labels(table.column(checks.label))
@@ -807,7 +807,7 @@ class BatchTransform:
         """``data``'s layout, its columns' chunks, and the chunk lengths when the compiled
         path applies (its columns are chunked alike), else None."""
         layout = self._layout_of(data.schema)
-        columns = [_chunks(c) for c in data.columns]  # one call; a lookup by name costs ~1 us
+        columns = [_chunks(c) for c in data.columns]  # one call; no lookup by name per column
         lengths = _aligned([columns[i] for i in layout.used]) if layout.compiled else None
         return layout, columns, lengths
 
@@ -967,7 +967,7 @@ class BatchTransform:
                     np.multiply(block, valid.view(np.uint8), out=block)
         np.fmax(out, np.float32(0), out=out)  # fmax, not maximum: NaN -> 0
         _log1p(out)
-        # numpy transposes this shape ~15x faster than torch's .t().contiguous().
+        # numpy transposes this shape much faster than torch's .t().contiguous().
         return torch.from_numpy(np.ascontiguousarray(out.T))
 
     def _one_hot(self, columns: list[list[pa.Array]], layout: _Layout, n: int) -> np.ndarray:
@@ -997,7 +997,7 @@ class BatchTransform:
                 start += len(arr)
         key_major = _map(self.ids, segments)
         for start, valid in nulls:
-            # putmask: ~3x faster than copyto(where=...) or boolean assignment here.
+            # putmask: faster than copyto(where=...) or boolean assignment here.
             np.putmask(key_major[start : start + len(valid)], ~valid, -1)
         rows = np.empty((n, len(self._names)), self._row_dtype)
         np.copyto(rows, key_major.reshape(len(self._names), n).T, casting="unsafe")
@@ -1113,7 +1113,7 @@ class BatchTransform:
             return
         if pa.types.is_integer(col.type) and len(col):
             # For integers, 0 <= min and max <= 1 is the whole check: one pass that
-            # allocates nothing (the comparisons below cost ~20x more on a row group).
+            # allocates nothing (the comparisons below cost far more on a row group).
             bounds = pc.min_max(col)
             if bounds["min"].as_py() >= 0 and bounds["max"].as_py() <= 1:
                 return

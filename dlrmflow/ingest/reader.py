@@ -700,7 +700,7 @@ class _SplitDecoder:
         self._schema_source = ""
         self._first = threading.Lock()  # the first row group read sets the schema
         # The last schema found to conform (its types are the reader's), replaced whole:
-        # a file's row groups share one, and comparing 40 fields' types cost ~25 us each.
+        # a file's row groups share one, and comparing 40 fields' types each time adds up.
         self._conforming: pa.Schema | None = None
 
     def read(self, split: Split) -> pa.Table:
@@ -989,7 +989,7 @@ def reader_threads(num_workers: int) -> int:
 
     With two, a reader prepares its next two windows at once (the consumer waits less on
     one core's decode). More threads than cores only add contention: two readers of two
-    threads each on two cores used ~10% more CPU per row than two of one thread.
+    threads each on two cores used more CPU per row than two of one thread.
     """
     return max(1, min(2, _cores() // max(1, num_workers)))
 

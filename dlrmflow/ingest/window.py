@@ -2,15 +2,13 @@
 
 Without a transform the reader hands out Arrow record batches: the window's rows in the
 deal's order (``shuffle.deal``), cut into batches. Arrow's ``take`` of the concatenated
-window did that in one gather, but it cost more than the decode itself: ~14 ms per
-65,536-row row group of Criteo's 40 columns (one thread), against ~11.5 ms to decode it.
-Its chunked gather resolves every index to a chunk, and on a nullable column it builds
-the validity bit by bit (1.7 ms for 262,144 int32 values with nulls, against 0.2 ms for
-numpy's gather of the values alone). So the window is built the way the transform builds
-its own (``features.transform.WindowWriter``): each row group, right after it is decoded,
-is scattered into preallocated window columns, row ``i`` to its place in the deal, and
-the batches are zero-copy slices of one record batch (~6.5 ms a row group on one
-thread).
+window did that in one gather, but it cost more than the decode itself (a row group of
+Criteo's 40 columns, one thread). Its chunked gather resolves every index to a chunk, and
+on a nullable column it builds the validity bit by bit (far slower than numpy's gather
+of the values alone). So the window is built the way the transform builds its
+own (``features.transform.WindowWriter``): each row group, right after it is decoded, is
+scattered into preallocated window columns, row ``i`` to its place in the deal, and the
+batches are zero-copy slices of one record batch.
 
 Fixed-width columns (integers, floats, booleans, dates, times, timestamps, durations) go
 through the compiled scatter below, their values as unsigned integers of their width,
@@ -36,8 +34,7 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Rows left unused after each batch in the window's columns. Without them, with batches of
 # 4096 rows, the ~64 places a column is written at are 4096 bytes apart or a multiple of
 # that (one byte a row) or close to it (wider values), so they share one set of the L1
-# cache, whose 12 ways cannot hold them: every write missed it (measured 2.3 ns a row for
-# bytes, 1.5 for 32-bit values, against 0.35-0.5 with the gap). 72 rows shift each batch
+# cache, whose 12 ways cannot hold them: every write missed it. 72 rows shift each batch
 # by a line and a bit for every width.
 _GAP = 72
 # Rows ahead whose line the scatter asks for (see ``_scatter``).
@@ -58,11 +55,10 @@ def _scatter(src: tuple, dest: np.ndarray, out: tuple) -> None:
     A column at a time: its writes follow ~64 streams (a batch each), whose lines stay in
     L1 until they are full. Each write first asks for the line of the write ``_AHEAD``
     rows on: the hardware prefetcher does not follow that many streams. On a row group of
-    Criteo's columns this measured 5.4 ms, against 6.7 ms asking ahead for the 64-bit
-    columns alone and 5.8 ms interleaving the columns in blocks of 1024 rows. Gathering
-    instead, each batch's share of a row group written as one sequential run read from
-    the row group's column, measured slower in the reader (0.39-0.45 against 0.34 CPU
-    seconds per million rows).
+    Criteo's columns this was faster than asking ahead for the 64-bit columns alone, and
+    than interleaving the columns in blocks of 1024 rows. Gathering instead, each batch's
+    share of a row group written as one sequential run read from the row group's column,
+    was slower in the reader (more CPU per row).
     """
     n = dest.shape[0]
     for c in range(len(src)):

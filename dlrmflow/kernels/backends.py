@@ -93,7 +93,8 @@ def choice(kernels: str, tensor: torch.Tensor) -> tuple[str, str]:
 
     ``auto``: FBGEMM on CUDA where fbgemm_gpu's CUDA build loads and passes a test step,
     else Triton where it is installed, else torch ops; the compiled kernels on float32 CPU
-    tensors (measured faster than FBGEMM's CPU kernels); torch ops otherwise.
+    tensors (faster than FBGEMM's CPU kernels: the kernel benchmark's FBGEMM line,
+    docs/benchmarks.md); torch ops otherwise.
     """
     if kernels != "auto":
         return kernels, f"model.kernels={kernels}"

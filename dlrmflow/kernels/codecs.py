@@ -145,7 +145,7 @@ class CastCodec(Codec):
 def _row_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (min, max) as ``[rows, 1]``; zeros for ``dim == 0``, which amin refuses.
 
-    Two reductions rather than ``torch.aminmax``: on the CPU that one pass is ~3x slower.
+    Two reductions rather than ``torch.aminmax``: on the CPU that one pass is slower.
     """
     if x.shape[1] == 0:
         zeros = x.new_zeros((x.shape[0], 1))
@@ -207,7 +207,7 @@ class Fp8RowwiseCodec(Codec):
 
     def _decode(self, data: torch.Tensor, dim: int) -> torch.Tensor:
         scale = _floats(data[:, dim:])
-        # torch's fp8 -> fp32 cast is a scalar loop on the CPU; these integer ops are ~6x
+        # torch's fp8 -> fp32 cast is a scalar loop on the CPU; these integer ops are
         # faster and give the same bits. e4m3fn's fields s.eeee.mmm moved into fp16's
         # (sign bit 15, exponent and mantissa bits 13..7) make q / 256, exactly, normal or
         # subnormal, and the 256 folds exactly into the scale. NaN codes come out finite,

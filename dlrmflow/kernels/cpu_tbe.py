@@ -49,8 +49,8 @@ _SGD, _ROWWISE_ADAGRAD = 0, 1
 
 # Rows fetched ahead of use: the rows a step touches are scattered over tables far larger
 # than the caches, so each costs a trip to memory; asking for them this many rows early
-# keeps several trips in flight (measured at dim 128, the whole backward: 32-35% less time
-# with row-wise Adagrad, 0-15% with SGD; see ``dlrmflow.runtime.llvm_prefetch``).
+# keeps several trips in flight (the whole backward gains, more with row-wise Adagrad than
+# with SGD; see ``dlrmflow.runtime.llvm_prefetch``).
 _AHEAD = 8
 _LINE = 64
 # Pass 1 looks up each row's slot in a per-row array as large as the group's tables; the
@@ -428,10 +428,10 @@ def _spans(
 
 
 # Below this many gradient elements (IDs x dim: 16 MB of float32) a step stays on one
-# thread. Handing part of a step to another thread costs tens of microseconds, and that
-# thread competes with the readers and torch's own workers: the one-process demo (dim 16,
-# batch 2048: 0.85M elements a step) showed no gain from splitting, while the kernel
-# benchmark's steps (6.8M elements and up) run faster split.
+# thread. Handing part of a step to another thread has a fixed cost, and that thread
+# competes with the readers and torch's own workers: the one-process demo (dim 16, batch
+# 2048: 0.85M elements a step) showed no gain from splitting, while the kernel benchmark's
+# steps (6.8M elements and up) run faster split.
 _MIN_SPLIT = 1 << 22
 
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
@@ -596,7 +596,7 @@ def select_columns(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
     torch's ``index_select`` along the columns and its ``gather`` of 16-bit elements are
     slower at the dot interaction's shapes (a Gram row of 729 columns, a few hundred
-    picked), the gather by about 2-3x."""
+    picked)."""
     rows, width = x.shape[0], columns.numel()
     out = torch.empty((rows, width), dtype=x.dtype)
     if rows == 0 or width == 0:

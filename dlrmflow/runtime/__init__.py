@@ -1,9 +1,10 @@
 """Every private or version-specific runtime piece the platform leans on, one module each.
 
 Each module says what it reaches into and the version it was written against, what it
-gains (measured), and what runs where the piece has moved; its test under
-``tests/runtime/`` runs that fallback and fails when the installed version no longer has
-the piece. Nothing here imports the rest of dlrmflow (``tests/kernels/test_layout.py``).
+gains (in words: the measured figures, with their machine, are in its commit history),
+and what runs where the piece has moved; its test under ``tests/runtime/`` runs that
+fallback and fails when the installed version no longer has the piece. Nothing here
+imports the rest of dlrmflow (``tests/kernels/test_layout.py``).
 
 - ``gomp``: a region on torch's own OpenMP threads (libgomp's ``GOMP_parallel``, found in
   the process's mappings), for the compiled TBE step; else a pool of Python threads.

@@ -5,16 +5,16 @@ embeddings and their gradients (4096 samples x 26 tables x 128 floats is 54 MB),
 reader's shuffle windows. glibc's malloc serves a request above its mmap threshold (32 MiB
 at most, adjusted as it goes) with a fresh mapping and unmaps it on free, so each step
 pays a page fault and the kernel's zeroing for every 4 KiB page again: ~40,000 faults a
-step for a TBE at dim 128 with the dot interaction, which measured to double the TBE's
-forward. With the threshold raised, those blocks stay in the heap and later steps reuse
+step for a TBE at dim 128 with the dot interaction, a large share of the TBE's forward
+time. With the threshold raised, those blocks stay in the heap and later steps reuse
 them (the same step measured 0-14,000 faults; ``tests/test_memory.py`` keeps it so).
 
 Threads other than the main one get arenas of their own from glibc, carved out of 64 MiB
 heaps that are unmapped as soon as they empty, whatever the trim threshold: a reader thread
 that builds a 40 MB shuffle window, hands it out and builds the next faulted in fresh pages
-for each (measured 1,000-9,000 faults and 0.02-0.2 CPU s of kernel time per million rows
-read). So the process also keeps to one arena, the main heap, where the thresholds hold;
-its lock is taken rarely enough (Python's small objects never reach malloc) to cost nothing
+for each (1,000-9,000 faults per million rows read, and the kernel time they cost). So
+the process also keeps to one arena, the main heap, where the thresholds hold; its lock
+is taken rarely enough (Python's small objects never reach malloc) to cost nothing
 measurable.
 
 The price is memory: freed blocks below the trim threshold stay with the process rather

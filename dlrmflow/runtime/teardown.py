@@ -6,8 +6,8 @@ for the GIL, which the main thread holds while it joins that worker. Written aga
 2.13's gloo. Measured (2 ranks, five ``gather_object`` and ``all_reduce`` each, 30 jobs
 per way of ending, in one sitting): a plain exit aborted 23 of 60 ranks ("terminate called
 without an active exception"); ``torch.distributed.destroy_process_group()`` first, the
-public way, failed none but took each job 0.36 s longer (1.48 s against 1.12 s); this
-function failed none. Every file is closed by then: only the output streams need flushing.
+public way, failed none but made each job's end slower; this function failed none. Every
+file is closed by then: only the output streams need flushing.
 
 It relies on nothing private (``os._exit`` is Python's); ``tests/runtime/test_teardown.py``
 ends 2-rank jobs with it: flushed output, the exit code, no teardown run.

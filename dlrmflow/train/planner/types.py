@@ -78,7 +78,8 @@ class TableSpec:
 class Topology:
     """The job's ranks and, per rank, memory per tier and bandwidths (bytes, bytes/s).
 
-    The default bandwidths are those of a ZionEX-like GPU host: HBM at 2 TB/s, host DRAM
+    The default bandwidths are the cost model's assumed figures for a ZionEX-like GPU host,
+    nominal hardware figures rather than anything measured here: HBM at 2 TB/s, host DRAM
     read by the GPU over PCIe 4 (UVM) at 25 GB/s, NVMe at 3 GB/s, NVLink at 250 GB/s and one
     200 Gb/s NIC per GPU (25 GB/s) between hosts.
 

@@ -2,7 +2,7 @@
 
 AUC comes from torchmetrics (exact, no threshold histogram) rather than being written here.
 It is imported when a metric is first computed: torchmetrics brings matplotlib and sympy
-with it (0.8 s of every rank's start-up, measured), which a run that never scores skips.
+with it (a noticeable part of every rank's start-up), which a run that never scores skips.
 
 A dataset that declares a weight column (``FeatureSchema.weight``) is scored with every
 row counting by its weight, as it counted in the training loss: an integer weight ``k``
