@@ -142,10 +142,14 @@ def stats(
 
 def register(
     data: Annotated[
-        str, typer.Option(help="Root of the day-partitioned Parquet (day=N/ or dt=YYYY-MM-DD/).")
+        str,
+        typer.Option(
+            help="Root of the Parquet: day=N/ or dt=YYYY-MM-DD/ folders, or any layout when "
+            "the schema names a day_column."
+        ),
     ],
     schema: Annotated[
-        str, typer.Option(help="The feature schema: a YAML file (label, dense, sparse).")
+        str, typer.Option(help="The feature schema: a YAML file (label, dense, sparse, ...).")
     ],
 ) -> None:
     """Register day-partitioned Parquet where it lies under a declared feature schema.
@@ -175,7 +179,11 @@ def register(
 
 def schema(
     data: Annotated[
-        str, typer.Option(help="Root of the day-partitioned Parquet (day=N/ or dt=YYYY-MM-DD/).")
+        str,
+        typer.Option(
+            help="Root of the Parquet: day=N/ or dt=YYYY-MM-DD/ folders, or any layout when "
+            "the schema names a day_column."
+        ),
     ],
     day_column: Annotated[
         str | None,
