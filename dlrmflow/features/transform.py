@@ -104,13 +104,21 @@ def _check_dense_range(name: str, chunks: Sequence[pa.Array]) -> None:
             return  # only values under nulls were out of range
 
 
+def _failing(
+    col: pa.Array | pa.ChunkedArray, bad: Callable[[pa.ChunkedArray], pa.ChunkedArray]
+) -> tuple[int, float | None]:
+    """How many values of a numeric column ``bad`` marks (given them as float64: exact, and
+    Arrow has no float16 abs or compare), and the first of them."""
+    wide = col.cast(pa.float64())
+    marked = bad(wide)
+    count = pc.sum(marked).as_py() or 0
+    return count, pc.filter(wide, marked)[0].as_py() if count else None
+
+
 def _beyond_float32(col: pa.Array | pa.ChunkedArray) -> tuple[int, float | None]:
     """How many values of a floating column float32 cannot hold, nulls and NaN aside, and
     the first of them (the rare path, once a bound is out of range)."""
-    wide = col.cast(pa.float64())  # exact; Arrow has no float16 abs or compare
-    beyond = pc.greater(pc.abs(wide), _FLOAT32_MAX)
-    count = pc.sum(beyond).as_py() or 0
-    return count, pc.filter(wide, beyond)[0].as_py() if count else None
+    return _failing(col, lambda wide: pc.greater(pc.abs(wide), _FLOAT32_MAX))
 
 
 def _range_error(name: str, count: int, example: float | None) -> ValueError:
@@ -178,13 +186,14 @@ def _check_weights(name: str, col: pa.ChunkedArray) -> None:
             count = pc.sum(pc.less(col, 0)).as_py()
             raise ValueError(f"column {name}: {count} negative weight(s) (e.g. {low!r})")
         return
-    wide = col.cast(pa.float64())  # exact; Arrow has no float16 comparisons
     # A comparison with NaN is false, so NaN is among the bad ones.
-    good = pc.and_(pc.greater_equal(wide, 0.0), pc.less_equal(wide, _FLOAT32_MAX))
-    bad = pc.invert(good)
-    count = pc.sum(bad).as_py() or 0
+    count, example = _failing(
+        col,
+        lambda wide: pc.invert(
+            pc.and_(pc.greater_equal(wide, 0.0), pc.less_equal(wide, _FLOAT32_MAX))
+        ),
+    )
     if count:
-        example = pc.filter(wide, bad)[0].as_py()
         raise ValueError(
             f"column {name}: {count} weight(s) negative, NaN, infinite or beyond float32's "
             f"range (e.g. {example!r}); weights must be finite and >= 0"
@@ -388,11 +397,11 @@ def _check_id_weights(
         raise ValueError(f"column {column}: {values.null_count} null weight(s) of {name}'s IDs")
     if not pa.types.is_floating(values.type) or len(values) == 0:
         return
-    wide = values.cast(pa.float64())  # exact; Arrow has no float16 comparisons
-    bad = pc.invert(pc.less_equal(pc.abs(wide), _FLOAT32_MAX))  # NaN compares false
-    count = pc.sum(bad).as_py() or 0
+    # NaN compares false, so it is among the bad ones.
+    count, example = _failing(
+        values, lambda wide: pc.invert(pc.less_equal(pc.abs(wide), _FLOAT32_MAX))
+    )
     if count:
-        example = pc.filter(wide, bad)[0].as_py()
         raise ValueError(
             f"column {column}: {count} weight(s) of {name}'s IDs NaN, infinite or beyond "
             f"float32's range (e.g. {example!r})"
