@@ -50,7 +50,6 @@ from torch import nn
 
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.bench.turns import best_of_turns
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.ingest.schema import CRITEO_CARDINALITIES
 from dlrmflow.kernels import fbgemm_tbe
@@ -59,6 +58,7 @@ from dlrmflow.kernels.fbgemm_tbe import FbgemmTables, fbgemm_inputs
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.runtime.glibc_malloc import applied_threshold, tune_allocator
+from dlrmflow.sparse import KeyedJaggedTensor
 
 POOLING = 20
 ZIPF_ALPHA = 1.1

@@ -46,13 +46,13 @@ from dlrmflow.bench.torchrec_compare import MODES as TORCHREC_MODES
 from dlrmflow.bench.torchrec_compare import run_torchrec_comparison, torchrec_missing
 from dlrmflow.bench.train import CODECS, run_train_benchmark
 from dlrmflow.bench.turns import best_of_turns
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.ingest.synthetic_logs import SHAPE as LOGS_SHAPE
 from dlrmflow.kernels.tbe import RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import write_atomic
 from dlrmflow.runtime.glibc_malloc import tune_allocator
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.plan import SHARDING_TYPES
 
 TIERED_FULL = {"rows": 100_000, "dim": 64, "batch": 4096, "warmup": 8, "steps": 24, "repeats": 3}

@@ -38,9 +38,10 @@ from dlrmflow.bench.machine import available_cores, describe_machine, thread_bud
 from dlrmflow.bench.spawn import RankResult, run_spawned_job
 from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.config import RunConfig
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.schema import DENSE, SPARSE
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer
 from dlrmflow.train.model.plan import SHARDING_TYPES
 

@@ -25,6 +25,7 @@ from dlrmflow.schema import (
     criteo_schema,
     parse_schema,
 )
+from dlrmflow.sparse import EmbeddingTable
 
 if TYPE_CHECKING:
     from dlrmflow.ingest.stats import DatasetStats, DenseStats
@@ -37,8 +38,9 @@ _LEGACY = ("name", "num_embeddings", "embedding_dim", "pooling")
 
 
 @dataclass(frozen=True)
-class SparseFeature:
-    """One categorical feature and the embedding table its IDs index.
+class SparseFeature(EmbeddingTable):
+    """One categorical feature and the embedding table its IDs index (the kernels'
+    ``EmbeddingTable``: name, rows, dim, pooling).
 
     Where its IDs come from: by default the column ``name`` (int64 or string IDs, one or a
     list a row); ``cross``: the crossed columns' IDs hashed together (``schema.Cross``);
@@ -49,10 +51,6 @@ class SparseFeature:
     ``SparseFeature`` fields.
     """
 
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    pooling: Literal["sum", "mean"] = "sum"
     ids: Literal["hash", "vocab"] | None = None
     min_count: int | None = None
     max_length: int | None = None

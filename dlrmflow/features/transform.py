@@ -52,11 +52,12 @@ import pyarrow.compute as pc
 import torch
 
 from dlrmflow.features import jit
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import IdMapper, stable_hash
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.strings import is_string, string_ids
 from dlrmflow.schema import DenseFeature
+from dlrmflow.sparse import KeyedJaggedTensor
 
 _ID_TYPES = "int64 or string IDs, or lists of them (optionally dictionary-encoded)"
 # Rows of a row group whose dense values are clamped, logged and placed at a time: 8192

@@ -22,9 +22,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import FeatureIds, HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.sparse import KeyedJaggedTensor
 
 
 def features_digest(spec: FeatureSpec, ids: HashIds | Vocabulary | FeatureIds) -> str:

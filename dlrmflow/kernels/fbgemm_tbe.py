@@ -32,9 +32,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dlrmflow.features.batch import KeyedJaggedTensor
-from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe_layout import SGD, Optimizer, RowWiseAdagrad
+from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 
 __all__ = ["FbgemmTables", "fbgemm_inputs", "refusal"]
 
@@ -84,7 +83,7 @@ def _first_line(error: BaseException) -> str:
 
 def _smoke_test(device: torch.device) -> None:
     """Train one step of a 4-row table on ``device`` and check the update FBGEMM made."""
-    tables = [SparseFeature("smoke", 4, 4)]
+    tables = [EmbeddingTable("smoke", 4, 4)]
     weight = torch.ones(16, device=device)
     state = torch.zeros(4, device=device)
     fb = FbgemmTables(tables, RowWiseAdagrad(lr=1.0), device)
@@ -117,7 +116,7 @@ class FbgemmTables:
 
     def __init__(
         self,
-        tables: Sequence[SparseFeature],
+        tables: Sequence[EmbeddingTable],
         optimizer: Optimizer,
         device: torch.device,
         *,
@@ -160,7 +159,7 @@ class FbgemmTables:
         self._lr: float | None = None
         self._check_layout(tables)
 
-    def _check_layout(self, tables: Sequence[SparseFeature]) -> None:
+    def _check_layout(self, tables: Sequence[EmbeddingTable]) -> None:
         """FBGEMM's table offsets must be the bag's: tables back to back, rows unpadded."""
         starts, rows = [0], [0]
         for t in tables[:-1]:

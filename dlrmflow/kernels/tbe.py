@@ -46,8 +46,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from dlrmflow.features.batch import KeyedJaggedTensor
-from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels import backends, cpu_tbe, fbgemm_tbe, triton_tbe
 from dlrmflow.kernels.tbe_layout import (
     SGD,
@@ -58,6 +56,7 @@ from dlrmflow.kernels.tbe_layout import (
     TableGroup,
     groups_of,
 )
+from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 
 # The CSR product is stable API in practice; torch still prints a beta notice on first use.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -145,7 +144,7 @@ class TableBatchedEmbeddingBag(nn.Module):
 
     def __init__(
         self,
-        tables: Sequence[SparseFeature],
+        tables: Sequence[EmbeddingTable],
         optimizer: Optimizer,
         seed: int = 0,
         init: Callable[[int, torch.Tensor], None] | None = None,
@@ -623,7 +622,7 @@ def _reduce_by_row(
     return rows, incidence @ bag_grads
 
 
-def _check_config(tables: Sequence[SparseFeature], optimizer: Optimizer) -> None:
+def _check_config(tables: Sequence[EmbeddingTable], optimizer: Optimizer) -> None:
     if not tables:
         raise ValueError("TableBatchedEmbeddingBag needs at least one table")
     names = [t.name for t in tables]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlrmflow.features.spec import SparseFeature
+from dlrmflow.sparse import EmbeddingTable
 
 __all__ = ["SGD", "Adam", "GroupLookup", "Optimizer", "RowWiseAdagrad", "TableGroup", "groups_of"]
 
@@ -74,7 +74,7 @@ class GroupLookup:
     key_counts: list[int] | None = None
 
 
-def groups_of(tables: Sequence[SparseFeature]) -> list[TableGroup]:
+def groups_of(tables: Sequence[EmbeddingTable]) -> list[TableGroup]:
     """The groups of ``tables`` laid out back to back: a group per run of equal dims."""
     groups: list[TableGroup] = []
     row = element = column = 0

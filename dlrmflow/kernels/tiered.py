@@ -69,11 +69,10 @@ import torch
 from torch import nn
 
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.features.batch import KeyedJaggedTensor
-from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.tbe import INIT_BLOCK_ROWS, TableBatchedEmbeddingBag, init_table_rows
 from dlrmflow.kernels.tbe_layout import Adam, Optimizer, RowWiseAdagrad
 from dlrmflow.memory import format_bytes
+from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 
 __all__ = ["CacheStats", "CacheTooSmall", "DiskSpaceError", "TieredEmbeddingBag"]
 
@@ -484,7 +483,7 @@ class _WorkingSet(TableBatchedEmbeddingBag):
     fbgemm_capable = False
 
     def __init__(
-        self, tables: Sequence[SparseFeature], optimizer: Optimizer, kernels: str = "auto"
+        self, tables: Sequence[EmbeddingTable], optimizer: Optimizer, kernels: str = "auto"
     ) -> None:
         super().__init__(tables, optimizer, init=lambda _k, rows: rows.zero_(), kernels=kernels)
         self.on_update: Callable[[_WorkingSet], None] | None = None
@@ -575,7 +574,9 @@ def _reserve(fd: int, path: Path, size: int, *, new: bool) -> None:
             raise
 
 
-def cache_rows_for(memory_bytes: int, tables: Sequence[SparseFeature], optimizer: Optimizer) -> int:
+def cache_rows_for(
+    memory_bytes: int, tables: Sequence[EmbeddingTable], optimizer: Optimizer
+) -> int:
     """The cache slots that ``memory_bytes`` holds for a bag of ``tables``: the records
     (each slot as wide as the widest) and the slots' bookkeeping. The row map
     (``ROW_MAP_BYTES`` per row in the file) is not counted: it follows the tables, not
@@ -607,7 +608,7 @@ class TieredEmbeddingBag(nn.Module):
 
     def __init__(
         self,
-        tables: Sequence[SparseFeature],
+        tables: Sequence[EmbeddingTable],
         optimizer: Optimizer,
         directory: str | Path,
         *,
@@ -627,7 +628,7 @@ class TieredEmbeddingBag(nn.Module):
         # A one-row TBE of the same tables checks them and the optimizer, and its groups
         # (runs of same-dim tables) are the file's regions.
         layout = _WorkingSet(
-            [SparseFeature(t.name, 1, t.embedding_dim, t.pooling) for t in tables],
+            [EmbeddingTable(t.name, 1, t.embedding_dim, t.pooling) for t in tables],
             optimizer,
             kernels,
         )
@@ -1088,7 +1089,7 @@ class TieredEmbeddingBag(nn.Module):
         ws_sizes = counts.clamp(min=1)
         ws = _WorkingSet(
             [
-                SparseFeature(t.name, n, t.embedding_dim, t.pooling)
+                EmbeddingTable(t.name, n, t.embedding_dim, t.pooling)
                 for t, n in zip(self.tables, ws_sizes.tolist(), strict=True)
             ],
             self.optimizer,

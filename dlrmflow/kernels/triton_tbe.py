@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.kernels.tbe_layout import SGD, GroupLookup, RowWiseAdagrad, TableGroup
+from dlrmflow.sparse import KeyedJaggedTensor
 
 if TYPE_CHECKING:
     import triton.language as tl

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
+from dlrmflow.sparse import KeyedJaggedTensor
 
 # A sample is, per key, its bag: a list of (ID, weight) pairs (weight None when unweighted).
 Sample = list[list[tuple[int, float | None]]]

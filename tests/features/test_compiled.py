@@ -16,11 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.features.transform import BatchTransform, _log1p
 from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.sparse import KeyedJaggedTensor
 
 SPEC = FeatureSpec(
     dense=("I1", "I2", "I3"),

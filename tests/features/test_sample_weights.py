@@ -11,11 +11,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, encode_batch, features_digest
+from dlrmflow.sparse import KeyedJaggedTensor
 from tests.features.test_transform import assert_batches_equal
 
 N = 8

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
+from dlrmflow.sparse import KeyedJaggedTensor
 
 
 def random_jagged(

@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels import backends, fbgemm_tbe
 from dlrmflow.kernels.backends import KernelUnavailable, check_kernels
 from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import _WorkingSet
+from dlrmflow.sparse import KeyedJaggedTensor
 
 pytestmark = pytest.mark.skipif(
     fbgemm_tbe.refusal("cpu") is not None,

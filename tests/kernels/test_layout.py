@@ -33,6 +33,19 @@ FORBIDDEN = {
     "score": {"flows", "bench", "cli"},
     "kernels": {"ingest", "features", "train", "flows", "bench", "cli"},
     "config": {"ingest", "features", "train", "kernels", "flows", "bench", "cli"},
+    # The sparse batch types (KeyedJaggedTensor, EmbeddingTable): below the kernels, which
+    # look them up, and every stage, which builds or shards them.
+    "sparse": {
+        "ingest",
+        "features",
+        "train",
+        "score",
+        "kernels",
+        "flows",
+        "bench",
+        "cli",
+        "config",
+    },
     # Private and version-specific runtime pieces: below everything, used by any stage.
     "runtime": {
         "ingest",
@@ -58,12 +71,6 @@ KNOWN_CROSSINGS = {
     # The synthetic generators are configured with the config's DataConfig.
     ("dlrmflow.ingest.synthetic", "config"),
     ("dlrmflow.ingest.synthetic_logs", "config"),
-    # The TBE kernels take the features' SparseFeature tables and KeyedJaggedTensor IDs.
-    ("dlrmflow.kernels.tbe", "features"),
-    ("dlrmflow.kernels.tbe_layout", "features"),
-    ("dlrmflow.kernels.fbgemm_tbe", "features"),
-    ("dlrmflow.kernels.tiered", "features"),
-    ("dlrmflow.kernels.triton_tbe", "features"),
 }
 
 

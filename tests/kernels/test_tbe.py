@@ -5,7 +5,6 @@ import pytest
 import torch
 from torch import nn
 
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels import cpu_tbe
 from dlrmflow.kernels.tbe import (
@@ -15,6 +14,7 @@ from dlrmflow.kernels.tbe import (
     TableBatchedEmbeddingBag,
 )
 from dlrmflow.runtime import gomp
+from dlrmflow.sparse import KeyedJaggedTensor
 from tests.kernels.batches import random_jagged, random_one_hot
 
 # Different dims (two runs of dim 4 around a dim-2 table, so three weight groups), both

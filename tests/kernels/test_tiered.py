@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from dlrmflow.config import ModelConfig
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels import tiered as tiered_module
 from dlrmflow.kernels.tbe import (
@@ -24,6 +23,7 @@ from dlrmflow.kernels.tiered import (
     DiskSpaceError,
     TieredEmbeddingBag,
 )
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.dlrm import DLRM
 from tests.conftest import small_tmpfs
 from tests.kernels.batches import random_jagged, random_one_hot

@@ -31,7 +31,7 @@ FAULTS = """
 import resource, torch
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 print(tune_allocator())
-from dlrmflow.features.batch import KeyedJaggedTensor
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, TableBatchedEmbeddingBag

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from dlrmflow.config import ModelConfig, TrainConfig
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import CacheTooSmall
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
 from dlrmflow.train.model.sharded_embeddings import cache_budget_error
 

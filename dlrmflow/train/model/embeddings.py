@@ -18,10 +18,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.tbe import Adam, TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import CacheStats, TieredEmbeddingBag
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.sharded_embeddings import exact_storage
 
 

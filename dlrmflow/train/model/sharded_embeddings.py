@@ -53,7 +53,6 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.codecs import Codec, Encoded, get_codec
 from dlrmflow.kernels.tbe import (
@@ -73,6 +72,7 @@ from dlrmflow.kernels.tiered import (
     record_width,
 )
 from dlrmflow.memory import format_bytes
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.comms import CommStats, PendingAllToAll, all_gather_ints, all_to_all
 from dlrmflow.train.model.plan import Shard, ShardingPlan, TablePlan
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dlrmflow.config import ConfigError
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.device import BatchStager, process_group_backend, resolve_device
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.evaluate import evaluate

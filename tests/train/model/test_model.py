@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from dlrmflow.config import ModelConfig
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import SGD
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.dlrm import DLRM, DotInteraction
 
 

@@ -22,9 +22,10 @@ from torch import nn
 
 from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import RunConfig
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.plan import SHARDING_TYPES, ShardingPlan

@@ -22,11 +22,11 @@ import torch
 
 from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import build_config
-from dlrmflow.features.batch import KeyedJaggedTensor
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.tbe import RowWiseAdagrad
 from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.memory import peak_rss_bytes, reset_peak_rss
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.sharded_embeddings import TierStorage
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
 from dlrmflow.train.run.checkpoint import find_checkpoint, restore, save_checkpoint

@@ -21,8 +21,9 @@ import torch
 
 import dlrmflow.train.run.servable as servable_module
 from dlrmflow.config import DataConfig
-from dlrmflow.features.batch import Batch, KeyedJaggedTensor
+from dlrmflow.features.batch import Batch
 from dlrmflow.ingest.synthetic import generate_dataset
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.run.checkpoint import Checkpoint, load_checkpoint
 from dlrmflow.train.run.data import load_ids
 from dlrmflow.train.run.evaluate import test_loader as make_test_loader
