@@ -2,8 +2,8 @@
 
 The sharded trainer sends pooled embeddings ``[rows, dim]`` float32 forward and their
 gradients backward. A codec turns such a tensor into bytes (``encode``), and the bytes
-back into float32 (``decode``), with ``encoded_nbytes`` giving the exact wire size so the
-trainer can count bytes sent per step.
+back into float32 (``decode``), with ``row_nbytes`` giving the exact wire size of a row so
+the trainer can count bytes sent per step.
 
 Wire format: ``Encoded.data`` is one contiguous uint8 tensor ``[rows, row_nbytes(dim)]``
 whose row ``i`` holds the payload of input row ``i`` followed by that row's scale (and
@@ -87,12 +87,6 @@ class Codec(ABC):
 
     @abstractmethod
     def _decode(self, data: torch.Tensor, dim: int) -> torch.Tensor: ...
-
-    def encoded_nbytes(self, rows: int, dim: int) -> int:
-        """Exact bytes on the wire for a ``[rows, dim]`` tensor."""
-        if rows < 0 or dim < 0:
-            raise ValueError(f"{self.name}: rows and dim must be >= 0, got {rows}, {dim}")
-        return rows * self.row_nbytes(dim)
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """``x`` (float32 ``[rows, dim]``, any device and strides) in this codec's format."""

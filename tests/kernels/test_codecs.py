@@ -84,7 +84,7 @@ def test_get_codec_knows_every_name_and_rejects_others() -> None:
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
 @pytest.mark.parametrize("rows, dim", [(5, 7), (1, 3), (64, 64), (0, 64), (3, 0), (0, 0)])
-def test_wire_format_and_encoded_nbytes(name: str, rows: int, dim: int) -> None:
+def test_wire_format_and_row_nbytes(name: str, rows: int, dim: int) -> None:
     codec = get_codec(name)
     x = torch.randn(rows, dim)
     enc = codec.encode(x)
@@ -92,7 +92,7 @@ def test_wire_format_and_encoded_nbytes(name: str, rows: int, dim: int) -> None:
     assert enc.data.dtype == torch.uint8 and enc.data.is_contiguous()
     assert tuple(enc.data.shape) == (rows, per_row[name])
     assert enc.dim == dim and enc.rows == rows
-    assert enc.nbytes == codec.encoded_nbytes(rows, dim) == rows * per_row[name]
+    assert enc.nbytes == rows * codec.row_nbytes(dim) == rows * per_row[name]
     out = codec.decode(enc)
     assert out.dtype == torch.float32 and tuple(out.shape) == (rows, dim)
 
@@ -267,5 +267,3 @@ def test_bad_input_is_rejected(name: str) -> None:
         codec.decode(Encoded(enc.data, 5))
     with pytest.raises(ValueError, match=f"{name}: decode expects uint8"):
         codec.decode(Encoded(enc.data.float(), 4))
-    with pytest.raises(ValueError, match="must be >= 0"):
-        codec.encoded_nbytes(-1, 4)
