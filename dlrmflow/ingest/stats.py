@@ -182,11 +182,6 @@ class SparseStats:
         """The share of rows with at least one ID: rows whose bag is looked up at all."""
         return (self.rows - self.missing - self.empty) / max(self.rows, 1)
 
-    def cache_hit_rate(self, fraction: float) -> float | None:
-        """The expected hit rate of a cache of ``fraction`` of the distinct IDs (see
-        ``interpolate_hit_rate``); None when no skew was recorded."""
-        return interpolate_hit_rate(self.cache_hits, fraction) if self.cache_hits else None
-
 
 @dataclass(frozen=True)
 class DatasetStats:

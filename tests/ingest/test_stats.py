@@ -282,8 +282,6 @@ def test_dataset_cache_hits_match_the_exact_counts(tiny_dataset):
             [h for _, h in s.cache_hits], [h for _, h in expected], rtol=1e-9, atol=1e-12
         )
         assert s.cache_hits[-1][1] == pytest.approx(1 - len(counts) / s.ids, abs=1e-12)
-        assert s.cache_hit_rate(0.0) == 0.0
-        assert s.cache_hit_rate(1.0) == s.cache_hits[-1][1]
 
 
 def test_interpolated_hit_rates_rise_through_the_recorded_points():
@@ -314,7 +312,7 @@ def test_stats_written_before_skew_was_recorded_still_read(tmp_path):
     }  # fmt: skip
     (root / "stats.json").write_text(json.dumps(old))
     stats = read_stats(str(root))
-    assert stats.sparse[0].cache_hits == () and stats.sparse[0].cache_hit_rate(0.5) is None
+    assert stats.sparse[0].cache_hits == ()
     (root / "stats.json").write_text(json.dumps({"rows": 3}))
     with pytest.raises(DataError, match=r"old/stats\.json: not feature statistics"):
         read_stats(str(root))
