@@ -1,5 +1,7 @@
-"""A process's memory, measured and foreseen: its peak resident set (``peak_rss_bytes``),
-what it may still take (``available_memory``) and byte counts for a person.
+"""A process's memory, measured and foreseen: its peak resident set (``peak_rss_bytes``,
+restarted by ``reset_peak_rss`` where an evaluation begins, so that ``eval.json`` reports
+the evaluation's own peak), what it may still take (``available_memory``) and byte counts
+for a person.
 
 ``available_memory`` says how much more memory this process may take: what the kernel
 could give (``MemAvailable``), or less where a cgroup limit (a container's, a systemd

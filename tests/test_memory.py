@@ -1,10 +1,17 @@
-"""What a process may still take: ``MemAvailable`` or, less, its cgroup's room (v1 and v2)."""
+"""What a process may still take (``MemAvailable`` or, less, its cgroup's room, v1 and v2),
+and the peak an evaluation reports."""
 
 from __future__ import annotations
 
+import mmap
 import platform
 
-from dlrmflow.memory import Available, available_memory
+import pytest
+
+from dlrmflow.memory import Available, available_memory, peak_rss_bytes, reset_peak_rss
+from dlrmflow.train.run.evaluate import evaluate
+from dlrmflow.train.run.trainer import train
+from tests.conftest import tiny_run_config
 
 
 def _fake_machine(tmp_path, meminfo_kb: int, cgroup_line: str, files: dict[str, str]):
@@ -62,3 +69,18 @@ def test_available_memory_on_this_machine_is_positive():
     found = available_memory()
     if platform.system() == "Linux":
         assert found is not None and found.bytes > 0
+
+
+def test_an_evaluation_reports_its_own_peak_not_the_process_s(tiny_dataset, tmp_path):
+    """In a process that trained first (the flows, the demo), eval.json's peak resident
+    set is the evaluation's: 256 MiB touched and released before it does not count."""
+    if not reset_peak_rss():
+        pytest.skip("the peak resident set cannot be reset here (/proc/self/clear_refs)")
+    config = tiny_run_config(tiny_dataset, tmp_path / "run", max_steps=2)
+    train(config)
+    size = 256 << 20
+    with mmap.mmap(-1, size) as block:
+        block.write(b"\x01" * size)  # resident until unmapped; the peak keeps it
+    before = peak_rss_bytes()
+    (peak,) = evaluate(config.run_dir)["peak_rss_bytes"]
+    assert 0 < peak < before - size // 2, (peak, before)

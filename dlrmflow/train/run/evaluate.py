@@ -44,6 +44,7 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
+from dlrmflow.memory import reset_peak_rss
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.model.device import resolve_device, use_device
 from dlrmflow.train.model.disk_tier import scratch_directory, scratch_tier_storage
@@ -415,6 +416,9 @@ def _evaluate(
     batch_size: int | None = None,
     eval_days: Window = None,
 ) -> dict[str, float]:
+    # eval.json's peak resident set is the evaluation's own: where this process trained
+    # first (the flows, the demo), the peak since it started would be the training's.
+    reset_peak_rss()
     if env.distributed:
         info = find_checkpoint(checkpoint if checkpoint is not None else run_dir)
         config = recorded_config(info.manifest["config"])
