@@ -252,27 +252,6 @@ def footer_digest(f: IO[bytes], size: int) -> str:
     return FOOTER_DIGEST + hashlib.sha256(footer).hexdigest()
 
 
-def content_digest(url: str) -> str:
-    """The digest of a day file recomputed from its bytes: SHA-256 of all before the footer.
-
-    Reads the whole file; equal to its footer's ``DIGEST_KEY`` unless a data page changed.
-    """
-    with open_regular(url)[0] as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(size - 8)
-        footer = int.from_bytes(f.read(4), "little") + 8
-        f.seek(0)
-        h, left = hashlib.sha256(), size - footer
-        while left > 0:
-            chunk = f.read(min(left, 1 << 20))
-            if not chunk:
-                break
-            h.update(chunk)
-            left -= len(chunk)
-    return h.hexdigest()
-
-
 def _local_path(url: str) -> str | None:
     fs, path = fsspec.core.url_to_fs(url)
     return path if isinstance(fs, LocalFileSystem) else None

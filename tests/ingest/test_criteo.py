@@ -22,10 +22,10 @@ from dlrmflow.ingest.criteo import (
     convert_landed,
     day_file_name,
 )
-from dlrmflow.ingest.dayfile import content_digest
 from dlrmflow.ingest.lock import DatasetBusy
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.schema import DENSE, SPARSE, criteo_schema
+from tests.ingest.digests import content_digest
 from tests.ingest.test_synthetic import HOLD_DATASET
 
 

@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.config import DataConfig
-from dlrmflow.ingest.dayfile import content_digest
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
 from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, list_splits, make_loader
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.run.checkpoint import dataset_digest
+from tests.ingest.digests import content_digest
 
 DLRMFLOW = str(Path(sys.executable).parent / "dlrmflow")
 SMALL = {"days": 3, "rows_per_day": 256, "row_group_size": 64, "cardinality_scale": 0.0005}

@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.config import DataConfig
-from dlrmflow.ingest.dayfile import content_digest
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.schema import CRITEO_CARDINALITIES, DENSE, LABEL, SPARSE, criteo_schema
 from dlrmflow.ingest.synthetic import day_file_name, generate_dataset
+from tests.ingest.digests import content_digest
 
 
 def _config(root, **overrides) -> DataConfig:
