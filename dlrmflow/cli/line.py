@@ -38,9 +38,9 @@ def line(
     later calls need none, and train nothing when no day is new."""
     from dlrmflow.train.line.line import train_line
 
-    made = train_line(line_dir, _config(line_dir, data, config, set_), through=through)
-    report = _report(line_dir, {"trained": [asdict(v) for v in made]})  # may fail: first
-    if not made:
+    run = train_line(line_dir, _config(line_dir, data, config, set_), through=through)
+    report = _report(line_dir, {"trained": [asdict(v) for v in run.made]})  # may fail: first
+    if not run.made:
         typer.echo(f"{line_dir}: no new day to train on", err=True)
     echo_json(report)
 

@@ -1,12 +1,14 @@
 """The ``recurring`` flow: one scheduled run of a model line (``dlrmflow.train.line``).
 
-Each run ingests the days that landed since the last one (the ``land`` subflow: raw
-files in ``data.landing``, or new day partitions under a registered dataset; otherwise
-the dataset at ``data.url`` grows by other means, e.g. ``dlrmflow generate`` with a day
-more), then, for every day the line has not trained
+Each run is the line's one driver, ``train_line``, as ``dlrmflow line`` runs it, with its
+two steps run as Prefect tasks (``FlowSteps``): it ingests the days that landed since the
+last run (the ``land`` subflow: raw files in ``data.landing``, or new day partitions
+under a registered dataset; otherwise the dataset at ``data.url`` grows by other means,
+e.g. ``dlrmflow generate`` with a day more), then, for every day the line has not trained
 on, scores the newest version on it (next-day validation), judges that version against
 the champion there (the gate, publishing it when it passes) and continues it on the day:
-a version a day. A run that finds no new day trains nothing and says so.
+a version a day, each a ``day-N`` task. A run that finds no new day trains nothing and
+says so.
 
 What a user watches in Prefect: a ``day-N`` task per day, the history of next-day metrics
 as a table and a plot, and the gate's verdicts. A run in which the gate held a version
@@ -41,11 +43,12 @@ from dlrmflow.train.line.gate import champion
 from dlrmflow.train.line.line import (
     Line,
     LineError,
+    LineRun,
+    LineSteps,
+    Version,
     history,
     line_config,
-    open_line,
-    plot_history,
-    verdicts,
+    train_line,
     versions,
 )
 
@@ -67,7 +70,7 @@ class HeldBack(LineError):
     # A day is trained once: the line itself knows which days it has (a retry resumes).
     cache_policy=NO_CACHE,
 )
-def day_task(line: Line, day: int) -> dict[str, Any]:
+def day_task(line: Line, day: int) -> Version:
     """Validate the newest version on ``day``, judge it, and train the next one on it."""
     logger = get_run_logger()
     version = line.advance(day)
@@ -81,7 +84,7 @@ def day_task(line: Line, day: int) -> dict[str, Any]:
         "day %d: version %s trained (%d steps, %d rows, final loss %.4f)",
         day, version.name, version.steps, version.rows, version.final_loss,
     )  # fmt: skip
-    return asdict(version)
+    return version
 
 
 @task(
@@ -145,6 +148,18 @@ def land_flow(config: RunConfig) -> dict[str, Any]:
     return landed
 
 
+class FlowSteps(LineSteps):
+    """The line's steps as the recurring flow runs them: what landed through the ``land``
+    subflow (which merges and publishes the statistics too), each day as a ``day-N``
+    task, retried unless the input is bad. The sequence around them is ``train_line``'s."""
+
+    def land(self, line: Line) -> list[int]:
+        return land_flow(line.config)["written_days"]
+
+    def day(self, line: Line, day: int) -> Version:
+        return day_task.with_options(name=f"day-{day}")(line, day)
+
+
 @flow(name="recurring", validate_parameters=True)
 def recurring_flow(
     line: str = DEFAULT_LINE,
@@ -158,27 +173,16 @@ def recurring_flow(
     version judged in this run was promoted (or there was nothing to judge); ``Failed``
     named ``HeldBack`` when the gate kept one back."""
     logger = get_run_logger()
-    line_dir = Path(line)
-    if max_days is not None and max_days < 1:
-        raise ValueError(f"max_days must be >= 1 (got {max_days})")
-    with open_line(line_dir, config) as opened:
-        if opened.lands:
-            land_flow(opened.config)
-        judged_before = len(verdicts(line_dir))
-        days = opened.pending(through)
-        todo = days if max_days is None else days[:max_days]
-        if not todo:
-            trained = [v.day for v in opened.versions]
-            seen = f"days {trained[0]}-{trained[-1]}" if trained else "no day"
-            message = f"no new day in {opened.config.data.url} (the line has trained {seen})"
-            logger.info(message)
-            return Completed(message=message, data=_summary(line_dir, [], days))
-        made = [day_task.with_options(name=f"day-{day}")(opened, day) for day in todo]
-        plot = plot_history(line_dir)
-    summary = _summary(line_dir, made, days[len(todo) :])
-    judged = verdicts(line_dir)[judged_before:]
-    _publish(line_dir, plot, judged)
-    held = [v for v in judged if not v.promoted]
+    run = train_line(line, config, through=through, max_days=max_days, steps=FlowSteps())
+    summary = _summary(run)
+    if not run.made:
+        trained = [v.day for v in versions(run.dir)]
+        seen = f"days {trained[0]}-{trained[-1]}" if trained else "no day"
+        message = f"no new day in {run.config.data.url} (the line has trained {seen})"
+        logger.info(message)
+        return Completed(message=message, data=summary)
+    _publish(run.dir, run.plot, run.judged)
+    held = [v for v in run.judged if not v.promoted]
     if held:
         message = "; ".join(
             f"version {v.version:04d} held back on day {v.day}: {'; '.join(v.reasons)}"
@@ -187,17 +191,17 @@ def recurring_flow(
         logger.warning(message)
         return Failed(name=HELD_BACK, message=message, data=HeldBack(message))
     return Completed(
-        message=f"trained day(s) {', '.join(str(d['day']) for d in made)}", data=summary
+        message=f"trained day(s) {', '.join(str(v.day) for v in run.made)}", data=summary
     )
 
 
-def _summary(line_dir: Path, made: list[dict[str, Any]], left: list[int]) -> dict[str, Any]:
+def _summary(run: LineRun) -> dict[str, Any]:
     return {
-        "line": str(line_dir),
-        "trained": made,
-        "left": left,
-        "versions": len(versions(line_dir)),
-        "champion": champion(line_dir),
+        "line": str(run.dir),
+        "trained": [asdict(v) for v in run.made],
+        "left": run.left,
+        "versions": len(versions(run.dir)),
+        "champion": champion(run.dir),
     }
 
 

@@ -34,7 +34,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -349,28 +349,63 @@ def _restore_run(line_dir: Path, made: list[Version]) -> None:
     partial.rename(target)
 
 
+class LineSteps:
+    """How ``train_line`` runs its two steps: bringing in what landed (``Line.land``) and
+    a day (``Line.advance``: validate, gate, train). Called plainly here, as the ``line``
+    command runs them; the recurring flow overrides both to run them as Prefect tasks
+    (``dlrmflow.flows.recurring``), so the sequence around them is written once, in
+    ``train_line``, whoever runs it."""
+
+    def land(self, line: Line) -> list[int]:
+        """The days gained by what landed."""
+        return line.land()
+
+    def day(self, line: Line, day: int) -> Version:
+        """The version trained on ``day``, after validating and judging the newest one."""
+        return line.advance(day)
+
+
+@dataclass(frozen=True)
+class LineRun:
+    """What one ``train_line`` call did: what the recurring flow and the CLI report."""
+
+    dir: Path
+    config: RunConfig  # the line's, as this call ran it
+    landed: list[int]  # the days brought in by what landed
+    made: list[Version]  # the versions made, a day each, in day order
+    left: list[int]  # new days left for a later call (``max_days``)
+    judged: list[Verdict]  # the gate's verdicts made in this call, oldest first
+    plot: Path | None  # ``history.png``, redrawn when a version was made
+
+
 def train_line(
     line_dir: str | Path,
     config: RunConfig | None = None,
     *,
     through: int | None = None,
-    on_day: Callable[[Version], None] | None = None,
-) -> list[Version]:
-    """Bring in what landed (``Line.land``: raw files in ``data.landing``, or new day
-    partitions under a registered dataset), then train the line at ``line_dir`` on
-    every day of its dataset it has not trained on (up to ``through``), a version a day;
-    return the versions made now (none when there is no new day). ``config`` starts the
-    line (or must match it, see ``line_config``)."""
+    max_days: int | None = None,
+    steps: LineSteps | None = None,
+) -> LineRun:
+    """The one driver of a model line, for the ``line`` command, the recurring flow and
+    its backfill alike: bring in what landed (``Line.land``: raw files in
+    ``data.landing``, or new day partitions under a registered dataset), then, for each
+    day of the dataset the line at ``line_dir`` has not trained on (through ``through``,
+    at most ``max_days`` of them), score the newest version on it, judge it against the
+    champion and continue it on the day: a version a day (``Line.advance``). ``steps``
+    says how those two steps run (plainly by default; the flow's as Prefect tasks).
+    ``config`` starts the line (or must match it, see ``line_config``)."""
+    if max_days is not None and max_days < 1:
+        raise LineError(f"max_days must be >= 1 (got {max_days})")
+    steps = LineSteps() if steps is None else steps
     with open_line(line_dir, config) as line:
-        line.land()
-        made = []
-        for day in line.pending(through):
-            made.append(line.advance(day))
-            if on_day is not None:
-                on_day(made[-1])
-        if made:
-            plot_history(line.dir)
-        return made
+        landed = steps.land(line) if line.lands else []
+        judged_before = len(verdicts(line.dir))
+        days = line.pending(through)
+        todo = days if max_days is None else days[:max_days]
+        made = [steps.day(line, day) for day in todo]
+        plot = plot_history(line.dir) if made else None
+        judged = verdicts(line.dir)[judged_before:]
+    return LineRun(line.dir, line.config, landed, made, days[len(todo) :], judged, plot)
 
 
 def _score(line: RunConfig, day: int, checkpoint: Path | None = None) -> dict[str, Any]:

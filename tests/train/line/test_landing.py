@@ -65,7 +65,7 @@ def test_a_late_file_is_refused_naming_it_and_never_renumbers_the_days(
     assert [v.day for v in versions(line)] == [0, 1, 2]
 
     late.rename(landing / "day_4.tsv")  # taken as the next day, as the message says
-    [fourth] = train_line(line)
+    [fourth] = train_line(line).made
     assert (fourth.day, fourth.days) == (3, [0, 1, 2, 3])
     assert [r["day"] for r in history(line)] == [1, 2, 3]
     assert {k: files[k] for k in files} == {k: _day_files(data)[k] for k in files}
@@ -85,7 +85,7 @@ def test_archived_or_touched_files_keep_their_days_and_the_next_day_trains(
     (landing / "day_0.tsv").unlink()  # archived once converted
     os.utime(landing / "day_1.tsv", ns=(1, 1))  # touched: the same bytes
     _land(landing, criteo_sample, "day_2.tsv", 2)
-    [third] = train_line(line)
+    [third] = train_line(line).made
     assert (third.day, third.days) == (2, [0, 1, 2])
     assert {k: _day_files(data)[k] for k in files} == files  # days 0-1 never rewritten
     landed = read_manifest(str(data)).generator["landed"]
@@ -93,7 +93,7 @@ def test_archived_or_touched_files_keep_their_days_and_the_next_day_trains(
 
     for path in landing.iterdir():  # every landed file archived: no new day, no error
         path.unlink()
-    assert train_line(line) == []
+    assert train_line(line).made == []
 
 
 def test_a_changed_or_empty_landed_file_is_refused_and_the_line_goes_on(
@@ -119,5 +119,5 @@ def test_a_changed_or_empty_landed_file_is_refused_and_the_line_goes_on(
     assert read_manifest(str(data)).files == manifest.files
     empty.unlink()
     _land(landing, criteo_sample, "day_2.tsv", 1)
-    [second] = train_line(line)
+    [second] = train_line(line).made
     assert (second.day, [r["day"] for r in history(line)]) == (1, [1])

@@ -38,14 +38,14 @@ def _config(data: str, run_dir: Path) -> RunConfig:
 def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -> None:
     data = _grow(tmp_path / "data", 2)
     line = tmp_path / "line"
-    first = train_line(line, _config(data, tmp_path / "ignored"))
+    first = train_line(line, _config(data, tmp_path / "ignored")).made
     assert [(v.number, v.day, v.parent) for v in first] == [(0, 0, None), (1, 1, 0)]
     assert first[0].validation is None  # no model before the first day
     assert first[1].validation["day"] == 1 and 0.5 < first[1].validation["auc"] < 1
 
-    assert train_line(line) == []  # no new day: nothing trained, nothing written
+    assert train_line(line).made == []  # no new day: nothing trained, nothing written
     _grow(tmp_path / "data", 3)  # the next day lands
-    [third] = train_line(line)
+    [third] = train_line(line).made
     assert (third.number, third.day, third.parent, third.days) == (2, 2, 1, [0, 1, 2])
     assert [r["day"] for r in history(line)] == [1, 2]
     assert (line / "history.png").is_file()
@@ -79,12 +79,12 @@ def test_a_line_refuses_another_configuration_and_trains_through_at_most(tmp_pat
     # What is not the run's identity is this call's, not silently the first call's.
     machinery = _config(data, tmp_path / "x")
     machinery.train.log_every = 2
-    [second] = train_line(line, machinery)
+    [second] = train_line(line, machinery).made
     logged = (line / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(r)["step"] for r in logged if '"loss"' in r]
     assert second.steps == 14 and 8 in steps  # day 1's steps 8-14, logged every 2
     # --through is "at most": past the dataset's days or below the trained ones, no error.
-    assert train_line(line, through=7) == [] and train_line(line, through=0) == []
+    assert train_line(line, through=7).made == [] and train_line(line, through=0).made == []
     with pytest.raises(LineError, match="--through -1: days are numbered from 0"):
         train_line(line, through=-1)
     with pytest.raises(LineError, match="no config.json"):
@@ -108,7 +108,7 @@ def test_a_line_refuses_other_data_before_it_scores_or_records_anything(
     stale = {**before[0], "day": 2, "auc": 0.1, "day_digest": "another day 2"}
     (line / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*before, stale]))
     _grow(tmp_path / "data", 3)  # the line's data restored, with a day more
-    [third] = train_line(line)
+    [third] = train_line(line).made
     fresh = tmp_path / "fresh"
     train_line(fresh, _config(data, tmp_path / "y"))
     assert history(line) == history(fresh) and third == versions(fresh)[-1]

@@ -69,7 +69,7 @@ def test_a_line_over_a_registered_dataset_trains_each_day_that_lands(
     assert [r["day"] for r in history(line)] == [1, 2]  # nothing scored meanwhile
 
     land_day(data, "dt=2026-11-04", seed=10, rows=ROWS)  # the next day lands
-    [fourth] = train_line(line)
+    [fourth] = train_line(line).made
     assert (fourth.number, fourth.day, fourth.days, fourth.rows) == (3, 3, [0, 1, 2, 3], 4 * ROWS)
     assert fourth.validation is not None and fourth.validation["day"] == 3
     grown = read_manifest(str(data))
@@ -77,7 +77,7 @@ def test_a_line_over_a_registered_dataset_trains_each_day_that_lands(
     assert {f.day for f in grown.files} == {0, 1, 2, 3}
     assert {k: v for k, v in _version_records(line).items() if k in records} == records
     assert [v.day for v in versions(line)] == [0, 1, 2, 3]
-    assert train_line(line) == []  # nothing new: nothing registered, nothing trained
+    assert train_line(line).made == []  # nothing new: nothing registered, nothing trained
 
     # One run over the four days in day order ends where the line's versions end.
     whole = tiny_run_config(str(data), tmp_path / "whole", batch_size=100)

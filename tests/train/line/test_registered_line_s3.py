@@ -29,7 +29,7 @@ def test_a_line_reads_its_days_from_s3_and_trains_a_day_uploaded_later(
     register_dataset(url, SCHEMA)
 
     config = tiny_run_config(url, tmp_path / "unused", batch_size=100)
-    trained = train_line(tmp_path / "line", config)
+    trained = train_line(tmp_path / "line", config).made
     assert [(v.number, v.day, v.rows) for v in trained] == [
         (0, 0, ROWS),
         (1, 1, 2 * ROWS),
@@ -38,7 +38,7 @@ def test_a_line_reads_its_days_from_s3_and_trains_a_day_uploaded_later(
     assert [r["day"] for r in history(tmp_path / "line")] == [1, 2]
 
     fs.put(f"{local}/day=3/", f"{root}/day=3", recursive=True)  # the next day lands
-    [fourth] = train_line(tmp_path / "line")
+    [fourth] = train_line(tmp_path / "line").made
     assert (fourth.number, fourth.day, fourth.rows) == (3, 3, 4 * ROWS)
     assert {f.day for f in read_manifest(url).files} == {0, 1, 2, 3}
-    assert train_line(tmp_path / "line") == []
+    assert train_line(tmp_path / "line").made == []
