@@ -2,10 +2,10 @@
 
 Grouped by what a user does: ``data`` (generate, convert, schema, register, stats),
 ``run`` (config, train, plan, evaluate, export, demo), ``score`` (a model's predictions as
-Parquet), ``serving`` (serve, deploy, readers serve) and ``bench``; ``options`` holds what
-they share. Commands only parse and print: the work is the library's. ``app`` below lists
-every command, in the order ``dlrmflow --help`` shows them, and ``main`` turns expected
-failures into one line.
+Parquet), ``deployments`` (serve, deploy), ``readers`` (readers serve) and ``bench``;
+``options`` holds what they share. Commands only parse and print: the work is the
+library's. ``app`` below lists every command, in the order ``dlrmflow --help`` shows them,
+and ``main`` turns expected failures into one line.
 
 Every command that trains or reads data resolves the same ``RunConfig``: defaults, then
 ``--config FILE``, then ``--set section.key=value`` overrides, then the command's own flags.
@@ -19,7 +19,7 @@ import sys
 
 import typer
 
-from dlrmflow.cli import bench, data, line, run, score, serving
+from dlrmflow.cli import bench, data, deployments, line, readers, run, score
 from dlrmflow.config import env_overrides
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 
@@ -32,7 +32,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(bench.app, name="bench")
-app.add_typer(serving.readers_app, name="readers")
+app.add_typer(readers.readers_app, name="readers")
 for _name, _command in (
     ("config", run.config),
     ("generate", data.generate),
@@ -47,8 +47,8 @@ for _name, _command in (
     ("export", run.export),
     ("score", score.score),
     ("demo", run.demo),
-    ("serve", serving.serve),
-    ("deploy", serving.deploy),
+    ("serve", deployments.serve),
+    ("deploy", deployments.deploy),
     ("stats", data.stats),
 ):
     app.command(_name)(_command)

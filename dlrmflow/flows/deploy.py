@@ -1,9 +1,10 @@
 """Deployments of the flows to a process work pool, run by ``prefect worker start`` processes.
 
-``deploy_flows`` registers the deployments ``serve`` builds (``ingest/dlrmflow``,
-``train/dlrmflow``, ``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, ``recurring/dlrmflow``,
-the same parameters and schedule) with the Prefect server at ``PREFECT_API_URL``, in a
-process work pool it creates when missing, and returns. A worker on any host (``prefect
+``deploy_flows`` registers the deployments that ``dlrmflow serve`` serves
+(``dlrmflow.flows.deployments``: ``ingest/dlrmflow``, ``train/dlrmflow``,
+``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, ``recurring/dlrmflow``, the same parameters
+and schedule) with the Prefect server at ``PREFECT_API_URL``, in a process work pool it
+creates when missing, and returns. A worker on any host (``prefect
 worker start --pool NAME``) then runs each flow run in a subprocess of its own.
 
 The deployments carry no code and no pull steps: their entrypoints are module paths
@@ -28,8 +29,8 @@ from prefect.settings import get_current_settings
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.flows.api import PrefectServerError
+from dlrmflow.flows.deployments import DEPLOYMENT_NAME, build_deployments
 from dlrmflow.flows.recurring import DEFAULT_LINE
-from dlrmflow.flows.serve import DEPLOYMENT_NAME, build_deployments
 
 POOL_TYPE = "process"
 

@@ -25,8 +25,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from dlrmflow.cli import main
 from dlrmflow.config import build_config
+from dlrmflow.flows.deployments import FLOWS
 from dlrmflow.flows.recurring import GATE_KEY
-from dlrmflow.flows.serve import FLOWS
 from dlrmflow.train.run.trainer import train
 from tests.conftest import TINY_DATA, same_weights
 from tests.flows.records import call_client, run_records

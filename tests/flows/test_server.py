@@ -42,7 +42,7 @@ RUN_TIMEOUT_S = 180
 SERVE = (
     "import json, sys\n"
     "from dlrmflow.config import build_config\n"
-    "from dlrmflow.flows.serve import serve_flows\n"
+    "from dlrmflow.flows.deployments import serve_flows\n"
     "serve_flows(build_config(json.loads(sys.argv[1])), interval=float(sys.argv[2]))\n"
 )
 

@@ -7,7 +7,7 @@ import datetime
 import pytest
 
 from dlrmflow.config import RunConfig, build_config
-from dlrmflow.flows.serve import build_deployments, serve_flows
+from dlrmflow.flows.deployments import build_deployments, serve_flows
 
 
 def test_one_deployment_per_flow_with_the_config_as_default():

@@ -1,5 +1,5 @@
-"""Commands that keep running for others: ``serve`` and ``deploy`` (the flows as Prefect
-deployments) and ``readers serve`` (preprocessed batches for remote trainers)."""
+"""The flows as Prefect deployments: ``serve`` runs them from this process, ``deploy``
+registers them to a work pool for ``prefect worker start`` processes."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from dlrmflow.cli.options import (
 )
 from dlrmflow.config import ConfigError
 
-readers_app = typer.Typer(help="Reader services that preprocess batches for remote trainers.")
-
 
 def serve(
     cron: CronOpt = None,
@@ -32,7 +30,7 @@ def serve(
     set_: SetOpt = None,
 ) -> None:
     """Serve the flows as Prefect deployments (on PREFECT_API_URL's server, or locally)."""
-    from dlrmflow.flows.serve import serve_flows
+    from dlrmflow.flows.deployments import serve_flows
 
     if cron is not None and interval is not None:
         raise ConfigError("give --cron or --interval, not both")
@@ -74,42 +72,3 @@ def deploy(
         line=line,
     )
     echo_json(result)
-
-
-@readers_app.command("serve")
-def readers_serve(
-    listen: Annotated[
-        str,
-        typer.Option(
-            help="HOST:PORT to serve on (port 0: any free port). Another host's reach "
-            "(0.0.0.0, a public address) needs distributed.reader_security's TLS and a secret."
-        ),
-    ] = "127.0.0.1:8815",
-    data: Annotated[str | None, typer.Option(help="Dataset URL (default: data.url).")] = None,
-    workers: Annotated[int, typer.Option(help="Row groups preprocessed at once.")] = 2,
-    insecure: Annotated[
-        bool,
-        typer.Option(
-            "--insecure",
-            help="Serve an address other hosts reach without TLS or a secret: anyone "
-            "reaching the port can read the data.",
-        ),
-    ] = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-) -> None:
-    """Serve preprocessed batches over Arrow Flight until SIGINT/SIGTERM.
-
-    Use the trainers' configuration (the same features and batch size); trainers connect
-    with `dlrmflow train --readers HOST:PORT,...`. distributed.reader_security sets TLS
-    (cert_file, key_file; trainers check it with ca_file) and the file of the secret every
-    call must carry (secret_file, or the environment's DLRMFLOW_READER_SECRET): never the
-    secret on a command line, where ps shows it.
-    """
-    import logging
-
-    from dlrmflow.train.launch.reader_servers import serve_readers
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = resolve(config, set_, **{"data.url": data})
-    serve_readers(cfg, listen, workers, insecure=insecure)
