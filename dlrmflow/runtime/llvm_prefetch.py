@@ -13,12 +13,16 @@ the same kernels with the prefetch compiled to nothing, both faster with it:
 
 The figures, with the machine they came from, are in this module's commit history.
 
-The intrinsic's name follows LLVM's pointer types, so it depends on the LLVM that numba
-ships. Before the first kernel that uses it is compiled, a probe compiles one call of each
-name in ``INTRINSICS`` for this machine and the first that becomes a prefetch is used;
-where none does (it fails to compile, or leaves a call to an unknown function, which would
-crash when run), the prefetch compiles to nothing: the kernels' results are the same,
-they only lose the overlap.
+What it reaches into, written against numba 0.68.1 and llvmlite 0.50.0 (LLVM 22): the
+intrinsic ``llvm.prefetch``, called from a numba ``intrinsic`` by a name that follows
+LLVM's pointer types, so it depends on the LLVM that numba ships. Before the first kernel
+that uses it is compiled, a probe compiles one call of each name in ``INTRINSICS`` for
+this machine and the first that becomes a prefetch is used.
+
+Fallback, where none does (it fails to compile, or leaves a call to an unknown function,
+which would crash when run): the prefetch compiles to nothing; the kernels' results are
+the same, they only lose the overlap. ``tests/runtime/test_llvm_prefetch.py`` compiles
+the kernels both ways and fails when no name lowers to a prefetch here.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ without an active exception"); ``torch.distributed.destroy_process_group()`` fir
 public way, failed none but made each job's end slower; this function failed none. Every
 file is closed by then: only the output streams need flushing.
 
-It relies on nothing private (``os._exit`` is Python's); ``tests/runtime/test_teardown.py``
-ends 2-rank jobs with it: flushed output, the exit code, no teardown run.
+Fallback: none needed, it relies on nothing private (``os._exit`` is Python's);
+``tests/runtime/test_teardown.py`` ends 2-rank jobs with it: flushed output, the exit
+code, no teardown run.
 """
 
 from __future__ import annotations
