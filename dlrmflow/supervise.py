@@ -33,7 +33,6 @@ whose lock it no longer holds. So:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
@@ -46,6 +45,7 @@ from pathlib import Path
 from types import FrameType
 
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.runtime.parent_death import signal_on_parent_death
 
 # The pid of the process that started this one, which it must not outlive.
 PARENT_ENV = "DLRMFLOW_SUPERVISOR_PID"
@@ -59,7 +59,6 @@ MARGIN_S = 5.0
 GRACE_S = 10.0  # from SIGTERM to SIGKILL when a job is stopped
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-_PR_SET_PDEATHSIG = 1
 _CPU_SHARE = 0.1  # of one core: less is a blocked rank's background threads polling
 _STATES = {
     "R": "running",
@@ -88,14 +87,10 @@ class JobStopped(DlrmflowError):
 def die_with_parent(sig: int, parent: int | None = None) -> None:
     """Have the kernel send ``sig`` to this process when its parent dies, as a child's
     first act. A parent that died before (its pid, ``parent`` or else ``PARENT_ENV``'s, is
-    no longer the parent's) gets the same answer: the signal now. No-op where prctl is
-    missing. The kernel's "parent" is the thread that started this process: it must live
-    as long as the child should."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
+    no longer the parent's) gets the same answer: the signal now. No-op where the kernel
+    cannot be asked (``runtime.parent_death``). The kernel's "parent" is the thread that
+    started this process: it must live as long as the child should."""
+    if not signal_on_parent_death(sig):
         return
     expected = str(parent) if parent is not None else os.environ.get(PARENT_ENV, "")
     if expected.isdigit() and os.getppid() != int(expected):

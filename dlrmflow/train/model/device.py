@@ -18,6 +18,7 @@ import torch
 
 from dlrmflow.config import ConfigError
 from dlrmflow.features.batch import Batch
+from dlrmflow.runtime.mkldnn_bf16 import bf16_supported
 
 
 def resolve_device(wanted: str, local_rank: int = 0, key: str = "train.device") -> torch.device:
@@ -63,12 +64,12 @@ def use_device(device: torch.device) -> None:
 
 
 def autocast_supported(device: torch.device) -> bool:
-    """Whether bfloat16 runs natively there (CUDA, or a CPU with AVX512-BF16 or AMX); on
-    other CPUs autocast still works, emulated and slower."""
+    """Whether bfloat16 runs natively there (CUDA, or a CPU where oneDNN has bfloat16
+    kernels: ``runtime.mkldnn_bf16``); on other CPUs autocast still works, emulated and
+    slower."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    mkldnn = torch.backends.mkldnn
-    return bool(mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bf16_supported()
 
 
 class BatchStager:

@@ -79,6 +79,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.outputs import atomic_path, output_target
+from dlrmflow.runtime.async_assert import assert_async
 from dlrmflow.supervise import interrupt_on_signals, signals_deferred
 from dlrmflow.train.run.recipe import program_inputs, raw_recipe
 
@@ -248,13 +249,13 @@ class ServableDLRM(nn.Module):
             & (values < self.table_rows[table]).all()
         )
         if weights is None:
-            torch._assert_async(
+            assert_async(
                 well_formed,
                 "servable inputs: offsets must rise from 0 to len(values) and every ID must lie "
                 "in its feature's table",
             )
         else:
-            torch._assert_async(
+            assert_async(
                 well_formed & torch.isfinite(weights).all(),
                 "servable inputs: offsets must rise from 0 to len(values), every ID must lie "
                 "in its feature's table and every weight must be finite",
