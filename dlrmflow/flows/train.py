@@ -125,27 +125,3 @@ def train_flow(config: RunConfig) -> dict[str, Any]:
     publish_training_curve(run_dir)
     publish_plan(run_dir)
     return trained
-
-
-@flow(name="train_with_readers", validate_parameters=True)
-def train_with_readers_flow(
-    config: RunConfig, readers: int = 2, workers: int = 1
-) -> dict[str, Any]:
-    """Start ``readers`` reader services on this host, train from them (``train`` as a
-    subflow), and stop them together, also when training fails.
-
-    On a cluster the services run on hosts of their own (``dlrmflow readers serve``) and
-    the trainers get their endpoints in ``distributed.readers``; this flow is the
-    one-machine form of that layout, for trying it and for its benchmark.
-    """
-    from dlrmflow.train.launch.reader_servers import reader_processes
-
-    logger = get_run_logger()
-    with reader_processes(config, readers, workers) as servers:
-        endpoints = [str(server.endpoint) for server in servers]
-        logger.info("reader services on %s", ", ".join(endpoints))
-        remote = config.model_copy(deep=True)
-        remote.distributed.readers = endpoints
-        result = train_flow(remote)
-    logger.info("reader services stopped")
-    return {**result, "readers": endpoints}

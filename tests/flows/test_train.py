@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 
 import pytest
 from prefect import flow
@@ -132,17 +131,3 @@ def test_a_bad_configuration_is_refused_naming_the_key(prefect_api, tmp_path):
     with pytest.raises(ParameterTypeError, match="train.batch_size"):
         train_flow({"run_dir": str(tmp_path), "train": {"batch_size": 0}})
     assert not (tmp_path / "config.json").exists()  # refused before the flow body ran
-
-
-def test_train_with_readers_starts_the_services_and_stops_them(prefect_api, tmp_path):
-    data = str(tmp_path / "data")
-    generate_dataset(DataConfig(url=data, **SMALL))
-    cfg = tiny_run_config(data, tmp_path / "run", batch_size=100, num_workers=2)
-    result = train_module.train_with_readers_flow(cfg, readers=2)
-    # One training day of 800 rows in batches of 100, every row through the services.
-    assert result["steps"] == 8 and result["rows"] == 800 and len(result["readers"]) == 2
-    # The services are gone with the flow: their ports no longer accept connections.
-    for endpoint in result["readers"]:
-        host, port = endpoint.rsplit(":", 1)
-        with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
-            pass
