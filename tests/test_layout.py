@@ -1,4 +1,4 @@
-"""No module of dlrmflow takes part in an import cycle, and no stage imports one above it.
+"""No module of dlrmflow takes part in an import cycle, and no part imports one above it.
 
 A cycle makes a module's names depend on which of the two was imported first, and ties a
 layer to its callers (a kernel that imports the module that dispatches to it). The scan
@@ -6,9 +6,27 @@ reads every ``import`` and ``from ... import`` statement of the package's source
 ``ast``, those inside functions and under ``if TYPE_CHECKING:`` included: a lazy or
 typing-only import still makes the two modules one unit.
 
-The stages follow the data, one way: ingest -> features -> train; the flows, the CLI and
-the benchmarks only compose them, and the kernels sit below every stage. The configuration
-(``dlrmflow.config``) is read by every stage, so it imports none of them.
+The layers, each importing only those below it (``FORBIDDEN`` says what each must not
+import; the train stage's folders are ordered among themselves by ``TRAIN_FOLDERS``):
+
+- ``cli``: the ``dlrmflow`` command, on top: it may import every part; of its modules only
+  ``cli.bench``, the ``bench`` command, imports the benchmarks (``MODULE_EXCEPTIONS``).
+- ``bench``: the benchmarks, which measure the stages and the flows: a flow's benchmark
+  imports the flow it runs (``bench.ingest_days`` runs the ingest flow). Nothing but the
+  ``bench`` command imports them.
+- ``flows``: the Prefect flows, which compose the stages; no flow imports the CLI or a
+  benchmark.
+- ``score``: batch scoring, above train (it loads its checkpoints and reads with its
+  loaders).
+- The stages, data flowing one way: ``ingest`` -> ``features`` -> ``train`` (``model``,
+  ``planner``, ``run``, ``launch``, ``line``).
+- ``kernels``: the embedding bags, interaction and codecs, below every stage.
+- ``sparse``: the sparse batch types the kernels look up, below the kernels.
+- The modules beside the stages (``config``, the typed configuration, and ``days``,
+  ``schema``, ``locks``, ``outputs``, ``memory``, ``supervise``, ``guard``): below every
+  stage; none but ``config`` itself imports the configuration.
+- ``runtime``: the private pieces of other libraries, below everything but ``errors``.
+- ``errors``: the base of every expected failure; it imports nothing of dlrmflow.
 """
 
 from __future__ import annotations
@@ -24,15 +42,31 @@ PACKAGE_ROOT = Path(dlrmflow.__file__).parent
 # Delete an entry once its cycle is gone; a cycle that grows beyond its entry fails.
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
-# What the modules of each stage (``dlrmflow.STAGE``) must not import.
+# The package's parts (``dlrmflow.PART``): its stage folders, and the modules and folders
+# beside them.
+STAGES = frozenset({"ingest", "features", "kernels", "train", "score", "flows", "bench", "cli"})
+BESIDE = frozenset(
+    {"config", "days", "errors", "guard", "locks", "memory", "outputs", "schema", "supervise"}
+)
+EVERYTHING = STAGES | BESIDE | {"runtime", "sparse"}
+
+# What the modules of each part (``dlrmflow.PART``) must not import.
 FORBIDDEN = {
-    "ingest": {"features", "train", "flows", "config", "bench", "cli"},
-    "features": {"train", "flows", "bench", "cli"},
-    "train": {"flows", "bench", "cli"},
+    "ingest": {"features", "train", "score", "flows", "config", "bench", "cli"},
+    "features": {"train", "score", "flows", "bench", "cli"},
+    "train": {"score", "flows", "bench", "cli"},
     # Batch scoring: above train (it loads its checkpoints and uses its loaders).
     "score": {"flows", "bench", "cli"},
-    "kernels": {"ingest", "features", "train", "flows", "bench", "cli"},
-    "config": {"ingest", "features", "train", "kernels", "flows", "bench", "cli"},
+    "flows": {"bench", "cli"},
+    # A benchmark may run a flow (it measures it); it is never run by one.
+    "bench": {"cli"},
+    # The command imports everything; only its ``bench`` command imports the benchmarks.
+    "cli": {"bench"},
+    "kernels": {"ingest", "features", "train", "score", "flows", "bench", "cli"},
+    "config": STAGES,
+    # Beside the stages, below them and the configuration.
+    **{module: STAGES | {"config"} for module in BESIDE - {"config", "errors"}},
+    "errors": EVERYTHING - {"errors"},
     # The sparse batch types (KeyedJaggedTensor, EmbeddingTable): below the kernels, which
     # look them up, and every stage, which builds or shards them.
     "sparse": {
@@ -46,24 +80,14 @@ FORBIDDEN = {
         "cli",
         "config",
     },
-    # Private and version-specific runtime pieces: below everything, used by any stage.
-    "runtime": {
-        "ingest",
-        "features",
-        "train",
-        "kernels",
-        "flows",
-        "bench",
-        "cli",
-        "config",
-        "errors",
-        "memory",
-        "outputs",
-        "supervise",
-        "guard",
-        "locks",
-    },
+    # Private and version-specific runtime pieces: below everything, used by any part; a
+    # piece with no fallback raises an error of ``errors``.
+    "runtime": EVERYTHING - {"runtime", "errors"},
 }
+
+# Modules allowed an import their part's rule forbids, as the part's composer: module ->
+# the parts it may import.
+MODULE_EXCEPTIONS = {"dlrmflow.cli.bench": {"bench"}}
 
 # Imports against the rule, being removed elsewhere: (module, stage it imports), exact.
 # Delete an entry once its import is gone (the test says so); a new one fails.
@@ -231,10 +255,10 @@ def _stage(module: str) -> str:
 
 
 def stage_crossings(graph: dict[str, dict[str, int]]) -> dict[tuple[str, str], str]:
-    """(module, stage it must not import) -> where it does, as ``module (line N) -> target``."""
+    """(module, part it must not import) -> where it does, as ``module (line N) -> target``."""
     found: dict[tuple[str, str], str] = {}
     for module, targets in sorted(graph.items()):
-        forbidden = FORBIDDEN.get(_stage(module), set())
+        forbidden = FORBIDDEN.get(_stage(module), set()) - MODULE_EXCEPTIONS.get(module, set())
         # The deepest module imported names the import best (its packages come with it).
         for target, line in sorted(targets.items(), key=lambda t: -len(t[0])):
             if _stage(target) in forbidden:
@@ -291,3 +315,30 @@ def test_the_train_folder_scan_finds_an_upward_import():
     assert train_folder_crossings(graph) == [
         "dlrmflow.train.model.dlrm (line 7) -> dlrmflow.train.run.loop"
     ]
+
+
+def test_every_part_of_the_package_has_a_rule_and_the_rules_name_real_parts():
+    parts = {_stage(m) for m in import_graph(PACKAGE_ROOT)} - {"", "__main__"}
+    assert parts == EVERYTHING, "parts without a rule, or rules for parts gone"
+    named = set(FORBIDDEN) | {p for forbidden in FORBIDDEN.values() for p in forbidden}
+    assert named <= EVERYTHING and set(FORBIDDEN) == EVERYTHING
+    for module, allowed in MODULE_EXCEPTIONS.items():
+        assert module in import_graph(PACKAGE_ROOT) and allowed <= FORBIDDEN[_stage(module)]
+
+
+def test_the_stage_scan_finds_imports_in_the_wrong_direction():
+    graph = {
+        "dlrmflow.flows.train": {"dlrmflow.bench.turns": 4, "dlrmflow.train.run": 3},
+        "dlrmflow.cli.run": {"dlrmflow.bench.report": 9, "dlrmflow.flows.train": 2},
+        "dlrmflow.cli.bench": {"dlrmflow.bench.report": 5},  # the bench command
+        "dlrmflow.bench.ingest_days": {"dlrmflow.flows.ingest": 6},  # measures a flow
+        "dlrmflow.runtime.sharded_tensor": {"dlrmflow.errors": 1},
+        "dlrmflow.errors": {"dlrmflow.runtime": 8},
+        "dlrmflow.memory": {"dlrmflow.config": 2, "dlrmflow.runtime.gomp": 1},
+    }
+    assert stage_crossings(graph) == {
+        ("dlrmflow.flows.train", "bench"): "dlrmflow.flows.train (line 4) -> dlrmflow.bench.turns",
+        ("dlrmflow.cli.run", "bench"): "dlrmflow.cli.run (line 9) -> dlrmflow.bench.report",
+        ("dlrmflow.errors", "runtime"): "dlrmflow.errors (line 8) -> dlrmflow.runtime",
+        ("dlrmflow.memory", "config"): "dlrmflow.memory (line 2) -> dlrmflow.config",
+    }
