@@ -2,10 +2,11 @@
 
 Grouped by what a user does: ``data`` (generate, convert, schema, register, stats),
 ``run`` (config, train, plan, evaluate, export, demo), ``score`` (a model's predictions as
-Parquet), ``deployments`` (serve, deploy), ``readers`` (readers serve) and ``bench``;
-``options`` holds what they share. Commands only parse and print: the work is the
-library's. ``app`` below lists every command, in the order ``dlrmflow --help`` shows them,
-and ``main`` turns expected failures into one line.
+Parquet), ``line`` (line, backfill: a model line on the days its dataset gained),
+``deployments`` (serve, deploy), ``readers`` (readers serve) and ``bench`` (the one
+module that imports the benchmarks); ``options`` holds what they share. Commands only
+parse and print: the work is the library's. ``app`` below lists every command, in the
+order ``dlrmflow --help`` shows them, and ``main`` turns expected failures into one line.
 
 Every command that trains or reads data resolves the same ``RunConfig``: defaults, then
 ``--config FILE``, then ``--set section.key=value`` overrides, then the command's own flags.
