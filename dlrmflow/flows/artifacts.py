@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from dlrmflow.ingest.stats import DatasetStats
 from dlrmflow.train.model.plan import ShardingPlan
-from dlrmflow.train.run.reliability import RELIABILITY_FILE
+from dlrmflow.train.run.calibration import RELIABILITY_FILE
 from dlrmflow.train.run.trainer import METRICS_FILE
 
 STATS_KEY = "dlrmflow-data-stats"

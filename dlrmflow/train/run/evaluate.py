@@ -51,6 +51,12 @@ from dlrmflow.train.model.disk_tier import scratch_directory, scratch_tier_stora
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
+from dlrmflow.train.run.calibration import (
+    RELIABILITY_FILE,
+    calibration_error,
+    plot_reliability,
+    reliability_table,
+)
 from dlrmflow.train.run.checkpoint import (
     dataset_digest,
     find_checkpoint,
@@ -65,12 +71,6 @@ from dlrmflow.train.run.rank import (
     compute_threads,
     gather_peak_rss,
     init_distributed,
-)
-from dlrmflow.train.run.reliability import (
-    RELIABILITY_FILE,
-    calibration_error,
-    plot_reliability,
-    reliability_table,
 )
 from dlrmflow.train.run.rundir import rank0_lock
 

@@ -40,7 +40,7 @@ def test_degenerate_inputs_fail_clearly():
 def test_reliability_bins_hold_equal_rows_and_show_where_a_model_is_off():
     """Labels drawn at half the predicted rate: every bin observes half its prediction,
     so the table shows the over-prediction bin by bin."""
-    from dlrmflow.train.run.reliability import calibration_error, reliability_table
+    from dlrmflow.train.run.calibration import calibration_error, reliability_table
 
     generator = torch.Generator().manual_seed(0)
     probs = torch.rand(150_000, generator=generator) * 0.6
@@ -127,7 +127,7 @@ def test_weights_that_leave_nothing_to_score_fail_clearly():
 def test_a_weighted_reliability_table_weights_each_bin():
     """Equal rows per bin as unweighted, with each bin's means and the calibration error
     weighted; unweighted tables are as they were."""
-    from dlrmflow.train.run.reliability import calibration_error, reliability_table
+    from dlrmflow.train.run.calibration import calibration_error, reliability_table
 
     probs, labels, weights = _weighted_case(300, seed=3)
     table = reliability_table(probs, labels, bins=3, weights=weights)

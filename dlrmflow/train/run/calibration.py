@@ -1,5 +1,6 @@
-"""The reliability table of a click model: predicted against observed click rate, by bin of
-prediction, and its plot (``RUN_DIR/reliability.png``).
+"""A click model's calibration: its reliability table (predicted against observed click
+rate, by bin of prediction), the calibration error over it, and its plot
+(``RUN_DIR/reliability.png``).
 
 Calibration (the mean prediction over the click rate) can be 1.0 while the model
 over-predicts its confident rows and under-predicts the rest; the table shows where. Its
