@@ -19,7 +19,8 @@ from dlrmflow.bench.kernels import (
 )
 from dlrmflow.cli import app
 from dlrmflow.features.spec import SparseFeature
-from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import SGD, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.runtime.glibc_malloc import applied_threshold
 
 TBE_KEYS = {

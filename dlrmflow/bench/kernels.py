@@ -56,7 +56,8 @@ from dlrmflow.kernels import fbgemm_tbe
 from dlrmflow.kernels.backends import besides_fbgemm
 from dlrmflow.kernels.fbgemm_tbe import FbgemmTables, fbgemm_inputs
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import SGD, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.runtime.glibc_malloc import applied_threshold, tune_allocator
 from dlrmflow.sparse import KeyedJaggedTensor
 

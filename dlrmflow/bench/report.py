@@ -48,7 +48,8 @@ from dlrmflow.bench.train import CODECS, run_train_benchmark
 from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.ingest.synthetic_logs import SHAPE as LOGS_SHAPE
-from dlrmflow.kernels.tbe import RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.outputs import write_atomic
 from dlrmflow.runtime.glibc_malloc import tune_allocator

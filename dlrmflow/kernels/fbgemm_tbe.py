@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dlrmflow.kernels.tbe_layout import SGD, Optimizer, RowWiseAdagrad
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer, RowWiseAdagrad
 from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 
 __all__ = ["FbgemmTables", "fbgemm_inputs", "refusal"]
@@ -117,7 +117,7 @@ class FbgemmTables:
     def __init__(
         self,
         tables: Sequence[EmbeddingTable],
-        optimizer: Optimizer,
+        optimizer: EmbeddingOptimizer,
         device: torch.device,
         *,
         check_ids: bool = False,
@@ -132,15 +132,14 @@ class FbgemmTables:
         )
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice
 
-        if not isinstance(optimizer, SGD | RowWiseAdagrad) or optimizer.weight_decay:
-            raise ValueError(
-                f"FBGEMM's fused update here covers SGD and row-wise Adagrad, not {optimizer!r}"
-            )
+        refusal = optimizer.fbgemm_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         cuda = device.type == "cuda"
         location = EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if cuda else ComputeDevice.CPU
         specs = [(t.num_embeddings, t.embedding_dim, location, compute) for t in tables]
-        rowwise = isinstance(optimizer, RowWiseAdagrad)
+        rowwise = optimizer.fused_rule == "rowwise_adagrad"
         self.module = _module_class()(
             specs,
             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD if rowwise else EmbOptimType.EXACT_SGD,

@@ -17,20 +17,10 @@ input form (jagged or one-hot) the batch came in, so the weights after any numbe
 steps are bitwise-identical across runs. No step accumulates with atomics or in an
 order that a thread schedule decides.
 
-Optimizer semantics (all "lazy": rows not looked up in a step are not touched at all, so
-weight decay and Adam's moments decay only on touched rows, as in FBGEMM):
-
-- ``SGD``: ``w -= lr * (g + weight_decay * w)``.
-- ``RowWiseAdagrad`` (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``): one state value per row,
-  ``s += mean(g'^2)`` over the row's elements with ``g' = g + weight_decay * w``, then
-  ``w -= lr * g' / (sqrt(s) + eps)``. With dim 1 it is torch's sparse Adagrad.
-- ``Adam``: per-element moments and torch's ``AdamW`` update (decoupled weight decay, as
-  FBGEMM's Adam), with bias correction by one global step count that every backward
-  advances, as FBGEMM and ``torch.optim.SparseAdam`` do (a row first touched at step 100
-  is corrected with ``1 - beta ** 100``, not as if it were its first step).
-
-The fused update runs once per backward pass; the optimizer state is held in buffers so
-that ``state_dict`` checkpoints it with the weight.
+The optimizers (``dlrmflow.kernels.optimizers``: SGD, row-wise Adagrad, Adam) describe
+their row state and update rule; the bag keeps each state part in a buffer of its name
+(so that ``state_dict`` checkpoints it with the weight) and asks the optimizer for the
+rule. The fused update runs once per backward pass.
 """
 
 from __future__ import annotations
@@ -46,22 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from dlrmflow.kernels import backends, cpu_tbe, fbgemm_tbe, triton_tbe
-from dlrmflow.kernels.tbe_layout import (
-    SGD,
-    Adam,
-    GroupLookup,
-    Optimizer,
-    RowWiseAdagrad,
-    TableGroup,
-    groups_of,
-)
+from dlrmflow.kernels import backends, cpu_tbe, fbgemm_tbe, optimizers, triton_tbe
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer, StatePart
+from dlrmflow.kernels.tbe_layout import GroupLookup, TableGroup, groups_of
 from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 
 # The CSR product is stable API in practice; torch still prints a beta notice on first use.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
-__all__ = ["SGD", "Adam", "RowWiseAdagrad", "TableBatchedEmbeddingBag", "init_table_rows"]
+__all__ = ["TableBatchedEmbeddingBag", "init_table_rows"]
 
 # Rows drawn per generator in the init: each block has its own seed, so any row range of a
 # table (a shard) is drawn without drawing the rows before it.
@@ -145,7 +128,7 @@ class TableBatchedEmbeddingBag(nn.Module):
     def __init__(
         self,
         tables: Sequence[EmbeddingTable],
-        optimizer: Optimizer,
+        optimizer: EmbeddingOptimizer,
         seed: int = 0,
         init: Callable[[int, torch.Tensor], None] | None = None,
         kernels: str = "auto",
@@ -197,11 +180,9 @@ class TableBatchedEmbeddingBag(nn.Module):
         # (``cpu_tbe.gather_bf16``) and whose bfloat16 gradient the fused step reads,
         # instead of a float32 copy cast each way.
         self.pooled_dtype = torch.float32
-        if isinstance(optimizer, RowWiseAdagrad):
-            self.register_buffer("sum_squares", torch.zeros(sum(sizes)))
-        elif isinstance(optimizer, Adam):
-            self.register_buffer("momentum1", torch.zeros(numel))
-            self.register_buffer("momentum2", torch.zeros(numel))
+        for part in optimizer.state_parts:
+            self.register_buffer(part.name, torch.zeros(sum(sizes) if part.per_row else numel))
+        if optimizer.step_key is not None:
             self.register_buffer("step", torch.zeros((), dtype=torch.int64))
 
     @property
@@ -218,16 +199,20 @@ class TableBatchedEmbeddingBag(nn.Module):
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         """The optimizer state of one table (views): per row, or per element like the rows."""
-        if isinstance(self.optimizer, RowWiseAdagrad):
-            k = self.names.index(name)
-            start = sum(t.num_embeddings for t in self.tables[:k])
-            return {"sum_squares": self.sum_squares[start : start + self.tables[k].num_embeddings]}
-        if isinstance(self.optimizer, Adam):
-            return {
-                "momentum1": self._rows_of(self.momentum1, name),
-                "momentum2": self._rows_of(self.momentum2, name),
-            }
-        return {}
+        k = self.names.index(name)
+        start = sum(t.num_embeddings for t in self.tables[:k])
+        views = {}
+        for part in self.optimizer.state_parts:
+            flat = getattr(self, part.name)
+            if part.per_row:
+                views[part.name] = flat[start : start + self.tables[k].num_embeddings]
+            else:
+                views[part.name] = self._rows_of(flat, name)
+        return views
+
+    def step_count(self) -> int:
+        """The optimizer's global step count (0 for one that counts none)."""
+        return 0 if self.optimizer.step_key is None else int(self.step)
 
     def set_learning_rate(self, lr: float) -> None:
         """The learning rate of the next updates (a scheduler calls this each step)."""
@@ -285,10 +270,9 @@ class TableBatchedEmbeddingBag(nn.Module):
         only backward advances (Adam) or weight decay runs ``auto``'s kernels instead."""
         if not self.fbgemm_capable:
             return f"{type(self).__name__} extends the update"
-        if isinstance(self.optimizer, Adam):
-            return "FBGEMM advances Adam's step count on every forward, ours on each update"
-        if self.optimizer.weight_decay:
-            return "FBGEMM's SGD has no weight decay and its row-wise Adagrad's differs"
+        refusal = self.optimizer.fbgemm_refusal()
+        if refusal is not None:
+            return refusal
         if self.gradient_hook is not None or self.square_sum_hook is not None:
             return "the sharded trainer reduces this bag's gradients across ranks"
         if self.weight.device.type not in ("cpu", "cuda") or self.weight.dtype != torch.float32:
@@ -313,7 +297,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         if fb is None or fb.device != device:
             fb = fbgemm_tbe.FbgemmTables(self.tables, self.optimizer, device)
             self.__dict__["_fbgemm"] = fb  # not a submodule: it only views our buffers
-        fb.bind(self.weight, getattr(self, "sum_squares", None))
+        fb.bind(self.weight, self._row_state_buffer())
         mean = self._is_mean if bool(self._is_mean.any()) else None
         if self.training and torch.is_grad_enabled():
             return fb.lookup(kjt, lr=self.lr, mean_tables=mean, train=True)
@@ -329,7 +313,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         row-wise Adagrad without the sharded trainer's hooks (which need the sorted rows
         the torch ops build); the rest stays on the torch ops, which run on CUDA too."""
         return (
-            not isinstance(self.optimizer, Adam)
+            self.optimizer.fused_rule is not None
             and self.gradient_hook is None
             and self.square_sum_hook is None
         )
@@ -348,9 +332,17 @@ class TableBatchedEmbeddingBag(nn.Module):
         bag positions) by one compiled pass (``cpu_tbe``)."""
         return self._compiled() and ids.device.type == "cpu"
 
-    def _row_state(self, group: TableGroup) -> torch.Tensor:
-        """Row-wise Adagrad's sums of squares of the group's rows (a view)."""
-        return self.sum_squares[group.first_row : group.first_row + group.num_rows]
+    def _row_state_buffer(self) -> torch.Tensor | None:
+        """The per-row state the fused kernels update beside the weights (row-wise
+        Adagrad's sums of squares), None when the optimizer keeps none."""
+        parts = [p for p in self.optimizer.state_parts if p.per_row]
+        return getattr(self, parts[0].name) if parts else None
+
+    def _state_view(self, part: StatePart, group: TableGroup) -> torch.Tensor:
+        """One state part's rows of ``group``: ``[rows]`` per row, ``[rows, dim]`` per
+        element (views)."""
+        flat = getattr(self, part.name)
+        return self._group_rows(flat, group) if part.per_row else self._view(flat, group)
 
     def _cpu_scratch(self) -> cpu_tbe.Scratch:
         """The compiled step's buffers, made on first use (one per module)."""
@@ -482,8 +474,9 @@ class TableBatchedEmbeddingBag(nn.Module):
     def _apply_gradient(self, grad_out: torch.Tensor, lookups: list[GroupLookup]) -> None:
         if not self._fused_on_cpu():  # only the compiled step reads a bfloat16 gradient
             grad_out = grad_out.float()
-        if isinstance(self.optimizer, Adam):
+        if self.optimizer.step_key is not None:
             self.step += 1
+        row_state = self._row_state_buffer()
         for g, (group, lookup) in enumerate(zip(self.groups, lookups, strict=True)):
             if lookup.ids.numel() == 0 and self.gradient_hook is None:
                 continue
@@ -494,10 +487,10 @@ class TableBatchedEmbeddingBag(nn.Module):
                 scale = lookup.weights if scale is None else scale * lookup.weights
             if self._fused_on_cpu():
                 # One compiled pass reduces by row and updates (``cpu_tbe``).
-                rowwise = isinstance(self.optimizer, RowWiseAdagrad)
+                rowwise = self.optimizer.fused_rule == "rowwise_adagrad"
                 cpu_tbe.fused_step(
                     self._view(self.weight, group),
-                    self._row_state(group) if rowwise else None,
+                    None if row_state is None else self._group_rows(row_state, group),
                     self._cpu_scratch(),
                     lookup.ids,
                     bag_grads,
@@ -515,7 +508,7 @@ class TableBatchedEmbeddingBag(nn.Module):
                 # Reduce and update in one kernel: the row gradients never reach memory.
                 triton_tbe.reduce_and_update(
                     self.weight,
-                    getattr(self, "sum_squares", None),
+                    row_state,
                     group,
                     lookup.ids,
                     bag_grads,
@@ -525,7 +518,7 @@ class TableBatchedEmbeddingBag(nn.Module):
                     self.lr,
                 )
                 continue
-            triton = self._on_triton() and not isinstance(self.optimizer, Adam)
+            triton = self._on_triton() and self.optimizer.fused_rule is not None
             reduce = triton_tbe.reduce_by_row if triton else _reduce_by_row
             rows, row_grads = reduce(lookup.ids, bag_grads, lookup.positions, scale)
             if self.gradient_hook is not None:
@@ -533,7 +526,7 @@ class TableBatchedEmbeddingBag(nn.Module):
             if triton and self.square_sum_hook is None:
                 triton_tbe.update_rows(
                     self.weight,
-                    getattr(self, "sum_squares", None),
+                    row_state,
                     group,
                     rows,
                     row_grads,
@@ -549,42 +542,28 @@ class TableBatchedEmbeddingBag(nn.Module):
     def _update(
         self, group: TableGroup, rows: torch.Tensor, grads: torch.Tensor, group_index: int = 0
     ) -> None:
-        """One optimizer step on the (unique, sorted) group-local ``rows``."""
-        opt, lr = self.optimizer, self.lr
+        """One optimizer step on the (unique, sorted) group-local ``rows``: their weights
+        and state gathered, updated by the optimizer's rule, and written back."""
         weight = self._view(self.weight, group)
         w = weight.index_select(0, rows)
-        if isinstance(opt, SGD):
-            if opt.weight_decay:
-                grads = grads.add(w, alpha=opt.weight_decay)
-            w.add_(grads, alpha=-lr)
-        elif isinstance(opt, RowWiseAdagrad):
-            if opt.weight_decay:
-                grads = grads.add(w, alpha=opt.weight_decay)
-            state = self._row_state(group)
-            if self.square_sum_hook is None:
-                mean_square = grads.square().mean(1)
-            else:
-                mean_square = self.square_sum_hook(group_index, rows, grads.square().sum(1))
-            s = state.index_select(0, rows).add_(mean_square)
-            state.index_copy_(0, rows, s)
-            w.add_(grads / s.sqrt().add_(opt.eps)[:, None], alpha=-lr)
-        else:
-            # torch's single-tensor AdamW, restricted to the touched rows.
-            m1, m2 = self._view(self.momentum1, group), self._view(self.momentum2, group)
-            m = m1.index_select(0, rows).lerp_(grads, 1 - opt.betas[0])
-            v = m2.index_select(0, rows).mul_(opt.betas[1])
-            v.addcmul_(grads, grads, value=1 - opt.betas[1])
-            m1.index_copy_(0, rows, m)
-            m2.index_copy_(0, rows, v)
-            step = int(self.step)
-            correction2_sqrt = math.sqrt(1 - opt.betas[1] ** step)
-            w.mul_(1 - lr * opt.weight_decay)
-            w.addcdiv_(
-                m,
-                v.sqrt().div_(correction2_sqrt).add_(opt.eps),
-                value=-lr / (1 - opt.betas[0] ** step),
-            )
+        views = {part.name: self._state_view(part, group) for part in self.optimizer.state_parts}
+        state = {name: view.index_select(0, rows) for name, view in views.items()}
+        mean_square = optimizers.mean_of_squares
+        if self.square_sum_hook is not None:
+            hook = self.square_sum_hook
+
+            def mean_square(g: torch.Tensor) -> torch.Tensor:
+                return hook(group_index, rows, g.square().sum(1))
+
+        self.optimizer.update(
+            w, grads, state, lr=self.lr, step=self.step_count(), mean_square=mean_square
+        )
+        for name, view in views.items():
+            view.index_copy_(0, rows, state[name])
         weight.index_copy_(0, rows, w)
+
+    def _group_rows(self, flat: torch.Tensor, group: TableGroup) -> torch.Tensor:
+        return flat[group.first_row : group.first_row + group.num_rows]
 
 
 def _reduce_by_row(
@@ -622,7 +601,7 @@ def _reduce_by_row(
     return rows, incidence @ bag_grads
 
 
-def _check_config(tables: Sequence[EmbeddingTable], optimizer: Optimizer) -> None:
+def _check_config(tables: Sequence[EmbeddingTable], optimizer: EmbeddingOptimizer) -> None:
     if not tables:
         raise ValueError("TableBatchedEmbeddingBag needs at least one table")
     names = [t.name for t in tables]
@@ -635,7 +614,4 @@ def _check_config(tables: Sequence[EmbeddingTable], optimizer: Optimizer) -> Non
             raise ValueError(
                 f"table {t.name!r}: pooling must be 'sum' or 'mean', not {t.pooling!r}"
             )
-    if not isinstance(optimizer, SGD | RowWiseAdagrad | Adam):
-        raise TypeError(f"optimizer must be SGD, RowWiseAdagrad or Adam, got {optimizer!r}")
-    if not optimizer.lr >= 0 or optimizer.weight_decay < 0:
-        raise ValueError(f"{optimizer!r}: lr and weight_decay must be >= 0")
+    optimizers.checked(optimizer)

@@ -1,9 +1,9 @@
-"""What every backend of the table-batched embedding bag shares: the optimizer descriptions,
-the groups of tables that share one view of the flat weight, and a group's lookup record.
+"""What every backend of the table-batched embedding bag shares: the groups of tables that
+share one view of the flat weight, and a group's lookup record.
 
 ``tbe`` picks a backend per step and hands these to it; the backends (``cpu_tbe``,
 ``triton_tbe``) import this module, never ``tbe``, so no backend depends on its caller.
-See ``dlrmflow.kernels.tbe`` for the optimizers' semantics.
+The optimizers are described in ``dlrmflow.kernels.optimizers``.
 """
 
 from __future__ import annotations
@@ -15,31 +15,7 @@ import torch
 
 from dlrmflow.sparse import EmbeddingTable
 
-__all__ = ["SGD", "Adam", "GroupLookup", "Optimizer", "RowWiseAdagrad", "TableGroup", "groups_of"]
-
-
-@dataclass(frozen=True)
-class SGD:
-    lr: float
-    weight_decay: float = 0.0
-
-
-@dataclass(frozen=True)
-class RowWiseAdagrad:
-    lr: float
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
-@dataclass(frozen=True)
-class Adam:
-    lr: float
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
-Optimizer = SGD | RowWiseAdagrad | Adam
+__all__ = ["GroupLookup", "TableGroup", "groups_of"]
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,8 @@ import torch
 from torch import nn
 
 from dlrmflow.errors import DlrmflowError
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer
 from dlrmflow.kernels.tbe import INIT_BLOCK_ROWS, TableBatchedEmbeddingBag, init_table_rows
-from dlrmflow.kernels.tbe_layout import Adam, Optimizer, RowWiseAdagrad
 from dlrmflow.memory import format_bytes
 from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 
@@ -483,7 +483,7 @@ class _WorkingSet(TableBatchedEmbeddingBag):
     fbgemm_capable = False
 
     def __init__(
-        self, tables: Sequence[EmbeddingTable], optimizer: Optimizer, kernels: str = "auto"
+        self, tables: Sequence[EmbeddingTable], optimizer: EmbeddingOptimizer, kernels: str = "auto"
     ) -> None:
         super().__init__(tables, optimizer, init=lambda _k, rows: rows.zero_(), kernels=kernels)
         self.on_update: Callable[[_WorkingSet], None] | None = None
@@ -497,25 +497,15 @@ class _WorkingSet(TableBatchedEmbeddingBag):
         """2-D views of group ``g``'s weights and optimizer state, in record column order."""
         group = self.groups[g]
         views = [self._view(self.weight, group)]
-        if isinstance(self.optimizer, RowWiseAdagrad):
-            views.append(self.sum_squares[group.first_row : group.first_row + group.num_rows, None])
-        elif isinstance(self.optimizer, Adam):
-            views += [self._view(self.momentum1, group), self._view(self.momentum2, group)]
+        for part in self.optimizer.state_parts:
+            view = self._state_view(part, group)
+            views.append(view[:, None] if part.per_row else view)
         return views
 
 
-def part_widths(optimizer: Optimizer, dim: int) -> list[int]:
-    """Floats per row of each record part: the weights, then each optimizer state."""
-    if isinstance(optimizer, RowWiseAdagrad):
-        return [dim, 1]
-    if isinstance(optimizer, Adam):
-        return [dim, dim, dim]
-    return [dim]
-
-
-def record_width(optimizer: Optimizer, dim: int) -> int:
+def record_width(optimizer: EmbeddingOptimizer, dim: int) -> int:
     """Floats per row in the file: the weights, then the optimizer state."""
-    return sum(part_widths(optimizer, dim))
+    return sum(optimizer.record_widths(dim))
 
 
 def _make_directories(directory: Path) -> list[Path]:
@@ -575,7 +565,7 @@ def _reserve(fd: int, path: Path, size: int, *, new: bool) -> None:
 
 
 def cache_rows_for(
-    memory_bytes: int, tables: Sequence[EmbeddingTable], optimizer: Optimizer
+    memory_bytes: int, tables: Sequence[EmbeddingTable], optimizer: EmbeddingOptimizer
 ) -> int:
     """The cache slots that ``memory_bytes`` holds for a bag of ``tables``: the records
     (each slot as wide as the widest) and the slots' bookkeeping. The row map
@@ -609,7 +599,7 @@ class TieredEmbeddingBag(nn.Module):
     def __init__(
         self,
         tables: Sequence[EmbeddingTable],
-        optimizer: Optimizer,
+        optimizer: EmbeddingOptimizer,
         directory: str | Path,
         *,
         cache_rows: int,
@@ -641,7 +631,7 @@ class TieredEmbeddingBag(nn.Module):
         self._starts = torch.zeros(len(self.tables) + 1, dtype=torch.int64)
         torch.cumsum(self._sizes, 0, out=self._starts[1:])
         self._group_keys = [(g.first_key, g.end_key) for g in layout.groups]
-        self.step = 0  # Adam's global step count, as the TBE keeps it
+        self.step = 0  # the optimizer's global step count (``step_key``), as the TBE keeps it
         self._memmap = self._open() if resume else self._create(seed, init, fill)
         self._pages = _Pages(self._memmap)
         total_rows = int(self._starts[-1])
@@ -682,7 +672,7 @@ class TieredEmbeddingBag(nn.Module):
             self._region_shapes(), self._group_keys, strict=True
         ):
             parts = []
-            for width in part_widths(self.optimizer, self.tables[first].embedding_dim):
+            for width in self.optimizer.record_widths(self.tables[first].embedding_dim):
                 parts.append(memmap[offset : offset + rows * width].reshape(rows, width))
                 offset += rows * width
             regions.append(_Region(start, start + rows, parts))
@@ -847,43 +837,15 @@ class TieredEmbeddingBag(nn.Module):
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         """Copies of one table's optimizer state, keyed and shaped as the TBE's ``state``."""
-        if isinstance(self.optimizer, RowWiseAdagrad):
-            return {"sum_squares": self._read_table(name, lambda dim: slice(dim, dim + 1))[:, 0]}
-        if isinstance(self.optimizer, Adam):
-            return {
-                "momentum1": self._read_table(name, lambda dim: slice(dim, 2 * dim)),
-                "momentum2": self._read_table(name, lambda dim: slice(2 * dim, 3 * dim)),
-            }
-        return {}
-
-    def load_table(
-        self, name: str, weight: torch.Tensor, state: dict[str, torch.Tensor] | None = None
-    ) -> None:
-        """Overwrite one table's rows and optimizer state in the file (a checkpoint being
-        restored); ``state`` is keyed and shaped as ``state(name)`` returns it. Cached copies
-        are dropped, so the next batches read the new rows."""
-        k = self.names.index(name)
-        table = self.tables[k]
-        state = state or {}
-        if isinstance(self.optimizer, RowWiseAdagrad):
-            parts = [weight, state["sum_squares"][:, None]]
-        elif isinstance(self.optimizer, Adam):
-            parts = [weight, state["momentum1"], state["momentum2"]]
-        else:
-            parts = [weight]
-        record = torch.cat([p.to(torch.float32) for p in parts], dim=1)
-        expected = (table.num_embeddings, record_width(self.optimizer, table.embedding_dim))
-        if tuple(record.shape) != expected:
-            raise ValueError(
-                f"table {name!r}: rows and state make {tuple(record.shape)}, the file holds "
-                f"{expected}"
-            )
-        self.flush()
-        start = int(self._starts[k])
-        region = next(r for r in self._cache.regions if r.start <= start < r.end)
-        region.write_rows(start - region.start, record.numpy(), self._pages)
-        self._memmap.flush()
-        self._cache.clear()
+        dim = self.tables[self.names.index(name)].embedding_dim
+        widths = self.optimizer.record_widths(dim)
+        copies = {}
+        for k, part in enumerate(self.optimizer.state_parts, start=1):
+            start = sum(widths[:k])
+            columns = slice(start, start + widths[k])
+            values = self._read_table(name, lambda _dim, c=columns: c)
+            copies[part.name] = values[:, 0] if part.per_row else values
+        return copies
 
     def file_views(
         self, name: str, rows: tuple[int, int] | None = None, *, flush: bool = True
@@ -904,10 +866,8 @@ class TieredEmbeddingBag(nn.Module):
         lo, hi = start - region.start + first, start - region.start + end
         parts = [torch.from_numpy(part[lo:hi]) for part in region.parts]
         views = {"weight": parts[0]}
-        if isinstance(self.optimizer, RowWiseAdagrad):
-            views["sum_squares"] = parts[1].view(-1)
-        elif isinstance(self.optimizer, Adam):
-            views["momentum1"], views["momentum2"] = parts[1], parts[2]
+        for part, view in zip(self.optimizer.state_parts, parts[1:], strict=True):
+            views[part.name] = view.view(-1) if part.per_row else view
         return views
 
     def drop_pages(self) -> None:
@@ -1096,7 +1056,7 @@ class TieredEmbeddingBag(nn.Module):
             self.kernels,
         )
         ws.lr = self.lr
-        if isinstance(self.optimizer, Adam):
+        if self.optimizer.step_key is not None:
             ws.step.fill_(self.step)
         ws_starts = torch.zeros_like(self._starts)
         torch.cumsum(ws_sizes, 0, out=ws_starts[1:])
@@ -1142,7 +1102,7 @@ class TieredEmbeddingBag(nn.Module):
         self._cache.records.index_copy_(0, in_flight.slots, records)
         self._cache.dirty.index_fill_(0, in_flight.slots, True)
         self._cache.pin(in_flight.slots, -1)
-        if isinstance(self.optimizer, Adam):
+        if self.optimizer.step_key is not None:
             self.step = int(ws.step)
         self._in_flight = None
 

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dlrmflow.kernels.tbe_layout import SGD, GroupLookup, RowWiseAdagrad, TableGroup
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer
+from dlrmflow.kernels.tbe_layout import GroupLookup, TableGroup
 from dlrmflow.sparse import KeyedJaggedTensor
 
 if TYPE_CHECKING:
@@ -261,15 +262,15 @@ def _update_args(
     weight: torch.Tensor,
     sum_squares: torch.Tensor | None,
     group: TableGroup,
-    optimizer: SGD | RowWiseAdagrad,
+    optimizer: EmbeddingOptimizer,
     lr: float,
 ) -> dict[str, object]:
     """The row kernel's arguments to apply ``optimizer`` to the group's rows."""
-    if not isinstance(optimizer, SGD | RowWiseAdagrad):
+    if optimizer.fused_rule is None:
         raise TypeError(
             f"the Triton TBE kernels implement SGD and RowWiseAdagrad, not {optimizer!r}"
         )
-    adagrad = isinstance(optimizer, RowWiseAdagrad)
+    adagrad = optimizer.fused_rule == "rowwise_adagrad"
     if adagrad and sum_squares is None:
         raise ValueError("RowWiseAdagrad needs its sum_squares state")
     return {
@@ -279,7 +280,7 @@ def _update_args(
         "first_row": group.first_row,
         "lr": float(lr),
         "weight_decay": float(optimizer.weight_decay),
-        "eps": float(optimizer.eps) if adagrad else 0.0,
+        "eps": float(getattr(optimizer, "eps", 0.0)) if adagrad else 0.0,
         "ADAGRAD": adagrad,
         "UPDATE": True,
     }
@@ -352,7 +353,7 @@ def update_rows(
     group: TableGroup,
     rows: torch.Tensor,
     grads: torch.Tensor,
-    optimizer: SGD | RowWiseAdagrad,
+    optimizer: EmbeddingOptimizer,
     lr: float,
 ) -> None:
     """One optimizer step on the unique group-local ``rows``, as ``TBE._update`` takes one.
@@ -372,7 +373,7 @@ def reduce_and_update(
     bag_grads: torch.Tensor,
     bags: torch.Tensor | None,
     scale: torch.Tensor | None,
-    optimizer: SGD | RowWiseAdagrad,
+    optimizer: EmbeddingOptimizer,
     lr: float,
 ) -> None:
     """``update_rows(..., *reduce_by_row(ids, bag_grads, bags, scale), ...)`` in one kernel.

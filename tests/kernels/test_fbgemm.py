@@ -17,7 +17,8 @@ import torch
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels import backends, fbgemm_tbe
 from dlrmflow.kernels.backends import KernelUnavailable, check_kernels
-from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import SGD, Adam, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import _WorkingSet
 from dlrmflow.sparse import KeyedJaggedTensor
 

@@ -7,12 +7,8 @@ from torch import nn
 
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels import cpu_tbe
-from dlrmflow.kernels.tbe import (
-    SGD,
-    Adam,
-    RowWiseAdagrad,
-    TableBatchedEmbeddingBag,
-)
+from dlrmflow.kernels.optimizers import SGD, Adam, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.runtime import gomp
 from dlrmflow.sparse import KeyedJaggedTensor
 from tests.kernels.batches import random_jagged, random_one_hot

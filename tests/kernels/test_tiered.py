@@ -9,13 +9,8 @@ from torch import nn
 from dlrmflow.config import ModelConfig
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels import tiered as tiered_module
-from dlrmflow.kernels.tbe import (
-    SGD,
-    Adam,
-    RowWiseAdagrad,
-    TableBatchedEmbeddingBag,
-    init_table_rows,
-)
+from dlrmflow.kernels.optimizers import SGD, Adam, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag, init_table_rows
 from dlrmflow.kernels.tiered import (
     HEADER_BYTES,
     SLOT_BOOKKEEPING_BYTES,

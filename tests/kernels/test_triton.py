@@ -25,7 +25,8 @@ import torch
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels import triton_interaction, triton_tbe
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import SGD, Adam, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

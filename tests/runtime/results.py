@@ -15,7 +15,8 @@ import torch
 import dlrmflow
 from dlrmflow.features import jit
 from dlrmflow.kernels import cpu_tbe
-from dlrmflow.kernels.tbe import SGD, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import SGD, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from tests.kernels.batches import random_jagged, random_one_hot
 from tests.kernels.test_tbe import MANY_TABLES
 

@@ -34,7 +34,8 @@ print(tune_allocator())
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, TableBatchedEmbeddingBag
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import SGD
 keys = [f"C{i}" for i in range(26)]
 tbe = TableBatchedEmbeddingBag([SparseFeature(k, 1000, 128) for k in keys], SGD(0.01))
 ids = torch.randint(0, 1000, (4096, 26), generator=torch.Generator().manual_seed(0))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.kernels.tbe_layout import Optimizer
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer
 from dlrmflow.kernels.tiered import (
     FILE_SUFFIX,
     ROW_MAP_BYTES,
@@ -86,7 +86,7 @@ def scratch_tier_storage(config: RunConfig, rank: int, run_dir: Path) -> TierSto
 def tiered_embeddings(
     config: RunConfig,
     spec: FeatureSpec,
-    optimizer: Optimizer,
+    optimizer: EmbeddingOptimizer,
     directory: Path,
     *,
     fill: bool = True,
@@ -169,18 +169,20 @@ def check_memory(
         raise MemoryShortage(problem)
 
 
-def _table_bytes(tables: Sequence[SparseFeature], optimizer: Optimizer) -> int:
+def _table_bytes(tables: Sequence[SparseFeature], optimizer: EmbeddingOptimizer) -> int:
     """Rows and optimizer state of ``tables`` in memory."""
     return 4 * sum(t.num_embeddings * record_width(optimizer, t.embedding_dim) for t in tables)
 
 
-def _slot_bytes(tables: Sequence[SparseFeature], optimizer: Optimizer) -> int:
+def _slot_bytes(tables: Sequence[SparseFeature], optimizer: EmbeddingOptimizer) -> int:
     return 4 * max(record_width(optimizer, t.embedding_dim) for t in tables) + (
         SLOT_BOOKKEEPING_BYTES
     )
 
 
-def _on_disk_bytes(budget: int, kept: int, tables: Sequence[SparseFeature], opt: Optimizer) -> int:
+def _on_disk_bytes(
+    budget: int, kept: int, tables: Sequence[SparseFeature], opt: EmbeddingOptimizer
+) -> int:
     """Memory of a tiered bag of ``tables``: its cache (what ``budget`` leaves after
     ``kept`` bytes in memory, at most a slot per row) and its row map."""
     rows = sum(t.num_embeddings for t in tables)

@@ -16,13 +16,12 @@ from torch import nn
 from dlrmflow.config import ModelConfig, TrainConfig
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.interaction import dot_interaction
-from dlrmflow.kernels.tbe import SGD, Adam, RowWiseAdagrad, TableBatchedEmbeddingBag
+from dlrmflow.kernels.optimizers import SGD, EmbeddingOptimizer, RowWiseAdagrad
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import CacheTooSmall
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
 from dlrmflow.train.model.sharded_embeddings import cache_budget_error
-
-EmbeddingOptimizer = SGD | RowWiseAdagrad | Adam
 
 
 def embedding_optimizer(train: TrainConfig) -> EmbeddingOptimizer:

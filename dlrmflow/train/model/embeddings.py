@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.kernels.tbe import Adam, TableBatchedEmbeddingBag
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import CacheStats, TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.sharded_embeddings import exact_storage
@@ -76,7 +76,7 @@ class EmbeddingCollection(Protocol):
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The DCP state of the tables and their optimizer, keyed ``<table>.weight``,
-        ``<table>.<state>`` (and ``adam_step``): views that DCP loads in place."""
+        ``<table>.<state>`` (and the optimizer's step count): views that DCP loads in place."""
         ...
 
     def after_checkpoint_load(self, loaded: dict[str, Any]) -> None:
@@ -134,8 +134,8 @@ class InMemoryEmbeddings(TableBatchedEmbeddingBag):
             state[f"{name}.weight"] = exact_storage(self.table(name))
             for key, value in self.state(name).items():
                 state[f"{name}.{key}"] = exact_storage(value)
-        if isinstance(self.optimizer, Adam):
-            state["adam_step"] = self.step
+        if self.optimizer.step_key is not None:
+            state[self.optimizer.step_key] = self.step
         return state
 
     def after_checkpoint_load(self, loaded: dict[str, Any]) -> None:
@@ -182,14 +182,17 @@ class TieredEmbeddings(TieredEmbeddingBag):
             for name in self.names
             for key, view in self.file_views(name, flush=False).items()
         }
-        if isinstance(self.optimizer, Adam):
-            state["adam_step"] = torch.tensor(self.step, dtype=torch.int64, device="cpu")
+        if self.optimizer.step_key is not None:
+            state[self.optimizer.step_key] = torch.tensor(
+                self.step, dtype=torch.int64, device="cpu"
+            )
         return state
 
     def after_checkpoint_load(self, loaded: dict[str, Any]) -> None:
         self.reload()  # loaded in place, into the file: the cached rows are stale now
-        if "adam_step" in loaded:
-            self.step = int(loaded["adam_step"])
+        key = self.optimizer.step_key
+        if key is not None and key in loaded:
+            self.step = int(loaded[key])
 
     def drop_file_pages(self) -> None:
         self.drop_pages()

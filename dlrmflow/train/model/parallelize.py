@@ -28,14 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer
 from dlrmflow.train.model.comms import CommStats, dense_comm_hook
 from dlrmflow.train.model.disk_tier import tiered_embeddings
-from dlrmflow.train.model.dlrm import (
-    DLRM,
-    EmbeddingOptimizer,
-    embedding_optimizer,
-    hand_pooled_in,
-)
+from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer, hand_pooled_in
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings, UnplacedEmbeddings
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded_embeddings import ShardedEmbeddingCollection, TierStorage

@@ -55,13 +55,8 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.codecs import Codec, Encoded, get_codec
-from dlrmflow.kernels.tbe import (
-    Adam,
-    Optimizer,
-    RowWiseAdagrad,
-    TableBatchedEmbeddingBag,
-    init_table_rows,
-)
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag, init_table_rows
 from dlrmflow.kernels.tiered import (
     SLOT_BOOKKEEPING_BYTES,
     CacheStats,
@@ -166,7 +161,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self,
         features: Sequence[SparseFeature],
         plan: ShardingPlan,
-        optimizer: Optimizer,
+        optimizer: EmbeddingOptimizer,
         *,
         seed: int = 0,
         comms: str = "fp32",
@@ -866,9 +861,10 @@ class ShardedEmbeddingCollection(nn.Module):
                 (table.rows, table.dim),
                 self.device,
             )
-            for key, kind in _optimizer_state_kinds(self.optimizer).items():
+            for part in self.optimizer.state_parts:
+                key = part.name
                 value = stored.get(key)
-                if kind == "row":
+                if part.per_row:
                     # One value per row: the column shards starting at column 0 own it.
                     owners = [s for s in table.shards if s.col_start == 0]
                     own = route.shard if route and route.shard.col_start == 0 else None
@@ -886,14 +882,15 @@ class ShardedEmbeddingCollection(nn.Module):
                 state[f"{name}.weight"] = exact_storage(self.replicated.table(name))
                 for key, value in self.replicated.state(name).items():
                     state[f"{name}.{key}"] = exact_storage(value)
-        if isinstance(self.optimizer, Adam):
+        step_key = self.optimizer.step_key
+        if step_key is not None:
             # Every bag of the rank counts the same steps: the in-memory bags' count, or a
             # copy of the tiered bag's, which ``after_checkpoint_load`` reads back.
             bags = [b for b in (self.local, self.replicated) if b is not None]
             if bags:
-                state["adam_step"] = bags[0].step
+                state[step_key] = bags[0].step
             elif self.tiered is not None:
-                state["adam_step"] = torch.tensor(self.tiered.step, dtype=torch.int64, device="cpu")
+                state[step_key] = torch.tensor(self.tiered.step, dtype=torch.int64, device="cpu")
         return state
 
     def drop_file_pages(self) -> None:
@@ -908,7 +905,7 @@ class ShardedEmbeddingCollection(nn.Module):
         """Make the loaded values the live ones: the column shards that do not own the
         row-wise state get it (a collective over each column-wise table's ranks), the
         shards on disk (loaded in place, into their file) drop their cached rows, and every
-        bag takes the loaded Adam step count (from ``state``, what ``checkpoint_state``
+        bag takes the loaded optimizer step count (from ``state``, what ``checkpoint_state``
         returned, when no bag is in memory)."""
         on_disk = {route.table.name for route in self._tiered_routes}
         for table in self.plan.tables:
@@ -916,21 +913,22 @@ class ShardedEmbeddingCollection(nn.Module):
             if process_group is None or self.rank not in table.ranks:
                 continue
             owner = next(s.rank for s in table.shards if s.col_start == 0)
-            for key, kind in _optimizer_state_kinds(self.optimizer).items():
-                if kind == "row":
+            for part in self.optimizer.state_parts:
+                if part.per_row:
                     value = (
-                        self.tiered.file_views(table.name, flush=False)[key]
+                        self.tiered.file_views(table.name, flush=False)[part.name]
                         if table.name in on_disk
-                        else self.local.state(table.name)[key]
+                        else self.local.state(table.name)[part.name]
                     )
                     dist.broadcast(value, owner, process_group)
         if self.tiered is not None:
             self.tiered.reload()  # unmaps the pages the load wrote, too
-        if isinstance(self.optimizer, Adam):
+        step_key = self.optimizer.step_key
+        if step_key is not None:
             bags = [b for b in (self.local, self.replicated) if b is not None]
             step = bags[0].step if bags else None
-            if step is None and state is not None and "adam_step" in state:
-                step = state["adam_step"]
+            if step is None and state is not None and step_key in state:
+                step = state[step_key]
             if step is not None:
                 for bag in bags:
                     bag.step.copy_(step)
@@ -995,15 +993,6 @@ def exact_storage(view: torch.Tensor) -> torch.Tensor:
     if view.device.type != "cpu" or not view.is_contiguous():
         return view
     return torch.from_numpy(view.detach().numpy())
-
-
-def _optimizer_state_kinds(optimizer: Optimizer) -> dict[str, str]:
-    """The fused optimizer's state per table: "row" (one value per row) or "element"."""
-    if isinstance(optimizer, RowWiseAdagrad):
-        return {"sum_squares": "row"}
-    if isinstance(optimizer, Adam):
-        return {"momentum1": "element", "momentum2": "element"}
-    return {}
 
 
 def _sharded(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dlrmflow.ingest.stats import interpolate_hit_rate
+from dlrmflow.kernels.optimizers import SGD, Adam, EmbeddingOptimizer, RowWiseAdagrad
 
 
 class PlanningError(ValueError):
@@ -157,15 +158,21 @@ class Topology:
 
 @dataclass(frozen=True)
 class OptimizerState:
-    """Bytes of optimizer state the fused optimizer keeps beside the weights."""
+    """Bytes of optimizer state the fused optimizer keeps beside the weights, as the
+    optimizer describes it (``of``)."""
 
     bytes_per_row: float = 0.0
     bytes_per_element: float = 0.0
 
+    @classmethod
+    def of(cls, optimizer: type[EmbeddingOptimizer]) -> OptimizerState:
+        per_row, per_element = optimizer.state_bytes()
+        return cls(bytes_per_row=per_row, bytes_per_element=per_element)
 
-SGD_STATE = OptimizerState()
-ROW_WISE_ADAGRAD_STATE = OptimizerState(bytes_per_row=4.0)
-ADAM_STATE = OptimizerState(bytes_per_element=8.0)
+
+SGD_STATE = OptimizerState.of(SGD)
+ROW_WISE_ADAGRAD_STATE = OptimizerState.of(RowWiseAdagrad)
+ADAM_STATE = OptimizerState.of(Adam)
 # The embedding optimizer each ``train.optimizer`` setting fuses into backward.
 OPTIMIZER_STATES = {"adagrad": ROW_WISE_ADAGRAD_STATE, "sgd": SGD_STATE}
 

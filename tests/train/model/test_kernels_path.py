@@ -27,7 +27,7 @@ from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.kernels import backends, fbgemm_tbe, triton_interaction, triton_tbe
 from dlrmflow.kernels.backends import KernelUnavailable, check_kernels
-from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.trainer import train

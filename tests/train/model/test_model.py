@@ -5,7 +5,7 @@ import torch
 
 from dlrmflow.config import ModelConfig
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.kernels.tbe import SGD
+from dlrmflow.kernels.optimizers import SGD
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.dlrm import DLRM, DotInteraction
 

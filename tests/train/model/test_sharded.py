@@ -24,7 +24,7 @@ from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.dlrm import DLRM

@@ -29,7 +29,7 @@ from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.plan import ShardingPlan

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.features.batch import Batch
-from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.run.checkpoint import model_state
 from dlrmflow.train.run.loss import StepLoss

@@ -23,7 +23,7 @@ import torch
 from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import build_config
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.kernels.tbe import RowWiseAdagrad
+from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.memory import peak_rss_bytes, reset_peak_rss
 from dlrmflow.sparse import KeyedJaggedTensor

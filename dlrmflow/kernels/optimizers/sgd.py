@@ -1,0 +1,33 @@
+"""SGD on embedding rows: ``w -= lr * (g + weight_decay * w)``; no state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from dlrmflow.kernels.optimizers.base import EmbeddingOptimizer, FusedRule, mean_of_squares
+
+
+@dataclass(frozen=True)
+class SGD(EmbeddingOptimizer):
+    lr: float
+    weight_decay: float = 0.0
+
+    fused_rule: ClassVar[FusedRule | None] = "sgd"
+
+    def update(
+        self,
+        weights: torch.Tensor,
+        grads: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        *,
+        lr: float,
+        step: int,
+        mean_square: Callable[[torch.Tensor], torch.Tensor] = mean_of_squares,
+    ) -> None:
+        if self.weight_decay:
+            grads = grads.add(weights, alpha=self.weight_decay)
+        weights.add_(grads, alpha=-lr)
