@@ -410,3 +410,144 @@ def gather_samples(values: np.ndarray, order: np.ndarray, out: np.ndarray) -> No
         r = order[j]
         for k in range(values.shape[1]):
             out[j, k] = values[r, k]
+
+
+@numba.njit(nogil=True, cache=True)
+def scatter_samples(values: np.ndarray, dest: np.ndarray, out: np.ndarray) -> None:
+    """``out[dest[i]] = values[i]`` for sample-major rows (``dest`` may run on past
+    ``values``: its later rows are prefetched, see ``_OUT_AHEAD``)."""
+    base, stride, last = out.ctypes.data, out.strides[0], out.shape[1] * out.itemsize - 1
+    for i in range(values.shape[0]):
+        if i + _OUT_AHEAD < dest.shape[0]:
+            at = base + dest[i + _OUT_AHEAD] * stride
+            prefetch(at)
+            prefetch(at + last)
+        row = dest[i]
+        for k in range(values.shape[1]):
+            out[row, k] = values[i, k]
+
+
+@numba.njit(nogil=True, cache=True)
+def place_bags(
+    lengths: np.ndarray,
+    values: np.ndarray,
+    weights: np.ndarray,
+    weighted: bool,
+    scalar: np.ndarray,
+    dest: np.ndarray,
+    base: int,
+    out_lengths: np.ndarray,
+    out_slots: np.ndarray,
+    out_weights: np.ndarray,
+) -> bool:
+    """A jagged block's bags (``lengths`` key-major [keys, n] over ``values`` and, where
+    ``weighted``, ``weights``) placed at window rows ``dest[i]`` of row-major [rows, keys]
+    arrays: each bag's length, and in its slot, for a ``scalar`` key (a bag of at most
+    one ID), that ID (and its weight), else where its IDs start in the window's values
+    (this block's from ``base`` on). False, with the block only partly placed, if a
+    ``scalar`` key has a bag of more than one ID.
+
+    A scalar key's ID is kept in place so that gathering it later reads no other memory
+    (``gather_placed_bags``); an empty bag's slot holds whatever the next ID is, never
+    read. Rows are placed one at a time with every key of a row together: one line of
+    each output a row, asked for ahead (see ``_OUT_AHEAD``).
+    """
+    keys, n = lengths.shape
+    at = np.empty(keys, np.int64)  # where key k's next bag starts in ``values``
+    total = 0
+    for k in range(keys):
+        at[k] = total
+        for i in range(n):
+            total += lengths[k, i]
+    for k in range(keys):
+        if scalar[k] and total:
+            for i in range(n):
+                if lengths[k, i] > 1:
+                    return False
+    last = max(total - 1, 0)  # an empty bag's slot reads an ID in bounds
+    no_values = values.shape[0] == 0
+    lengths_base, lengths_stride = out_lengths.ctypes.data, out_lengths.strides[0]
+    slots_base, slots_stride = out_slots.ctypes.data, out_slots.strides[0]
+    weights_base, weights_stride = out_weights.ctypes.data, out_weights.strides[0]
+    for i in range(n):
+        if i + _OUT_AHEAD < dest.shape[0]:
+            ahead = dest[i + _OUT_AHEAD]
+            prefetch(lengths_base + ahead * lengths_stride)
+            prefetch(slots_base + ahead * slots_stride)
+            if weighted:
+                prefetch(weights_base + ahead * weights_stride)
+        row = dest[i]
+        for k in range(keys):
+            size = lengths[k, i]
+            start = at[k]
+            out_lengths[row, k] = size
+            if scalar[k]:
+                own = min(start, last)
+                out_slots[row, k] = 0 if no_values else values[own]
+                if weighted:
+                    out_weights[row, k] = weights[own]
+            else:
+                out_slots[row, k] = base + start
+            at[k] = start + size
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_placed_bags(
+    first: int,
+    last: int,
+    lengths: np.ndarray,
+    slots: np.ndarray,
+    slot_weights: np.ndarray,
+    scalar: np.ndarray,
+    values: np.ndarray,
+    weights: np.ndarray,
+    weighted: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``first:last`` of a placed window (``place_bags``) as a jagged batch:
+    (lengths int32 [keys * rows], values int64, weights float32, empty unless
+    ``weighted``), key-major as ``KeyedJaggedTensor`` holds them.
+
+    The rows are read in order. A scalar key's ID is written whatever its bag's length
+    (an empty bag's is overwritten by the next ID), which spares a branch a row that
+    mispredicts; only a list key's bags read elsewhere, from ``values`` (and
+    ``weights``), asked for ``_BAGS_AHEAD`` rows ahead.
+    """
+    rows, keys = last - first, lengths.shape[1]
+    total = 0
+    for j in range(first, last):
+        for k in range(keys):
+            total += lengths[j, k]
+    out_lengths = np.empty(keys * rows, np.int32)
+    out_values = np.empty(total, np.int64)
+    out_weights = np.empty(total if weighted else 0, np.float32)
+    values_base, weights_base = values.ctypes.data, weights.ctypes.data
+    to = 0
+    for k in range(keys):
+        into = k * rows - first
+        if scalar[k]:
+            for j in range(first, last):
+                size = lengths[j, k]
+                out_lengths[into + j] = size
+                if to < total:  # false only past the last ID
+                    out_values[to] = slots[j, k]
+                    if weighted:
+                        out_weights[to] = slot_weights[j, k]
+                to += size
+            continue
+        for j in range(first, last):
+            if j + _BAGS_AHEAD < last:
+                ahead = slots[j + _BAGS_AHEAD, k]
+                prefetch_read(values_base + ahead * 8)
+                if weighted:
+                    prefetch_read(weights_base + ahead * 4)
+            size = lengths[j, k]
+            out_lengths[into + j] = size
+            at = slots[j, k]
+            for m in range(size):
+                out_values[to + m] = values[at + m]
+            if weighted:
+                for m in range(size):
+                    out_weights[to + m] = weights[at + m]
+            to += size
+    return out_lengths, out_values, out_weights

@@ -55,6 +55,7 @@ from dlrmflow.features import jit
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import IdMapper, stable_hash
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.features.window import WindowWriter, _destinations, _shuffled
 from dlrmflow.ingest.strings import is_string, string_ids
 from dlrmflow.schema import DenseFeature
 from dlrmflow.sparse import KeyedJaggedTensor
@@ -379,6 +380,8 @@ def _check_id_weights(
     """Raise ``ValueError`` naming the weight ``column`` if feature ``name``'s per-ID
     weights do not line up with its IDs (a list of another length, a missing weight beside
     an ID) or are null, NaN, infinite or beyond float32's range."""
+    if _is_list(ids.type) and _id_weights_fine(ids, weights):
+        return
     if _is_list(ids.type):
         id_lengths = pc.fill_null(pc.list_value_length(ids), 0)
         weight_lengths = pc.fill_null(pc.list_value_length(weights), 0)
@@ -407,6 +410,43 @@ def _check_id_weights(
             f"column {column}: {count} weight(s) of {name}'s IDs NaN, infinite or beyond "
             f"float32's range (e.g. {example!r})"
         )
+
+
+def _id_weights_fine(ids: pa.ChunkedArray, weights: pa.ChunkedArray) -> bool:
+    """Whether list weights certainly pass ``_check_id_weights``, found on the buffers: True
+    when each chunk's weight lists lie exactly as its ID lists (offsets, shifted, and
+    nulls alike) and no weight in their range is null or beyond float32's range. False
+    leaves the verdict, and its message, to the exact check.
+
+    The layout a writer gives lists of equal lengths; it costs a comparison of offsets
+    and one pass over the weights, where the exact check builds lengths and a float64
+    copy of every weight.
+    """
+    if [len(c) for c in ids.chunks] != [len(c) for c in weights.chunks]:
+        return False
+    for id_chunk, weight_chunk in zip(ids.chunks, weights.chunks, strict=True):
+        id_offsets, weight_offsets = _offsets(id_chunk), _offsets(weight_chunk)
+        if not np.array_equal(id_offsets - id_offsets[0], weight_offsets - weight_offsets[0]):
+            return False
+        valid, id_valid = _valid(weight_chunk), _valid(id_chunk)
+        if (valid is None) != (id_valid is None):
+            return False
+        if valid is not None and not np.array_equal(valid, id_valid):
+            return False
+        # Every weight of the chunk's range, those of null lists too (which the exact check
+        # leaves out): all fine, then so are the ones it looks at.
+        first = int(weight_offsets[0])
+        values = weight_chunk.values.slice(first, int(weight_offsets[-1]) - first)
+        if values.null_count:
+            return False
+        if pa.types.is_floating(values.type) and len(values):
+            numbers = _primitive(values)
+            if pa.types.is_float64(values.type):
+                if not bool((np.abs(numbers) <= _FLOAT32_MAX).all()):
+                    return False
+            elif not bool(np.isfinite(numbers).all()):  # float16 and float32 are in range
+                return False
+    return True
 
 
 def _combined(chunks: list[pa.Array]) -> pa.Array:
@@ -661,17 +701,6 @@ class _Checks:
                 if f.weights is not None
             ),
         )
-
-
-def _destinations(order: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(``order`` as int64, its inverse: where each of the ``n`` rows goes), checked."""
-    order = np.asarray(order, dtype=np.int64)
-    if order.ndim != 1 or len(order) != n:
-        raise ValueError(f"window: order must hold {n} rows, got shape {order.shape}")
-    dest = np.empty(n, np.int64)
-    if not jit.inverse_permutation(order, dest):
-        raise ValueError("window: order must be a permutation of the rows")
-    return order, dest
 
 
 class BatchTransform:
@@ -1156,173 +1185,3 @@ class BatchTransform:
                     f"column {name}: dictionary index outside [0, {len(leaf.dictionary)}) "
                     f"(min {low}, max {high})"
                 )
-
-
-class WindowWriter:
-    """``BatchTransform.window(tables, order)``, built one table at a time.
-
-    ``add`` the tables in window order, then ``finish``. On the compiled path each table's
-    rows are written straight to their shuffled places as it arrives and the table is not
-    kept: the reader transforms a row group right after decoding it, while its columns are
-    still in cache, and frees it before decoding the next (a whole window decoded first
-    no longer fits in cache when it is transformed). Other layouts (lists, per-ID weights,
-    dictionaries, declared transforms ...) are transformed as they arrive too, and at
-    ``finish`` each block's rows and bags are written straight to their places
-    (``_shuffled``), rather than concatenated and then gathered.
-
-    Used by one thread at a time; ``add`` raises for a table whose rows overflow
-    ``order`` or whose layout differs from the compiled one of the tables before it.
-    """
-
-    def __init__(
-        self, transform: BatchTransform, order: np.ndarray, dest: np.ndarray | None = None
-    ) -> None:
-        self._transform = transform
-        if dest is None:
-            self._order, self._dest = _destinations(order, np.asarray(order).size)
-        else:
-            self._order, self._dest = order, np.asarray(dest, np.int64)
-            if self._dest.shape != np.shape(order):
-                raise ValueError(
-                    f"window: dest has shape {self._dest.shape}, order {np.shape(order)}"
-                )
-        self._start = 0  # rows added so far
-        # Decided by the first table with rows: the compiled path's arrays, or (when it
-        # does not apply) the tables, kept for ``window``.
-        self._out: _Rows | None = None
-        self._tables: list[pa.Table] = []  # tables without rows, before the path is decided
-        self._blocks: list[Batch] = []  # the transformed tables, where not compiled
-        self._decided = False
-
-    def add(self, table: pa.Table) -> None:
-        """Place ``table``'s rows, the next ``table.num_rows`` of the window."""
-        n, start = table.num_rows, self._start
-        if start + n > len(self._dest):
-            raise ValueError(f"window: {start + n} rows added, but order holds {len(self._dest)}")
-        self._start += n
-        t = self._transform
-        if n == 0 or (self._decided and self._out is None):
-            if self._decided:
-                self._blocks.append(t(table))
-            elif self._out is None:
-                self._tables.append(table)
-            return
-        layout, columns, lengths = t._read(table)
-        if layout.compiled and lengths is None:
-            # Columns chunked differently: one chunk each, and the compiled path applies.
-            layout, columns, lengths = t._read(table.combine_chunks())
-        if lengths is None:
-            if self._out is not None:
-                raise ValueError(
-                    "window: a table the compiled path cannot take follows tables it took; "
-                    "the tables of one window must share one schema"
-                )
-            self._decided = True
-            # Transformed now, while its columns are in cache.
-            self._blocks = [t(x) for x in self._tables] + [t(table)]
-            self._tables = []
-            return
-        if not self._decided:
-            self._decided, self._tables = True, []
-            self._out = t._allocate(len(self._dest), layout)
-        assert self._out is not None
-        t._write(columns, layout, lengths, self._dest[start : start + n], self._out)
-
-    def finish(self) -> Batch:
-        """The window's ``Batch``: row ``j`` is row ``order[j]`` of the tables added."""
-        if self._start != len(self._dest):
-            raise ValueError(
-                f"window: order holds {len(self._dest)} rows, but {self._start} were added"
-            )
-        if self._out is not None:
-            return self._transform._finish(self._out)
-        if self._blocks:
-            return _shuffled(self._blocks, self._order)
-        if not self._tables:
-            return self._transform._empty()
-        return self._transform.window(self._tables, self._order)
-
-
-def _shuffled(blocks: list[Batch], order: np.ndarray) -> Batch:
-    """``Batch.concat(blocks).take(order)``, gathered in one compiled pass per part.
-
-    ``KeyedJaggedTensor.take`` works out every ID's position in numpy (a repeat and an
-    arange the size of the window's IDs) before gathering; here each bag is copied in
-    emission order straight from the joined blocks' values, the writes one sequential
-    stream. (A scatter from each block to its place instead writes to every batch at
-    once, at places a batch apart, which share cache sets.) Blocks of mixed forms (one-hot
-    and jagged, with and without weights) take the plain way, which also raises where
-    they cannot be joined.
-    """
-
-    def form(b: Batch) -> tuple[object, ...]:
-        s = b.sparse
-        rows = s.one_hot_rows
-        return (
-            b.dense.shape[1],
-            b.dense.dtype,
-            None if rows is None else rows.dtype,
-            s.weights is None,
-            b.sample_weights is None,
-            tuple(s.keys),
-        )
-
-    forms = {form(b) for b in blocks}
-    if len(forms) != 1 or blocks[0].dense.dtype != torch.float32:
-        return Batch.concat(blocks).take(order)
-    n, first = len(order), blocks[0]
-    keys = list(first.sparse.keys)
-
-    def gathered(parts: list[torch.Tensor]) -> torch.Tensor:
-        """Sample-major ``parts`` (one per block), joined and gathered in emission order."""
-        arrays = [p.numpy() for p in parts]
-        joined = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        out = np.empty((n, *joined.shape[1:]), joined.dtype)
-        width = int(np.prod(joined.shape[1:]))  # 1 for a 1-D part
-        jit.gather_samples(joined.reshape(n, width), order, out.reshape(n, width))
-        return torch.from_numpy(out)
-
-    weights_of_samples = [b.sample_weights for b in blocks]
-    sample_weights = None
-    if first.sample_weights is not None:
-        sample_weights = gathered([w for w in weights_of_samples if w is not None])
-    one_hot = [b.sparse.one_hot_rows for b in blocks]
-    if first.sparse.one_hot_rows is not None:
-        rows = gathered([r for r in one_hot if r is not None])
-        sparse = KeyedJaggedTensor.from_one_hot(keys, rows)
-    else:
-        sparse = _gathered_bags([b.sparse for b in blocks], order)
-    return Batch(
-        dense=gathered([b.dense for b in blocks]),
-        sparse=sparse,
-        labels=gathered([b.labels for b in blocks]),
-        sample_weights=sample_weights,
-    )
-
-
-def _gathered_bags(parts: list[KeyedJaggedTensor], order: np.ndarray) -> KeyedJaggedTensor:
-    """``KeyedJaggedTensor.concat(parts).take(order)`` for jagged parts that all carry
-    weights or none, in one compiled pass (``jit.gather_bags``)."""
-    keys, n = list(parts[0].keys), len(order)
-    lengths = np.empty((len(keys), n), np.int32)
-    starts = np.empty((len(keys), n), np.int64)
-    base = row = 0
-    for p in parts:
-        block_lengths = p.lengths.numpy().reshape(len(keys), p.stride)
-        base = jit.bag_starts(block_lengths, row, base, lengths, starts)
-        row += p.stride
-    values = np.concatenate([p.values.numpy() for p in parts])
-    weights = [p.weights.numpy() for p in parts if p.weights is not None]
-    joined_weights = np.concatenate(weights) if weights else np.zeros(0, np.float32)
-    out_lengths = np.empty((len(keys), n), np.int32)
-    out_values = np.empty(len(values), np.int64)
-    out_weights = np.empty(len(joined_weights), np.float32)
-    jit.gather_bags(
-        order, lengths, starts, values, joined_weights, out_lengths, out_values, out_weights
-    )
-    return KeyedJaggedTensor(
-        keys,
-        torch.from_numpy(out_values),
-        torch.from_numpy(out_lengths.reshape(-1)),
-        torch.from_numpy(out_weights) if weights else None,
-    )

@@ -603,7 +603,11 @@ class _TransformedBlocks:
                 raise DataError(
                     f"{_where(split)}: transform failed: {type(e).__name__}: {e}"
                 ) from e
+        # A writer with ``batches`` builds each batch on its own; else the window is cut.
+        cut = getattr(writer, "batches", None)
         try:
+            if cut is not None:
+                return cut(pieces)
             block = writer.finish()
         except Exception as e:
             raise DataError(

@@ -218,12 +218,50 @@ def test_one_hot_ids_take_a_weight_column_of_numbers():
         ({3: [math.inf], 7: [-math.inf]}, "2 weight(s) of tags's IDs NaN, infinite"),
     ],
 )
-def test_bad_list_weights_name_their_column(tag_w, message):
+@pytest.mark.parametrize("kind", [pa.float64(), pa.float32()])
+def test_bad_list_weights_name_their_column(tag_w, message, kind):
     weights = [tag_w.get(i, w) for i, w in enumerate(ROWS["tag_w"])]
-    t = table().set_column(2, "tag_w", pa.array(weights, pa.list_(pa.float64())))
+    t = table().set_column(2, "tag_w", pa.array(weights, pa.list_(kind)))
     transform = transform_of(SparseFeature("tags", 97, 4, weights="tag_w"))
     with pytest.raises(ValueError, match=re.escape(message)):
         transform.validate(t)
+
+
+@pytest.mark.parametrize("under_null_list", [NAN, math.inf, 1e300, None])
+def test_weights_a_null_list_owns_are_no_weights_of_ids(under_null_list):
+    """Validation looks at the weights of IDs only: a null weight list may own any values
+    (Arrow allows it), and its null ID list owns no IDs."""
+    values, offsets, mask = [], [0], []
+    for row in ROWS["tag_w"]:
+        values += [under_null_list, 1.0] if row is None else row
+        offsets.append(len(values))
+        mask.append(row is None)
+    weights = pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(values, pa.float64()), mask=pa.array(mask)
+    )
+    ids = pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()),
+        pa.array(range(len(values)), pa.int64()),
+        mask=pa.array(mask),
+    )
+    t = table().set_column(2, "tag_w", weights).set_column(1, "tags", ids)
+    transform_of(SparseFeature("tags", 97, 4, weights="tag_w")).validate(t)
+
+
+def test_misaligned_weight_chunks_are_checked_row_by_row():
+    """IDs and weights chunked differently still line up row by row; one weight list
+    short of its IDs is found whichever chunk it is in."""
+    t = table()
+    weights = t.column("tag_w").combine_chunks()
+    rechunked = pa.chunked_array([weights.slice(0, 3), weights.slice(3)])
+    transform = transform_of(SparseFeature("tags", 97, 4, weights="tag_w"))
+    transform.validate(t.set_column(2, "tag_w", rechunked))
+    rows = weights.to_pylist()
+    rows[5] = rows[5][:-1]  # three IDs, two weights
+    short = pa.array(rows, weights.type)
+    bad = pa.chunked_array([short.slice(0, 3), short.slice(3)])
+    with pytest.raises(ValueError, match=r"e\.g\. row 5"):
+        transform.validate(t.set_column(2, "tag_w", bad))
 
 
 def test_bad_one_hot_weights_and_weight_types_name_their_column():

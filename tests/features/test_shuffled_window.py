@@ -1,7 +1,8 @@
 """The reader's shuffled window for layouts the compiled path does not take (lists, per-ID
 weights, string IDs, dictionaries, declared transforms, a weight column): built one table
-at a time by ``window_writer``, or whole by ``window``, it must be bitwise the
-concatenation of the tables' batches gathered in order, in the same form."""
+at a time by ``window_writer`` (whole, or cut into batches), or whole by ``window``, it
+must be bitwise the concatenation of the tables' batches gathered in order, in the same
+form."""
 
 from __future__ import annotations
 
@@ -87,11 +88,26 @@ def assert_same(a: Batch, b: Batch) -> None:
     assert a.sparse.weights is None or a.sparse.weights.dtype == torch.float32
 
 
-def written(transform: BatchTransform, tables: list[pa.Table], order: np.ndarray) -> Batch:
+def writer_of(transform: BatchTransform, tables: list[pa.Table], order: np.ndarray):
     writer = transform.window_writer(order, np.argsort(order))
     for t in tables:
         writer.add(t)
-    return writer.finish()
+    return writer
+
+
+def written(transform: BatchTransform, tables: list[pa.Table], order: np.ndarray) -> Batch:
+    return writer_of(transform, tables, order).finish()
+
+
+def assert_cut_alike(
+    transform: BatchTransform, tables: list[pa.Table], order: np.ndarray, expected: Batch
+) -> None:
+    """The writer's batches are the expected window's slices, each on its own."""
+    pieces = [(0, 64), (64, 300), (300, len(order)), (7, 7), (0, len(order))]
+    batches = writer_of(transform, tables, order).batches(pieces)
+    assert len(batches) == len(pieces)
+    for (start, stop), batch in zip(pieces, batches, strict=True):
+        assert_same(batch, expected.take(np.arange(start, stop)))
 
 
 @pytest.mark.parametrize(
@@ -118,6 +134,27 @@ def test_a_window_is_its_tables_batches_concatenated_and_gathered(features, dict
     assert_same(transform.window(tables, order), expected)
     for start, stop in [(0, 64), (64, 300), (300, len(order)), (7, 7)]:
         assert_same(window.slice(start, stop), expected.take(np.arange(start, stop)))
+    assert_cut_alike(transform, tables, order, expected)
+
+
+def test_a_list_column_with_single_ids_at_first_is_still_a_list():
+    """The first table's lists hold one ID each, a later one's more: the window takes every
+    bag whole (first as IDs kept in place, then as lists)."""
+    transform = transform_of(*JAGGED[:2], SparseFeature("tags", 97, 4, weights="tag_w"))
+    first = rows(200, 0)
+    singles = pa.array([None if t is None else t[:1] for t in first.column("tags").to_pylist()])
+    weights = first.column("tag_w").to_pylist()
+    first = first.set_column(5, "tags", singles.cast(pa.list_(pa.int64())))
+    first = first.set_column(
+        6, "tag_w", pa.array([w and w[:1] for w in weights], first.schema.field("tag_w").type)
+    )
+    tables = [first, rows(200, 1)]
+    order = np.random.default_rng(4).permutation(400)
+    for t in tables:
+        transform.validate(t)
+    expected = Batch.concat([transform(t) for t in tables]).take(order)
+    assert_same(written(transform, tables, order), expected)
+    assert_cut_alike(transform, tables, order, expected)
 
 
 def test_a_window_of_mixed_forms_is_joined_as_before():
@@ -128,6 +165,7 @@ def test_a_window_of_mixed_forms_is_joined_as_before():
     expected = Batch.concat([transform(t) for t in tables]).take(order)
     assert expected.sparse.one_hot_rows is None
     assert_same(written(transform, tables, order), expected)
+    assert_same(writer_of(transform, tables, order).batches([(0, 50)])[0], expected)
 
 
 def test_a_window_of_one_table_without_rows_is_empty():
