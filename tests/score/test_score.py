@@ -69,7 +69,7 @@ def column(table: pa.Table, name: str) -> torch.Tensor:
 
 
 def evaluation(run_dir: str, url: str, day: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluation's probabilities and labels of ``day``, row by row: its own ``score``
+    """Evaluation's probabilities and labels of ``day``, row by row: its own ``predict``
     over its own loader, one process, one reader (so in the day's file order)."""
     ckpt = load_checkpoint(run_dir)
     config = ckpt.config
@@ -79,11 +79,11 @@ def evaluation(run_dir: str, url: str, day: int) -> tuple[torch.Tensor, torch.Te
     # ``test_loader`` is not imported by name: pytest would collect it as a test.
     loader = evaluation_stage.test_loader(config, ckpt.spec, ids, env, url, [day])
     try:
-        scored = evaluation_stage.score(ckpt.model, loader, ckpt.spec, env)
+        scored = evaluation_stage.predict(ckpt.model, loader, ckpt.spec, env)
     finally:
         loader.close()
     assert scored is not None
-    return scored
+    return scored.probs, scored.labels
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

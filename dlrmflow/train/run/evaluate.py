@@ -2,7 +2,7 @@
 
 One process, or every rank of a job: each rank scores its own splits of the test day
 through the (sharded) model, all ranks stepping together, and rank 0 gathers every
-prediction to compute the exact AUC (no histogram). The trainer calls ``score_rows`` every
+prediction to compute the exact AUC (no histogram). The trainer calls ``predict`` every
 ``train.eval_every`` steps on the live model; ``evaluate`` scores a checkpoint, loaded at
 whatever world size runs it. ``evaluation_settings`` resolves what ``dlrmflow evaluate``
 may change of how a run is scored (its flags, ``--config`` and ``--set``): never the model.
@@ -241,7 +241,7 @@ def eval_window(
     return held_out_days(config.data.eval_days, available, manifest.test_day, trained)
 
 
-class Scored(NamedTuple):
+class Predictions(NamedTuple):
     """Every scored row's probability and label, and its weight where the dataset declares
     a weight column (None where it does not): ``click_metrics(*scored)``."""
 
@@ -251,14 +251,14 @@ class Scored(NamedTuple):
 
 
 @torch.no_grad()
-def score_rows(
+def predict(
     model: DLRM,
     loader,
     spec: FeatureSpec,
     env: DistEnv,
     max_rows: int | None = None,
     progress: Callable[[int], None] | None = None,
-) -> Scored | None:
+) -> Predictions | None:
     """Probabilities, labels and (for a weighted dataset) weights of every test row, on
     rank 0 (None on the others).
 
@@ -300,7 +300,7 @@ def score_rows(
             progress(take * env.world_size)
     model.train(was_training)
     none = torch.empty(0, device="cpu")
-    mine = Scored(
+    mine = Predictions(
         torch.cat(probs) if probs else none,
         torch.cat(labels) if labels else none,
         None if not weighted else torch.cat(weights) if weights else none,
@@ -317,21 +317,7 @@ def score_rows(
     if max_rows is not None:
         out_probs, out_labels = out_probs[:max_rows], out_labels[:max_rows]
         out_weights = None if out_weights is None else out_weights[:max_rows]
-    return Scored(out_probs, out_labels, out_weights)
-
-
-def score(
-    model: DLRM,
-    loader,
-    spec: FeatureSpec,
-    env: DistEnv,
-    max_rows: int | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``score_rows``' probabilities and labels of every test row, on rank 0 (None on the
-    others): what comparing two models' predictions row by row needs."""
-    scored = score_rows(model, loader, spec, env, max_rows, progress)
-    return None if scored is None else (scored.probs, scored.labels)
+    return Predictions(out_probs, out_labels, out_weights)
 
 
 class UnweighableDay(DlrmflowError):
@@ -339,7 +325,7 @@ class UnweighableDay(DlrmflowError):
     one class weighs 0."""
 
 
-def _metrics(scored: Scored, url: str, days: list[int]) -> dict[str, Any]:
+def _metrics(scored: Predictions, url: str, days: list[int]) -> dict[str, Any]:
     """``click_metrics`` of the scored rows; for a weighted dataset, weights that leave
     no positive or no negative row, or sum to 0, are one line naming the days."""
     try:
@@ -461,7 +447,7 @@ def _evaluate(
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows
     try:
-        scored = score_rows(model, loader, spec, env, limit, progress)
+        scored = predict(model, loader, spec, env, limit, progress)
     finally:
         loader.close()
     seconds = time.perf_counter() - start

@@ -32,7 +32,7 @@ from dlrmflow.train.run.checkpoint import (
     save_checkpoint,
 )
 from dlrmflow.train.run.data import IdMapper, pass_count
-from dlrmflow.train.run.evaluate import score_rows, test_loader
+from dlrmflow.train.run.evaluate import predict, test_loader
 from dlrmflow.train.run.loss import StepLoss
 from dlrmflow.train.run.metrics import click_metrics
 from dlrmflow.train.run.progress import METRICS_FILE, RESULT_FILE, RunProgress, TrainResult
@@ -322,7 +322,7 @@ class TrainLoop:
         """Score the test day with the live model (every rank), log it, keep it for the
         next checkpoint's manifest, where it decides which checkpoint is the best."""
         config = self.config
-        scored = score_rows(self.model, self.eval_loader, self.spec, self.env, config.eval.max_rows)
+        scored = predict(self.model, self.eval_loader, self.spec, self.env, config.eval.max_rows)
         if scored is None:
             return
         self.last_eval = click_metrics(*scored)

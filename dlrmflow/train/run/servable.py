@@ -728,12 +728,12 @@ def verify(
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Score up to ``max_rows`` held-out rows with the checkpoint's model (the evaluation's
-    ``score``) and with ``servable``; their largest and mean |difference| of probability
+    ``predict``) and with ``servable``; their largest and mean |difference| of probability
     and both AUCs. ``{"skipped": reason}`` when the run's dataset or ID mapping cannot be
     read here (an export made away from the data is still an export)."""
     from dlrmflow.ingest.manifest import check_dataset, read_manifest
     from dlrmflow.train.run.data import load_ids
-    from dlrmflow.train.run.evaluate import eval_window, score, test_loader
+    from dlrmflow.train.run.evaluate import eval_window, predict, test_loader
     from dlrmflow.train.run.metrics import click_metrics
     from dlrmflow.train.run.rank import DistEnv
 
@@ -752,7 +752,7 @@ def verify(
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)
 
     def whole_batches(loader: Iterable[Batch]) -> Iterator[Batch]:
-        # Whole batches until max_rows are in, cut only afterwards: ``score``'s own cap
+        # Whole batches until max_rows are in, cut only afterwards: ``predict``'s own cap
         # would take the sigmoid of a cut batch's logits, whose vectorized tail rounds a
         # row now and then one ulp away from the same row's in a whole batch.
         seen = 0
@@ -764,11 +764,11 @@ def verify(
 
     scoring = test_loader(config, spec, ids, env, url, days, manifest=manifest)
     try:
-        scored = score(ckpt.model, whole_batches(scoring), spec, env, None, progress)
+        scored = predict(ckpt.model, whole_batches(scoring), spec, env, None, progress)
     finally:
         scoring.close()
     assert scored is not None  # one process: rank 0
-    want, labels = (t[:max_rows] for t in scored)
+    want, labels = scored.probs[:max_rows], scored.labels[:max_rows]
     got: list[torch.Tensor] = []
     seen = 0
     serving = test_loader(config, spec, ids, env, url, days, manifest=manifest)
