@@ -2,9 +2,9 @@
 
 ``deploy_flows`` registers the deployments that ``dlrmflow serve`` serves
 (``dlrmflow.flows.deployments``: ``ingest/dlrmflow``, ``train/dlrmflow``,
-``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, ``recurring/dlrmflow``, the same parameters
-and schedule) with the Prefect server at ``PREFECT_API_URL``, in a process work pool it
-creates when missing, and returns. A worker on any host (``prefect
+``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, ``recurring/dlrmflow``, ``score/dlrmflow``,
+the same parameters and schedule) with the Prefect server at ``PREFECT_API_URL``, in a
+process work pool it creates when missing, and returns. A worker on any host (``prefect
 worker start --pool NAME``) then runs each flow run in a subprocess of its own.
 
 The deployments carry no code and no pull steps: their entrypoints are module paths

@@ -1,11 +1,15 @@
 """Deployments of the flows, served from this process, with an optional schedule.
 
 ``serve_flows`` registers one deployment per flow (``ingest/dlrmflow``, ``train/dlrmflow``,
-``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, ``recurring/dlrmflow``) with the Prefect API
-and runs each flow run it is handed in a subprocess: scheduled runs, and runs started from
-the UI or with ``prefect deployment run 'end_to_end/dlrmflow'``. With no ``PREFECT_API_URL``
-that API is the local ephemeral one and lives as long as this process; pointed at a Prefect
-server, the deployments, runs and artifacts stay there.
+``evaluate/dlrmflow``, ``end_to_end/dlrmflow``, ``recurring/dlrmflow``, ``score/dlrmflow``)
+with the Prefect API and runs each flow run it is handed in a subprocess: scheduled runs,
+and runs started from the UI or with ``prefect deployment run 'end_to_end/dlrmflow'``.
+With no ``PREFECT_API_URL`` that API is the local ephemeral one and lives as long as this
+process; pointed at a Prefect server, the deployments, runs and artifacts stay there.
+
+The score deployment scores the configuration's run on its dataset unless a run says
+otherwise, into the folder each run names (``--param out=scores/``); with no folder of
+its own to default to, it runs on demand only, never on the schedule.
 
 Deployments name their flows by module path (``dlrmflow.flows.train.train_flow``), not by
 file, so a run finds its code wherever the package is installed. ``build_deployments`` is
@@ -40,6 +44,7 @@ from dlrmflow.flows.end_to_end import end_to_end
 from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import ingest_flow
 from dlrmflow.flows.recurring import DEFAULT_LINE, recurring_flow
+from dlrmflow.flows.score import score_flow
 from dlrmflow.flows.train import train_flow
 from dlrmflow.runtime.prefect_serve import display_serve_start_message
 from dlrmflow.supervise import STOP_SIGNALS
@@ -51,7 +56,10 @@ FLOWS: dict[str, Flow[..., Any]] = {
     "evaluate": evaluate_flow,
     "end_to_end": end_to_end,
     "recurring": recurring_flow,
+    "score": score_flow,
 }
+# The flows a schedule may run: each from its deployment's parameters alone.
+SCHEDULABLE = ("ingest", "train", "evaluate", "end_to_end", "recurring")
 # How long the runner may take to stop after a stopping signal before the signal has its
 # usual effect regardless: longer than Prefect's grace for a cancelled run's process to
 # exit before it is killed, so that runs are stopped by the runner, not swept.
@@ -70,20 +78,29 @@ def build_deployments(
     job_variables: dict[str, Any] | None = None,
     line: str = DEFAULT_LINE,
 ) -> list[RunnerDeployment]:
-    """One deployment per flow, each defaulting to ``config`` (and the recurring flow to
-    the model line ``line``); the flow named ``scheduled`` runs on the ``cron`` schedule or
-    every ``interval`` seconds (neither: on demand only). ``job_variables`` (work-pool
-    deployments only) override the pool's job template."""
+    """One deployment per flow, each defaulting to ``config`` (the recurring flow also to
+    the model line ``line``; the score flow to ``config``'s run and dataset, its output
+    folder left to each run); the flow named ``scheduled`` (one of ``SCHEDULABLE``) runs on
+    the ``cron`` schedule or every ``interval`` seconds (neither: on demand only).
+    ``job_variables`` (work-pool deployments only) override the pool's job template."""
     if cron is not None and interval is not None:
         raise ValueError("give a cron schedule or an interval, not both")
     if interval is not None and interval <= 0:
         raise ValueError(f"interval must be > 0 seconds (got {interval})")
-    if scheduled not in FLOWS:
-        raise ValueError(f"no flow {scheduled!r} to schedule; one of {sorted(FLOWS)}")
-    parameters = {"config": config.model_dump(mode="json")}
+    if scheduled not in SCHEDULABLE:
+        on_demand = " (it runs on demand only)" if scheduled in FLOWS else ""
+        raise ValueError(
+            f"no flow {scheduled!r} to schedule{on_demand}; one of {sorted(SCHEDULABLE)}"
+        )
+    parameters: dict[str, Any] = {"config": config.model_dump(mode="json")}
     deployments = []
     for flow_name, flow in FLOWS.items():
-        flow_parameters = {**parameters, "line": line} if flow is recurring_flow else parameters
+        if flow is score_flow:
+            flow_parameters = {"model": config.run_dir, "data": config.data.url}
+        elif flow is recurring_flow:
+            flow_parameters = {**parameters, "line": line}
+        else:
+            flow_parameters = parameters
         schedule: dict[str, Any] = (
             {"cron": cron, "interval": interval} if flow_name == scheduled else {}
         )

@@ -174,3 +174,22 @@ def test_the_server_checks_run_parameters_against_the_config_schema(prefect_api,
     with pytest.raises(PrefectHTTPStatusError, match="409|422") as refused:
         call_client("create_flow_run_from_deployment", deployment.id, parameters=bad, state=later)
     assert "batch_size" in refused.value.response.text
+
+
+def test_a_score_run_names_its_output_and_scores_the_configured_run(prefect_api, served):
+    deployment = served.deployment("score/dlrmflow")
+    assert deployment.entrypoint == "dlrmflow.flows.score.score_flow"
+    later = Scheduled(scheduled_time=datetime.now(UTC) + timedelta(days=1))
+    out = str(served.root / "scores")
+    accepted = call_client(
+        "create_flow_run_from_deployment", deployment.id, parameters={"out": out}, state=later
+    )
+    assert accepted.parameters == {
+        "model": str(served.root / "run"),
+        "data": str(served.root / "data"),
+        "out": out,
+    }
+    call_client("delete_flow_run", accepted.id)
+    with pytest.raises(PrefectHTTPStatusError, match="409|422") as refused:
+        call_client("create_flow_run_from_deployment", deployment.id, parameters={}, state=later)
+    assert "'out' is a required property" in refused.value.response.text
