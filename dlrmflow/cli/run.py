@@ -331,7 +331,7 @@ def export(
     on up to --verify-rows rows of the run's test day; the result states the tables' bytes
     and the largest probability difference and the AUC change it found.
     """
-    from dlrmflow.train.run.servable import export_run
+    from dlrmflow.train.run.exported_model import export_run
 
     echo_json(
         export_run(

@@ -1,6 +1,6 @@
 """A check on tensor values that an exported program keeps and that never waits for the device.
 
-The servable export (``train.run.servable``) checks its inputs itself: offsets that rise
+The servable export (``train.run.exported_model``) checks its inputs itself: offsets that rise
 from 0 to the number of IDs, every ID inside its feature's table. A Python ``if`` on a
 tensor cannot be traced into a ``torch.export`` program (its branch would be decided once,
 at export), and on a GPU it would copy the flag to the host and stall the stream at every

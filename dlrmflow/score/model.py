@@ -92,7 +92,7 @@ def identify_model(path: str | Path) -> ModelIdentity:
     if not path.exists():
         raise _missing(path)
     if path.is_file():
-        from dlrmflow.train.run.servable import is_servable
+        from dlrmflow.train.run.exported_model import is_servable
 
         if not is_servable(path):
             raise ModelNotFound(
@@ -108,7 +108,7 @@ def trained_on_multi_hot(identity: ModelIdentity) -> bool | None:
     """Whether the model ``identity`` pins trained on multi-hot data (None: not recorded),
     read from its checkpoint's manifest or its export's metadata without loading it."""
     if identity.kind == SERVABLE:
-        from dlrmflow.train.run.servable import archive_metadata
+        from dlrmflow.train.run.exported_model import archive_metadata
 
         recorded = (archive_metadata(Path(identity.path)) or {}).get("trained_multi_hot")
         return None if recorded is None else bool(recorded)
@@ -153,7 +153,7 @@ def load_model(
     embedding memory budget keeps the rows beyond it (see ``load_checkpoint``)."""
     path = Path(identity.path)
     if identity.kind == SERVABLE:
-        from dlrmflow.train.run.servable import load_servable
+        from dlrmflow.train.run.exported_model import load_servable
 
         servable = load_servable(path)
         step = servable.metadata.get("step")

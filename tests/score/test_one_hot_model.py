@@ -9,7 +9,7 @@ import pytest
 
 from dlrmflow.config import DataConfig
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.train.run.servable import export_servable
+from dlrmflow.train.run.exported_model import export_servable
 from dlrmflow.train.run.trainer import train
 from tests.conftest import TINY_DATA, run_cli, tiny_run_config
 

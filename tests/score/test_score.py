@@ -396,7 +396,7 @@ def test_a_vocabulary_without_its_file_is_refused_in_one_line(trained: RunConfig
 
 
 def test_a_servable_export_scores_as_its_checkpoint(trained: RunConfig, tmp_path: Path) -> None:
-    from dlrmflow.train.run.servable import export_servable
+    from dlrmflow.train.run.exported_model import export_servable
 
     export = tmp_path / "model.pt2"
     export_servable(trained.run_dir, export, verify_rows=0)

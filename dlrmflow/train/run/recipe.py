@@ -9,7 +9,7 @@ columns (standardize's frozen mean and deviation included), string IDs to int64,
 hash (its salt and formula) or the vocabulary that maps an ID to its row, list cuts
 (``max_length``, ``keep``), per-ID weights, crosses' hashing and buckets' boundaries.
 Each formula is written out with its constants once; each feature names the ones it
-uses. ``tests/train/run/test_servable_raw.py`` implements the record in plain numpy and
+uses. ``tests/train/run/test_exported_model_raw.py`` implements the record in plain numpy and
 gets dlrmflow's inputs and scores, so the record and the code cannot drift apart.
 
 The formulas mirror ``dlrmflow.features`` (``transform``, ``ids``) and

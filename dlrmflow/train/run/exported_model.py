@@ -26,7 +26,7 @@ an ID becomes ``its table's first row + ID``, so the whole lookup is one
 ``embedding_bag`` over all bags, as the training's table-batched bag does; with one ID
 per bag (the usual one-hot data) and float32 tables the pooled vectors, and so the
 probabilities, are bitwise those of the checkpoint's model (measured: identical on the
-held-out day, see tests/train/run/test_servable.py).
+held-out day, see tests/train/run/test_exported_model.py).
 
 The dense arch always runs in float32 here: a run trained with ``train.precision=bf16``
 scores its checkpoint under bfloat16 autocast, so the export's check against it shows
@@ -54,7 +54,7 @@ How a serving system without dlrmflow makes the inputs from a raw row is in that
 ``values``' key order, with the column(s) it reads and how they become rows: string IDs
 hashed to int64, list cuts, per-ID weights, the hash with its salt or the vocabulary,
 crosses' and buckets' formulas, each written out with its constants.
-``tests/train/run/test_servable_raw.py`` builds the inputs from the recipe alone and gets
+``tests/train/run/test_exported_model_raw.py`` builds the inputs from the recipe alone and gets
 dlrmflow's scores.
 """
 

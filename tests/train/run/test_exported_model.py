@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dlrmflow.train.run.servable as servable_module
+import dlrmflow.train.run.exported_model as exported_model
 from dlrmflow.config import DataConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.ingest.synthetic import generate_dataset
@@ -28,8 +28,7 @@ from dlrmflow.train.run.checkpoint import Checkpoint, load_checkpoint
 from dlrmflow.train.run.data import load_ids
 from dlrmflow.train.run.evaluate import test_loader as make_test_loader
 from dlrmflow.train.run.export import export_model
-from dlrmflow.train.run.rank import DistEnv
-from dlrmflow.train.run.servable import (
+from dlrmflow.train.run.exported_model import (
     ServableDLRM,
     ServableError,
     export_servable,
@@ -37,6 +36,7 @@ from dlrmflow.train.run.servable import (
     load_servable,
     verify,
 )
+from dlrmflow.train.run.rank import DistEnv
 from dlrmflow.train.run.trainer import train
 from tests.conftest import TINY_DATA, run_cli, tiny_run_config
 
@@ -261,7 +261,7 @@ def test_a_failed_export_leaves_nothing_behind(
     def broken(*args: object, **kwargs: object) -> dict:
         raise RuntimeError("scoring failed")
 
-    monkeypatch.setattr(servable_module, "verify", broken)
+    monkeypatch.setattr(exported_model, "verify", broken)
     out = tmp_path / "model.pt2"
     with pytest.raises(RuntimeError, match="scoring failed"):
         export_servable(one_hot_run, out)

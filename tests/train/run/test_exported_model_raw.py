@@ -30,7 +30,7 @@ from dlrmflow.score.model import ModelNotFound
 from dlrmflow.score.score import score_dataset
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.data import load_ids
-from dlrmflow.train.run.servable import ServableError, export_servable, load_servable
+from dlrmflow.train.run.exported_model import ServableError, export_servable, load_servable
 from dlrmflow.train.run.trainer import train
 from tests.ingest.own_data import SCHEMA, write_own_dataset
 from tests.train.run.test_own_data_ops import write_days
@@ -345,7 +345,7 @@ def test_quantized_tables_take_per_id_weights(
     every_operation: tuple[Path, Path, dict], tmp_path: Path, quantize: str, tolerance: float
 ):
     """Quantized tables pool weighted bags too (FBGEMM's int8 kernel with its per-sample
-    weights); the tolerances are test_servable.py's, measured on unweighted runs."""
+    weights); the tolerances are test_exported_model.py's, measured on unweighted runs."""
     _, run_dir, _ = every_operation
     result = export_servable(run_dir, tmp_path / "model.pt2", quantize=quantize)
     check = result["verify"]
