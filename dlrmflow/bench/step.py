@@ -44,6 +44,7 @@ from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.features.batch import Batch
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.runtime.glibc_malloc import tune_allocator
+from dlrmflow.runtime.mkldnn_bf16 import bf16_supported
 from dlrmflow.train.model.dlrm import DLRM, DotInteraction, embedding_optimizer
 
 PRECISIONS = ("fp32", "bf16")
@@ -231,7 +232,7 @@ def instruction_set() -> dict[str, object]:
     return {
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_flags": [f for f in wanted if f in flags],
-        "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "mkldnn_bf16": bf16_supported(),
     }
 
 

@@ -196,10 +196,10 @@ class FbgemmTables:
             raise ValueError(
                 f"FBGEMM's {slot} holds {current.numel()} {current.dtype}, not {tensor.numel()}"
             )
-        if slot in self.module._parameters:
-            self.module._parameters[slot] = nn.Parameter(tensor, requires_grad=False)
-        else:
-            self.module._buffers[slot] = tensor
+        # setattr on a registered slot replaces it (a Parameter where it holds one).
+        if isinstance(current, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=False)
+        setattr(self.module, slot, tensor)
 
     def lookup(
         self,

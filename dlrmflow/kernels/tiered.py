@@ -154,7 +154,10 @@ class _Pages:
     """The file's mapping, and dropping this process's mapped pages of a range of it."""
 
     def __init__(self, memmap: np.memmap) -> None:
-        self._mmap: mmap.mmap = memmap._mmap  # the mapping numpy made (from HEADER_BYTES)
+        mapping = memmap.base  # the mapping numpy made (from HEADER_BYTES)
+        if not isinstance(mapping, mmap.mmap):
+            raise ValueError("the tier's memmap must be numpy's own mapping of the file")
+        self._mmap: mmap.mmap = mapping
         if memmap.offset % mmap.ALLOCATIONGRANULARITY:
             raise ValueError(f"the header ({memmap.offset} bytes) must be whole pages")
         self._base = memmap.ctypes.data

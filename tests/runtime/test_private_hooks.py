@@ -53,22 +53,7 @@ REPO = PACKAGE_ROOT.parent
 
 # Private uses in files being changed elsewhere (issue 40): (file, name), exact, each with
 # its replacement. Delete an entry once its use is gone (the test says so); a new use fails.
-KNOWN_PRIVATE_USES = {
-    # FBGEMM's weight and state slots: ``setattr(module, slot, ...)`` is the public path
-    # (a Parameter where the slot holds one, else the tensor).
-    ("dlrmflow/kernels/fbgemm_tbe.py", "._parameters"),
-    ("dlrmflow/kernels/fbgemm_tbe.py", "._buffers"),
-    # numpy's mapping of the tier's file is the memmap's public ``base``.
-    ("dlrmflow/kernels/tiered.py", "._mmap"),
-    # Sharded checkpoints: ``dlrmflow.runtime.sharded_tensor`` (the collection being split,
-    # its checkpoint part is in both files for now).
-    ("dlrmflow/train/model/sharded_embeddings.py", "torch.distributed._shard"),
-    ("dlrmflow/train/model/sharded/checkpoint.py", "torch.distributed._shard"),
-    # The step benchmark's record: ``dlrmflow.runtime.mkldnn_bf16.bf16_supported``.
-    ("dlrmflow/bench/step.py", "torch.ops.mkldnn._is_mkldnn_bf16_supported"),
-    # TensorBoard hyperparameters: ``dlrmflow.runtime.tensorboard_summaries``.
-    ("dlrmflow/train/run/tracking.py", "._get_file_writer"),
-}
+KNOWN_PRIVATE_USES: set[tuple[str, str]] = set()
 
 # Underscore names that Python documents as public.
 DOCUMENTED_PUBLIC = {"os._exit"}

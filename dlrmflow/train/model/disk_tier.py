@@ -37,7 +37,7 @@ from dlrmflow.memory import Available, available_memory, format_bytes
 from dlrmflow.train.model.dlrm import embedding_optimizer
 from dlrmflow.train.model.embeddings import TieredEmbeddings
 from dlrmflow.train.model.plan import ShardingPlan
-from dlrmflow.train.model.sharded_embeddings import TierBudgetError, TierStorage
+from dlrmflow.train.model.sharded.tiers import TierBudgetError, TierStorage
 
 TIERED_DIR = "embeddings"
 

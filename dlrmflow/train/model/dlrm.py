@@ -21,7 +21,7 @@ from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import CacheTooSmall
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
-from dlrmflow.train.model.sharded_embeddings import cache_budget_error
+from dlrmflow.train.model.sharded.tiers import cache_budget_error
 
 
 def embedding_optimizer(train: TrainConfig) -> EmbeddingOptimizer:

@@ -3,7 +3,7 @@
 The model's embeddings are one of three collections: every table in memory
 (``InMemoryEmbeddings``), every table on disk behind a cache of hot rows
 (``TieredEmbeddings``), or the shards a plan gives this rank of a job
-(``sharded_embeddings.ShardedEmbeddingCollection``). They differ in what a lookup
+(``sharded.ShardedEmbeddingCollection``). They differ in what a lookup
 needs first (nothing, the rows read from disk, the input all-to-all), in what lives only
 in memory until written (cached rows) and in how their state reaches a checkpoint; the
 ``EmbeddingCollection`` protocol names those differences once, so the step runner, the
@@ -22,7 +22,7 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import CacheStats, TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.sharded_embeddings import exact_storage
+from dlrmflow.train.model.sharded.checkpoint import exact_storage
 
 
 class StartedInput(Protocol):

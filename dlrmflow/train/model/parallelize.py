@@ -34,7 +34,7 @@ from dlrmflow.train.model.disk_tier import tiered_embeddings
 from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer, hand_pooled_in
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings, UnplacedEmbeddings
 from dlrmflow.train.model.plan import ShardingPlan
-from dlrmflow.train.model.sharded_embeddings import ShardedEmbeddingCollection, TierStorage
+from dlrmflow.train.model.sharded import ShardedEmbeddingCollection, TierStorage
 
 PRECISIONS = ("fp32", "bf16")
 

@@ -1,7 +1,7 @@
 """The nouns of a sharding plan: which rank holds which rows and columns of which table.
 
 The planner (``dlrmflow.train.planner``) writes a ``ShardingPlan``; the sharded embedding
-collection (``dlrmflow.train.model.sharded_embeddings``) executes one. Keeping the plan
+collection (``dlrmflow.train.model.sharded``) executes one. Keeping the plan
 plain data (it round-trips through JSON) lets a plan be printed, saved next to a
 checkpoint, edited by hand, and loaded at another world size for resharding.
 

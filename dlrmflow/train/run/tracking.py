@@ -145,8 +145,9 @@ class TensorBoardTracker(Tracker):
     def log_params(self, params: Mapping[str, str]) -> None:
         from torch.utils.tensorboard.summary import hparams
 
-        for summary in hparams(dict(params), dict.fromkeys(_HPARAM_METRICS)):
-            self._writer._get_file_writer().add_summary(summary)
+        from dlrmflow.runtime.tensorboard_summaries import add_summaries
+
+        add_summaries(self._writer, hparams(dict(params), dict.fromkeys(_HPARAM_METRICS)))
         table = "\n".join(f"| {key} | {value} |" for key, value in params.items())
         self._writer.add_text("config", "| key | value |\n|---|---|\n" + table)
 

@@ -33,7 +33,7 @@ from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.plan import ShardingPlan
-from dlrmflow.train.model.sharded_embeddings import TierBudgetError, TierStorage
+from dlrmflow.train.model.sharded.tiers import TierBudgetError, TierStorage
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
 from dlrmflow.train.run.checkpoint import model_state
 from tests.train.model.test_sharded import random_batch
@@ -198,7 +198,7 @@ CHUNK_ROWS = 64
 
 
 def _small_chunks() -> None:
-    from dlrmflow.train.model import sharded_embeddings as sharded
+    from dlrmflow.train.model.sharded import checkpoint as sharded
 
     sharded.CHECKPOINT_CHUNK_ROWS = CHUNK_ROWS
 

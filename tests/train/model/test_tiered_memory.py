@@ -27,7 +27,7 @@ from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.memory import peak_rss_bytes, reset_peak_rss
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.sharded_embeddings import TierStorage
+from dlrmflow.train.model.sharded.tiers import TierStorage
 from dlrmflow.train.planner import cpu_topology, plan_sharding, tables_from_spec
 from dlrmflow.train.run.checkpoint import find_checkpoint, restore, save_checkpoint
 
@@ -94,7 +94,7 @@ def _digest(model) -> list[list[float]]:
 
 def _job(rank: int, world: int, out: str) -> dict:
     from dlrmflow.kernels import tiered
-    from dlrmflow.train.model import sharded_embeddings as sharded
+    from dlrmflow.train.model.sharded import checkpoint as sharded
 
     sharded.CHECKPOINT_CHUNK_ROWS = 1 << 16
     tiered.MAPPED_ALLOWANCE_BYTES = 16 << 20  # below the table: training must unmap
