@@ -17,13 +17,10 @@ import pytest
 
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
-from dlrmflow.ingest.service import (
-    BatchStream,
-    Endpoint,
-    FlightBatchServer,
-    ParquetStreams,
-    RemoteBatchSource,
-)
+from dlrmflow.ingest.service.client import RemoteBatchSource
+from dlrmflow.ingest.service.protocol import Endpoint
+from dlrmflow.ingest.service.server import BatchStream, FlightBatchServer
+from dlrmflow.ingest.service.streams import ParquetStreams
 
 COLUMNS = ["label", "I1", "C1"]
 READ = {"batch_size": 700, "seed": 3, "shuffle_window": 1}

@@ -26,15 +26,11 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import encode_batch, features_digest
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.service import (
-    Endpoint,
-    FlightBatchServer,
-    ParquetStreams,
-    ReaderProcess,
-    ReaderSecurity,
-    serve,
-    server_processes,
-)
+from dlrmflow.ingest.service.processes import ReaderProcess, server_processes
+from dlrmflow.ingest.service.protocol import Endpoint
+from dlrmflow.ingest.service.security import ReaderSecurity
+from dlrmflow.ingest.service.server import FlightBatchServer, serve
+from dlrmflow.ingest.service.streams import ParquetStreams
 from dlrmflow.train.run.data import IdMapper, fit_features
 
 logger = logging.getLogger(__name__)
@@ -125,7 +121,7 @@ def serve_readers(
 
     ``ready`` is called with the bound endpoint once the server listens (with port 0, that
     is how to learn the port). Call it from the main thread: it installs the signal
-    handlers (see ``dlrmflow.ingest.service.serve``). ``insecure``: serve an address other
+    handlers (see ``dlrmflow.ingest.service.server.serve``). ``insecure``: serve an address other
     hosts reach without TLS and a secret.
     """
     server = ReaderServer(config, listen, workers, transform=transform, insecure=insecure)

@@ -36,7 +36,7 @@ from dlrmflow.ingest.stats import read_stats
 from dlrmflow.supervise import beat
 
 if TYPE_CHECKING:
-    from dlrmflow.ingest.service import RemoteBatchSource
+    from dlrmflow.ingest.service.client import RemoteBatchSource
 
 VOCAB_FILE = "vocab.npz"
 
@@ -296,7 +296,8 @@ def _remote_source(
     """The ``Batch``es of ``config.distributed.readers`` for ``paths`` (under ``data.url``),
     from a server that hangs failing over after ``distributed.reader_timeout_s``."""
     # Imported here: only trainers that read from reader servers load Flight (gRPC).
-    from dlrmflow.ingest.service import ReaderSecurity, RemoteBatchSource
+    from dlrmflow.ingest.service.client import RemoteBatchSource
+    from dlrmflow.ingest.service.security import ReaderSecurity
 
     root = config.data.url.rstrip("/") + "/"
     outside = [p for p in paths if not p.startswith(root)]

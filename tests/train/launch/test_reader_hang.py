@@ -26,7 +26,8 @@ from dlrmflow.config import ConfigError, RunConfig, apply_overrides, load_config
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest.service import ReaderProcess, ReaderUnavailableError
+from dlrmflow.ingest.service.client import ReaderUnavailableError
+from dlrmflow.ingest.service.processes import ReaderProcess
 from dlrmflow.train.launch.reader_servers import reader_processes
 from dlrmflow.train.run.data import IdMapper
 from tests.conftest import same_weights, tiny_run_config

@@ -34,17 +34,16 @@ from cryptography.x509.oid import NameOID
 from dlrmflow.config import ConfigError, ReaderSecurityConfig, load_config
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
-from dlrmflow.ingest.service import (
+from dlrmflow.ingest.service.client import ReaderUnavailableError, RemoteBatchSource
+from dlrmflow.ingest.service.protocol import Endpoint
+from dlrmflow.ingest.service.security import (
     SECRET_ENV,
-    Endpoint,
-    FlightBatchServer,
-    ParquetStreams,
     ReaderRefusedError,
     ReaderSecurity,
     ReaderSecurityError,
-    ReaderUnavailableError,
-    RemoteBatchSource,
 )
+from dlrmflow.ingest.service.server import FlightBatchServer
+from dlrmflow.ingest.service.streams import ParquetStreams
 from dlrmflow.train.launch.job import free_port
 from dlrmflow.train.run.trainer import train
 from tests.conftest import same_weights, tiny_run_config

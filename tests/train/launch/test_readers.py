@@ -24,7 +24,8 @@ from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, encode_batch
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import DataError
-from dlrmflow.ingest.service import Endpoint, ReaderUnavailableError
+from dlrmflow.ingest.service.client import ReaderUnavailableError
+from dlrmflow.ingest.service.protocol import Endpoint
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.launch.job import free_port
 from dlrmflow.train.launch.reader_servers import ReaderServer, reader_processes
