@@ -98,7 +98,8 @@ def convert(
     Days converted before from the same files are kept without reading them: converting
     a landing directory again after a file lands writes only the new day."""
     from dlrmflow.config import ConfigError
-    from dlrmflow.ingest.criteo import convert_criteo, landed_days
+    from dlrmflow.ingest.criteo.convert import convert_criteo
+    from dlrmflow.ingest.criteo.landing import landed_days
 
     if (input_ is None) == (input_dir is None):
         raise ConfigError("give the raw days as --input files or as one --input-dir")

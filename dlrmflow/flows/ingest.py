@@ -59,7 +59,7 @@ from dlrmflow.flows.artifacts import publish_stats
 from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.flows.runners import task_runner, worker_api
 from dlrmflow.flows.storage import shared_results
-from dlrmflow.ingest.criteo import (
+from dlrmflow.ingest.criteo.convert import (
     ConvertedDay,
     convert_day,
     day_file,

@@ -35,7 +35,7 @@ from dlrmflow.flows.artifacts import image_markdown, publish_stats
 from dlrmflow.flows.ingest import merge_stats_task, stats_task
 from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.flows.storage import shared_results
-from dlrmflow.ingest.criteo import convert_landed
+from dlrmflow.ingest.criteo.landing import convert_landed
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.registered_days import register_new_days
 from dlrmflow.ingest.stats import DatasetStats, read_stats

@@ -18,7 +18,7 @@ from dlrmflow.config import OrchestrationConfig, build_config
 from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.runners import task_runner
 from dlrmflow.flows.storage import RESULTS_DIR
-from dlrmflow.ingest.criteo import convert_criteo
+from dlrmflow.ingest.criteo.convert import convert_criteo
 from dlrmflow.ingest.stats import dataset_stats, write_stats
 from dlrmflow.locks import LOCK_FILE
 from tests.flows.records import run_records

@@ -15,13 +15,9 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from dlrmflow.ingest.criteo import (
-    MAX_LINE_BYTES,
-    MalformedDataError,
-    convert_criteo,
-    convert_landed,
-    day_file_name,
-)
+from dlrmflow.ingest.criteo.convert import MalformedDataError, convert_criteo, day_file_name
+from dlrmflow.ingest.criteo.landing import convert_landed
+from dlrmflow.ingest.criteo.tsv import MAX_LINE_BYTES
 from dlrmflow.ingest.lock import DatasetBusy
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.schema import DENSE, SPARSE, criteo_schema

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dlrmflow.config import DataConfig
-from dlrmflow.ingest.criteo import convert_criteo, landed_days
+from dlrmflow.ingest.criteo.convert import convert_criteo
+from dlrmflow.ingest.criteo.landing import landed_days
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from tests.conftest import TINY_DATA, run_cli
@@ -151,15 +152,15 @@ def test_kept_days_are_not_read(criteo_sample: Path, tmp_path: Path, monkeypatch
     landing = _landing(tmp_path / "landing", criteo_sample, ["a.tsv", "b.tsv"])
     out = str(tmp_path / "data")
     convert_criteo(landed_days(str(landing)), out)
-    import dlrmflow.ingest.criteo as criteo
+    import dlrmflow.ingest.criteo.convert as convert
 
-    real = criteo._convert_day
+    real = convert._convert_day
 
     def only_new(url: str, day: int, *args: object, **kwargs: object):
         assert day == 2, f"day {day} was converted again"
         return real(url, day, *args, **kwargs)
 
-    monkeypatch.setattr(criteo, "_convert_day", only_new)
+    monkeypatch.setattr(convert, "_convert_day", only_new)
     _landing(landing, criteo_sample, ["c.tsv"], first=2)
     result = convert_criteo(landed_days(str(landing)), out)
     assert result.written_days == [2] and result.rows == 120

@@ -43,7 +43,7 @@ from typing import Any
 from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.ingest.criteo import convert_landed
+from dlrmflow.ingest.criteo.landing import convert_landed
 from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_manifest
 from dlrmflow.ingest.registered_days import is_registered, register_new_days
 from dlrmflow.outputs import write_atomic

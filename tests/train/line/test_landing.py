@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrmflow.ingest.criteo import LandingError
+from dlrmflow.ingest.criteo.landing import LandingError
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.train.line.line import history, train_line, versions
 from tests.conftest import run_cli, tiny_run_config
