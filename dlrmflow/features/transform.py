@@ -840,6 +840,24 @@ class BatchTransform:
         """
         return WindowWriter(self, order, dest)
 
+    def dictionary_columns(self, schema: pa.Schema) -> list[str]:
+        """The string ID columns of ``schema`` (a file's) that this transform takes best as
+        dictionaries, for a reader to decode them so (``pq.ParquetFile``'s
+        ``read_dictionary``): then only each distinct string is hashed and mapped.
+
+        None where the compiled path takes the schema (it hashes plain strings straight
+        into place, and a dictionary would turn it off), nor for a schema the transform
+        refuses (``validate`` names what is wrong).
+        """
+        try:
+            layout = self._plan(schema)
+        except ValueError:
+            return []
+        if layout.compiled:
+            return []
+        ids = [c for f in self.spec.sparse if f.bucketize is None for c in f.cross or (f.name,)]
+        return [name for name in dict.fromkeys(ids) if is_string(schema.field(name).type)]
+
     def _read(
         self, data: pa.Table | pa.RecordBatch
     ) -> tuple[_Layout, list[list[pa.Array]], list[int] | None]:

@@ -69,6 +69,7 @@ from dlrmflow.ingest.dayfile import (
     open_regular_for_arrow,
 )
 from dlrmflow.ingest.shuffle import deal
+from dlrmflow.ingest.strings import is_string
 from dlrmflow.ingest.window import ArrowWindow
 from dlrmflow.runtime.torchdata_threads import stop_prefetch_thread
 
@@ -684,6 +685,8 @@ def _open_for_arrow(split: Split) -> tuple[Any, Stamp]:
 class _Footer:
     metadata: pq.FileMetaData
     stamp: Stamp
+    # The file's string ID columns the transform takes as dictionaries (see _SplitDecoder).
+    dictionaries: tuple[str, ...] = ()
 
 
 class _SplitDecoder:
@@ -694,21 +697,36 @@ class _SplitDecoder:
     since; each time, the digest it records must be the one the splits were listed with,
     so a file replaced under a running job fails the job at that file, naming its day,
     instead of feeding it rows of another dataset.
+
+    A transform with ``dictionary_columns(schema)`` (``BatchTransform``) names the string
+    ID columns of a file it takes as dictionaries: those are decoded as Parquet stores them
+    when a writer dictionary-encodes strings (each distinct string once, and an index a
+    row), so that neither the decode nor the transform goes over every row's string. A
+    column whose dictionary turns out as large as half its rows (a writer that gave up
+    dictionary-encoding it, where Arrow builds one at a cost) is decoded plain from then
+    on. Either way the transform gives the same rows; the schema a file declares is what
+    drift is checked against.
     """
 
     def __init__(self, dataset: ParquetBatchDataset) -> None:
         self.columns = dataset.columns
         self.validate = dataset.validate
+        self._dictionary_columns: Callable[[pa.Schema], list[str]] | None = getattr(
+            dataset.transform, "dictionary_columns", None
+        )
+        self._plain: set[str] = set()  # read plain from now on (see above)
         self._footers: dict[str, _Footer] = {}
-        self._schema: pa.Schema | None = None  # of the first row group read, all nullable
+        self._schema: pa.Schema | None = None  # declared by the first row group, all nullable
         self._schema_source = ""
         self._first = threading.Lock()  # the first row group read sets the schema
-        # The last schema found to conform (its types are the reader's), replaced whole:
-        # a file's row groups share one, and comparing 40 fields' types each time adds up.
-        self._conforming: pa.Schema | None = None
+        # The last decoded schema found to conform (with the columns read as dictionaries),
+        # and the schema its tables take: a file's row groups share one, and comparing 40
+        # fields' types each time adds up.
+        self._conforming: tuple[pa.Schema, tuple[str, ...], pa.Schema] | None = None
 
     def read(self, split: Split) -> pa.Table:
-        table = self._conform(self._decode(split), split)
+        table, dictionaries = self._decode(split)
+        table = self._conform(table, split, dictionaries)
         if self.validate is not None:
             try:
                 self.validate(table)
@@ -716,19 +734,37 @@ class _SplitDecoder:
                 raise DataError(f"{_where(split)}: {e}") from e
         return table
 
-    def _decode(self, split: Split) -> pa.Table:
+    def _decode(self, split: Split) -> tuple[pa.Table, list[str]]:
+        """The split's table and the columns read as dictionaries that the file declares
+        as strings."""
         where = _where(split)
         f, stamp = _open_for_arrow(split)
         try:
             with f:
                 footer = self._footers.get(split.path)
-                known = footer.metadata if footer is not None and footer.stamp == stamp else None
+                if footer is not None and footer.stamp != stamp:
+                    footer = None
+                dictionaries = [] if footer is None else self._dictionaries(footer)
                 # pre_buffer coalesces the column-chunk reads: one request per row group on
                 # object stores instead of one per column.
-                parquet = pq.ParquetFile(f, metadata=known, pre_buffer=True)
-                if known is None:
+                parquet = pq.ParquetFile(
+                    f,
+                    metadata=None if footer is None else footer.metadata,
+                    pre_buffer=True,
+                    read_dictionary=dictionaries or None,
+                )
+                if footer is None:
                     self._check_identity(split, parquet.metadata)
-                    self._footers[split.path] = _Footer(parquet.metadata, stamp)
+                    footer = _Footer(parquet.metadata, stamp, self._dictionaries_of(parquet))
+                    self._footers[split.path] = footer
+                    dictionaries = self._dictionaries(footer)
+                    if dictionaries:
+                        parquet = pq.ParquetFile(
+                            f,
+                            metadata=footer.metadata,
+                            pre_buffer=True,
+                            read_dictionary=dictionaries,
+                        )
                 names = parquet.schema_arrow.names
                 missing = [c for c in self.columns if c not in names]
                 if missing:
@@ -747,7 +783,30 @@ class _SplitDecoder:
                 f"{where}: has {table.num_rows} rows, the split listing said {split.num_rows} "
                 "(file changed since list_splits)"
             )
-        return table
+        for name in dictionaries:
+            for chunk in table.column(name).chunks:
+                if 2 * len(chunk.dictionary) > len(chunk):
+                    self._plain.add(name)
+        return table, dictionaries
+
+    def _dictionaries_of(self, parquet: pq.ParquetFile) -> tuple[str, ...]:
+        """The string ID columns of ``parquet`` that the transform takes as dictionaries."""
+        if self._dictionary_columns is None:
+            return ()
+        schema = parquet.schema_arrow
+        wanted = self._dictionary_columns(schema)
+        # Only top-level plain strings: read_dictionary names leaf columns, and a column
+        # the file declares a dictionary already is read as one.
+        return tuple(
+            name
+            for name in wanted
+            if name in self.columns
+            and schema.get_field_index(name) >= 0
+            and is_string(schema.field(name).type)
+        )
+
+    def _dictionaries(self, footer: _Footer) -> list[str]:
+        return [name for name in footer.dictionaries if name not in self._plain]
 
     @staticmethod
     def _check_identity(split: Split, metadata: pq.FileMetaData) -> None:
@@ -761,30 +820,47 @@ class _SplitDecoder:
                 f"{listed}); the dataset changed under the job"
             )
 
-    def _conform(self, table: pa.Table, split: Split) -> pa.Table:
+    def _conform(self, table: pa.Table, split: Split, dictionaries: list[str]) -> pa.Table:
         """``table`` under the reader's one schema, or a DataError if a column's type drifted.
 
         Row groups of one window are concatenated, which needs identical schemas; files that
         differ only in nullability or metadata are fine, so the reference is all-nullable.
+        Types are compared as the files declare them: a column decoded as a dictionary
+        here (``dictionaries``) is the string column its file holds, and keeps its
+        decoded type.
         """
+        schema = table.schema
+        if dictionaries:
+            declared = pa.schema(
+                [f.with_type(f.type.value_type) if f.name in dictionaries else f for f in schema]
+            )
+        else:
+            declared = schema
         if self._schema is None:
             with self._first:
                 if self._schema is None:
                     self._schema_source = _where(split)
-                    self._schema = pa.schema([f.with_nullable(True) for f in table.schema])
-        schema = table.schema
+                    self._schema = pa.schema([f.with_nullable(True) for f in declared])
         conforming = self._conforming
-        if conforming is None or not schema.equals(conforming):
-            for field, expected in zip(schema, self._schema, strict=True):
+        if (
+            conforming is None
+            or conforming[1] != tuple(dictionaries)
+            or not schema.equals(conforming[0])
+        ):
+            for field, expected in zip(declared, self._schema, strict=True):
                 if field.type != expected.type:
                     raise DataError(
                         f"{_where(split)}: column {field.name} is {field.type}, but "
                         f"{self._schema_source} has {expected.type} (schema drift)"
                     )
-            self._conforming = schema
-        if schema.equals(self._schema):
+            target = pa.schema(
+                [e.with_type(f.type) for f, e in zip(schema, self._schema, strict=True)],
+                metadata=self._schema.metadata,
+            )
+            conforming = self._conforming = (schema, tuple(dictionaries), target)
+        if schema.equals(conforming[2]):
             return table
-        return pa.Table.from_arrays(table.columns, schema=self._schema)
+        return pa.Table.from_arrays(table.columns, schema=conforming[2])
 
 
 class RoundRobin(BaseNode[Any]):
