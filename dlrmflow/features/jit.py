@@ -427,6 +427,12 @@ def scatter_samples(values: np.ndarray, dest: np.ndarray, out: np.ndarray) -> No
             out[row, k] = values[i, k]
 
 
+# Indices the compiler cannot prove non-negative (sums, offsets) cost a wrap-around check on
+# every access as signed integers; the placed window's loops count in uint64, which halved
+# them.
+_ONE = np.uint64(1)
+
+
 @numba.njit(nogil=True, cache=True)
 def place_bags(
     lengths: np.ndarray,
@@ -453,30 +459,33 @@ def place_bags(
     each output a row, asked for ahead (see ``_OUT_AHEAD``).
     """
     keys, n = lengths.shape
-    at = np.empty(keys, np.int64)  # where key k's next bag starts in ``values``
-    total = 0
+    at = np.empty(keys, np.uint64)  # where key k's next bag starts in ``values``
+    total = np.uint64(0)
     for k in range(keys):
         at[k] = total
         for i in range(n):
-            total += lengths[k, i]
+            total += np.uint64(lengths[k, i])
     for k in range(keys):
         if scalar[k] and total:
             for i in range(n):
                 if lengths[k, i] > 1:
                     return False
-    last = max(total - 1, 0)  # an empty bag's slot reads an ID in bounds
+    # An empty bag's slot reads an ID in bounds (any: it is never read back).
+    last = total - _ONE if total else np.uint64(0)
     no_values = values.shape[0] == 0
+    offset = np.uint64(base)
     lengths_base, lengths_stride = out_lengths.ctypes.data, out_lengths.strides[0]
     slots_base, slots_stride = out_slots.ctypes.data, out_slots.strides[0]
     weights_base, weights_stride = out_weights.ctypes.data, out_weights.strides[0]
+    ahead_end = dest.shape[0]
     for i in range(n):
-        if i + _OUT_AHEAD < dest.shape[0]:
+        if i + _OUT_AHEAD < ahead_end:
             ahead = dest[i + _OUT_AHEAD]
             prefetch(lengths_base + ahead * lengths_stride)
             prefetch(slots_base + ahead * slots_stride)
             if weighted:
                 prefetch(weights_base + ahead * weights_stride)
-        row = dest[i]
+        row = np.uint64(dest[i])
         for k in range(keys):
             size = lengths[k, i]
             start = at[k]
@@ -487,8 +496,8 @@ def place_bags(
                 if weighted:
                     out_weights[row, k] = weights[own]
             else:
-                out_slots[row, k] = base + start
-            at[k] = start + size
+                out_slots[row, k] = offset + start
+            at[k] = start + np.uint64(size)
     return True
 
 
@@ -522,32 +531,43 @@ def gather_placed_bags(
     out_values = np.empty(total, np.int64)
     out_weights = np.empty(total if weighted else 0, np.float32)
     values_base, weights_base = values.ctypes.data, weights.ctypes.data
-    to = 0
+    to, end = np.uint64(0), np.uint64(total)
+    start, stop = np.uint64(first), np.uint64(last)
+    ahead_by = np.uint64(_BAGS_AHEAD)
     for k in range(keys):
-        into = k * rows - first
+        into = np.uint64(k * rows)
+        key = np.uint64(k)
+        j = start
         if scalar[k]:
-            for j in range(first, last):
-                size = lengths[j, k]
-                out_lengths[into + j] = size
-                if to < total:  # false only past the last ID
-                    out_values[to] = slots[j, k]
+            while j < stop:
+                size = lengths[j, key]
+                out_lengths[into + j - start] = size
+                if to < end:  # false only past the last ID
+                    out_values[to] = slots[j, key]
                     if weighted:
-                        out_weights[to] = slot_weights[j, k]
-                to += size
+                        out_weights[to] = slot_weights[j, key]
+                to += np.uint64(size)
+                j += _ONE
             continue
-        for j in range(first, last):
-            if j + _BAGS_AHEAD < last:
-                ahead = slots[j + _BAGS_AHEAD, k]
+        while j < stop:
+            if j + ahead_by < stop:
+                ahead = slots[j + ahead_by, key]
                 prefetch_read(values_base + ahead * 8)
                 if weighted:
                     prefetch_read(weights_base + ahead * 4)
-            size = lengths[j, k]
-            out_lengths[into + j] = size
-            at = slots[j, k]
-            for m in range(size):
-                out_values[to + m] = values[at + m]
+            size = np.uint64(lengths[j, key])
+            out_lengths[into + j - start] = size
+            at = np.uint64(slots[j, key])
+            m = np.uint64(0)
             if weighted:
-                for m in range(size):
+                while m < size:
+                    out_values[to + m] = values[at + m]
                     out_weights[to + m] = weights[at + m]
+                    m += _ONE
+            else:
+                while m < size:
+                    out_values[to + m] = values[at + m]
+                    m += _ONE
             to += size
+            j += _ONE
     return out_lengths, out_values, out_weights
