@@ -39,6 +39,9 @@ def test_both_sides_run_as_many_threads(record):
     assert "as many threads as our N readers" in record["baseline"]
     assert record["shape"] == "criteo"
     assert "footer" in record["baseline"] and "footers" in record
+    # Criteo's IDs are integers: nothing is read as a dictionary, no plain-strings case.
+    assert record["dictionary_reads"] == []
+    assert not any("plain_strings" in key for key in record["ratios"])
 
 
 def test_record_has_rates_cpu_and_ratios(record):
@@ -111,6 +114,11 @@ def test_the_logs_shape_is_benchmarked_on_the_columns_its_schema_declares():
     r = record["results"]["workers_1"]
     ratio = record["ratios"]["reader_transform_vs_pyarrow_decode_1w"]
     assert ratio == r["reader_transform_rows_per_s"] / r["pyarrow_decode_rows_per_s"] > 0
+    # Ours reads the string IDs as dictionaries; the record says what that gains.
+    assert record["dictionary_reads"] == ["user_id", "item_id"]
+    plain = record["ratios"]["reader_transform_plain_strings_vs_pyarrow_decode_1w"]
+    assert plain == r["reader_transform_plain_strings_rows_per_s"] / r["pyarrow_decode_rows_per_s"]
+    assert math.isfinite(r["reader_transform_plain_strings_cpu_s_per_m_rows"])
 
 
 def test_an_existing_dataset_is_recorded_under_its_shape_and_its_jagged_bytes(tmp_path):

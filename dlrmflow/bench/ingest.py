@@ -24,11 +24,19 @@ The dataset is generated (``rows`` rows over two days) in Criteo's layout, or wi
 IDs, clipped and logged floats), or is an existing one (``data_url``); either way both
 sides read the columns its feature spec names, and the record says which shape it is.
 
-Two figures say what bounds ours. "decode + transform" runs the baseline's decode with
-our transform of each row group straight after it, in the baseline's pool and without
-the reader: the ratio reader + transform would reach were the reader free. And the bytes
-each path writes per row: the reader alone copies the decoded Arrow columns into its
-shuffled windows, the transform writes narrower tensors, so the reader alone moves more.
+Ours decodes as the reader does: string ID columns that a file stores dictionary-encoded
+are read as dictionaries where the transform takes them (``BatchTransform.
+dictionary_columns``), so each distinct string is decoded and hashed once; the baseline
+decodes every string, as a plain read of the columns does. Where a dataset has such
+columns, "plain strings" runs ours with every string decoded plain too, so the record
+says what the dictionary reads gain.
+
+Two figures say what bounds ours. "decode + transform" runs our decode (the baseline's,
+with the dictionary reads) and our transform of each row group straight after it, in the
+baseline's pool and without the reader: the ratio reader + transform would reach were
+the reader free. And the bytes each path writes per row: the reader alone copies the
+decoded Arrow columns into its shuffled windows, the transform writes narrower tensors,
+so the reader alone moves more.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -47,9 +56,11 @@ from fsspec.implementations.local import LocalFileSystem
 from dlrmflow.bench.machine import available_cores, describe_machine
 from dlrmflow.bench.turns import best_of_turns
 from dlrmflow.config import ConfigError, DataConfig, FeaturesConfig, ModelConfig
+from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
+from dlrmflow.features.window import WindowWriter
 from dlrmflow.ingest.manifest import Manifest, read_manifest
 from dlrmflow.ingest.reader import (
     ParquetBatchDataset,
@@ -83,25 +94,37 @@ def pyarrow_decode(splits: Sequence[Split], columns: list[str], threads: int) ->
         return sum(pool.map(read, splits))
 
 
-def _decoded(split: Split, columns: list[str], footers: dict[str, pq.FileMetaData]) -> pa.Table:
+def _decoded(
+    split: Split,
+    columns: list[str],
+    footers: dict[str, pq.FileMetaData],
+    dictionaries: Callable[[pa.Schema], list[str]] | None = None,
+) -> pa.Table:
     """The baseline's decode of one split: its file opened natively, pre-buffered, no Arrow
-    threads, the file's footer taken from ``footers`` when an earlier read left it there."""
+    threads, the file's footer taken from ``footers`` when an earlier read left it there.
+    ``dictionaries`` (ours only): the columns of a file's schema to read as dictionaries."""
     with _open(split.path) as f:
         parquet = pq.ParquetFile(f, metadata=footers.get(split.path), pre_buffer=True)
         footers[split.path] = parquet.metadata
+        wanted = [] if dictionaries is None else dictionaries(parquet.schema_arrow)
+        if wanted:
+            parquet = pq.ParquetFile(
+                f, metadata=parquet.metadata, pre_buffer=True, read_dictionary=wanted
+            )
         return parquet.read_row_group(split.row_group, columns=columns, use_threads=False)
 
 
 def decode_transform(
     splits: Sequence[Split], columns: list[str], threads: int, transform: BatchTransform
 ) -> int:
-    """The baseline's decode with our validation and transform of each row group straight
+    """Our decode (the baseline's, with the string ID columns the transform takes as
+    dictionaries read so) and our validation and transform of each row group straight
     after it, in the baseline's pool: no reader (no shuffle, windows or batches). What
     reader + transform could reach were the reader free; returns rows."""
     footers: dict[str, pq.FileMetaData] = {}
 
     def read(split: Split) -> int:
-        table = _decoded(split, columns, footers)
+        table = _decoded(split, columns, footers, transform.dictionary_columns)
         transform.validate(table)
         return len(transform(table))
 
@@ -139,12 +162,27 @@ def _open(path: str):
     return fs.open(local_path, "rb")
 
 
+class PlainStrings:
+    """``transform`` as a reader sees it, less ``dictionary_columns``: the reader then
+    decodes every string plain (what the dictionary reads gain, for the record)."""
+
+    def __init__(self, transform: BatchTransform) -> None:
+        self._transform = transform
+        self.validate = transform.validate
+
+    def __call__(self, table: pa.Table) -> Batch:
+        return self._transform(table)
+
+    def window_writer(self, order: np.ndarray, dest: np.ndarray | None = None) -> WindowWriter:
+        return self._transform.window_writer(order, dest)
+
+
 def reader_rows(
     splits: Sequence[Split],
     columns: list[str],
     workers: int,
     batch_size: int,
-    transform: BatchTransform | None,
+    transform: BatchTransform | PlainStrings | None,
     shuffle: bool = True,
 ) -> int:
     """Ours: ``workers`` readers of ``reader_threads(workers)`` threads each (+ transform
@@ -217,6 +255,10 @@ def _ingest_record(
         results: dict[str, dict[str, float]] = {}
         ratios: dict[str, float] = {}
         bytes_per_row = written_bytes_per_row(splits, columns, batch_size, transform)
+        # Whether ours reads any string as a dictionary here (the first file tells).
+        with _open(splits[0].path) as f:
+            dictionaries = transform.dictionary_columns(pq.ParquetFile(f).schema_arrow)
+        plain = PlainStrings(transform)
         for n in workers:
             threads = n * reader_threads(n)  # ours in total; the baseline gets as many
             # As in training: torch keeps the cores the readers leave (see compute_threads).
@@ -238,6 +280,16 @@ def _ingest_record(
                     # No reader at all: the bound the transform's own cost sets.
                     "decode_transform": lambda t=threads: _rate(
                         lambda: decode_transform(splits, columns, t, transform)
+                    ),
+                    # Every string decoded plain: what the dictionary reads gain.
+                    **(
+                        {
+                            "plain_strings": lambda n=n: _rate(
+                                lambda: reader_rows(splits, columns, n, batch_size, plain)
+                            )
+                        }
+                        if dictionaries
+                        else {}
                     ),
                 },
                 repeats,
@@ -271,6 +323,13 @@ def _ingest_record(
             ratios[f"reader_only_vs_pyarrow_decode_{n}w"] = read_only / base
             ratios[f"reader_transform_no_shuffle_vs_pyarrow_decode_{n}w"] = unshuffled / base
             ratios[f"decode_transform_vs_pyarrow_decode_{n}w"] = bare / base
+            if "plain_strings" in best:
+                plain_rate, plain_cpu = best["plain_strings"]
+                results[f"workers_{n}"]["reader_transform_plain_strings_rows_per_s"] = plain_rate
+                results[f"workers_{n}"]["reader_transform_plain_strings_cpu_s_per_m_rows"] = (
+                    plain_cpu
+                )
+                ratios[f"reader_transform_plain_strings_vs_pyarrow_decode_{n}w"] = plain_rate / base
     return {
         "benchmark": "ingest",
         "shape": shape,
@@ -279,6 +338,7 @@ def _ingest_record(
         "pre_buffer=True, use_threads=False, each file's footer kept from its first read (as ours)",
         "footers": "kept from a file's first read for its other row groups on both sides "
         "(ours per reader, the baseline per run)",
+        "dictionary_reads": dictionaries,
         "rows": total,
         "splits": len(splits),
         "batch_size": batch_size,
