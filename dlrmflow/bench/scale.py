@@ -44,7 +44,7 @@ from pathlib import Path
 
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.kernels.tiered import ROW_MAP_BYTES
+from dlrmflow.kernels.row_cache import ROW_MAP_BYTES
 from dlrmflow.memory import peak_rss_bytes
 
 BASELINE = (

@@ -33,10 +33,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from dlrmflow.kernels import backends, cpu_tbe, fbgemm_tbe, optimizers, triton_tbe
+from dlrmflow.kernels.bag import EmbeddingBagBase
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer, StatePart
 from dlrmflow.kernels.tbe_layout import GroupLookup, TableGroup, groups_of
 from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
@@ -112,7 +112,7 @@ class _FusedLookup(torch.autograd.Function):
         return None, None, None, None
 
 
-class TableBatchedEmbeddingBag(nn.Module):
+class TableBatchedEmbeddingBag(EmbeddingBagBase):
     """Several embedding tables in one flat weight, pooled per feature, trained in backward.
 
     ``forward(kjt)`` returns ``[B, sum of dims]``, table after table in config order; in
@@ -137,14 +137,7 @@ class TableBatchedEmbeddingBag(nn.Module):
         default ``init_table_rows`` draws them from ``seed`` and the table's name. The
         weights are made on the CPU (the same draws on every device); ``.to(device)`` moves
         them. ``kernels`` picks the implementation (``dlrmflow.kernels.backends``)."""
-        super().__init__()
-        _check_config(tables, optimizer)
-        if kernels not in backends.KERNELS:
-            raise ValueError(f"kernels must be one of {backends.KERNELS}, got {kernels!r}")
-        self.kernels = kernels
-        self.tables = list(tables)
-        self.optimizer = optimizer
-        self.lr = optimizer.lr
+        super().__init__(tables, optimizer, kernels)
         sizes = [t.num_embeddings for t in tables]
         dims = [t.embedding_dim for t in tables]
         self.groups = groups_of(self.tables)
@@ -185,40 +178,16 @@ class TableBatchedEmbeddingBag(nn.Module):
         if optimizer.step_key is not None:
             self.register_buffer("step", torch.zeros((), dtype=torch.int64))
 
-    @property
-    def names(self) -> list[str]:
-        return [t.name for t in self.tables]
-
-    @property
-    def output_dim(self) -> int:
-        return sum(t.embedding_dim for t in self.tables)
-
-    def table(self, name: str) -> torch.Tensor:
-        """The ``[num_embeddings, dim]`` rows of one table: a view into ``weight``."""
-        return self._rows_of(self.weight, name)
-
-    def state(self, name: str) -> dict[str, torch.Tensor]:
-        """The optimizer state of one table (views): per row, or per element like the rows."""
-        k = self.names.index(name)
-        start = sum(t.num_embeddings for t in self.tables[:k])
-        views = {}
-        for part in self.optimizer.state_parts:
-            flat = getattr(self, part.name)
-            if part.per_row:
-                views[part.name] = flat[start : start + self.tables[k].num_embeddings]
-            else:
-                views[part.name] = self._rows_of(flat, name)
-        return views
+    def _table_part(self, k: int, part: StatePart | None) -> torch.Tensor:
+        """Views into the flat buffers: ``weight`` or the part's buffer of its name."""
+        if part is not None and part.per_row:
+            start = sum(t.num_embeddings for t in self.tables[:k])
+            return getattr(self, part.name)[start : start + self.tables[k].num_embeddings]
+        return self._rows_of(self.weight if part is None else getattr(self, part.name), k)
 
     def step_count(self) -> int:
         """The optimizer's global step count (0 for one that counts none)."""
         return 0 if self.optimizer.step_key is None else int(self.step)
-
-    def set_learning_rate(self, lr: float) -> None:
-        """The learning rate of the next updates (a scheduler calls this each step)."""
-        if not lr >= 0:
-            raise ValueError(f"TableBatchedEmbeddingBag: learning rate must be >= 0, got {lr}")
-        self.lr = float(lr)
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """Pooled embeddings ``[B, sum of dims]``, each table's columns in config order."""
@@ -350,8 +319,7 @@ class TableBatchedEmbeddingBag(nn.Module):
             self._scratch = cpu_tbe.Scratch(max(g.num_rows for g in self.groups))
         return self._scratch
 
-    def _rows_of(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        k = self.names.index(name)
+    def _rows_of(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         start = sum(t.num_embeddings * t.embedding_dim for t in self.tables[:k])
         table = self.tables[k]
         return flat[start : start + table.num_embeddings * table.embedding_dim].view(
@@ -599,19 +567,3 @@ def _reduce_by_row(
         check_invariants=False,  # built sorted and in range above
     )
     return rows, incidence @ bag_grads
-
-
-def _check_config(tables: Sequence[EmbeddingTable], optimizer: EmbeddingOptimizer) -> None:
-    if not tables:
-        raise ValueError("TableBatchedEmbeddingBag needs at least one table")
-    names = [t.name for t in tables]
-    if len(set(names)) != len(names):
-        raise ValueError(f"table names must be unique, got {names}")
-    for t in tables:
-        if t.num_embeddings <= 0 or t.embedding_dim <= 0:
-            raise ValueError(f"table {t.name!r}: num_embeddings and dim must be positive")
-        if t.pooling not in ("sum", "mean"):
-            raise ValueError(
-                f"table {t.name!r}: pooling must be 'sum' or 'mean', not {t.pooling!r}"
-            )
-    optimizers.checked(optimizer)

@@ -20,8 +20,9 @@ from dlrmflow.kernels.optimizers import (
     StatePart,
     checked,
 )
+from dlrmflow.kernels.row_file import record_width
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
-from dlrmflow.kernels.tiered import TieredEmbeddingBag, record_width
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.sparse import EmbeddingTable
 from dlrmflow.train.planner.types import OptimizerState
 from tests.kernels.batches import random_jagged

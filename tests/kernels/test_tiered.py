@@ -8,16 +8,12 @@ from torch import nn
 
 from dlrmflow.config import ModelConfig
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.kernels import tiered as tiered_module
+from dlrmflow.kernels import row_file
 from dlrmflow.kernels.optimizers import SGD, Adam, RowWiseAdagrad
+from dlrmflow.kernels.row_cache import SLOT_BOOKKEEPING_BYTES, CacheTooSmall
+from dlrmflow.kernels.row_file import HEADER_BYTES, DiskSpaceError
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag, init_table_rows
-from dlrmflow.kernels.tiered import (
-    HEADER_BYTES,
-    SLOT_BOOKKEEPING_BYTES,
-    CacheTooSmall,
-    DiskSpaceError,
-    TieredEmbeddingBag,
-)
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.dlrm import DLRM
 from tests.conftest import small_tmpfs
@@ -318,9 +314,8 @@ def test_training_keeps_the_files_mapped_pages_within_the_allowance(
     neighbours with each fault); past ``MAPPED_ALLOWANCE_BYTES`` the bag unmaps them. With
     no allowance to speak of (1 TiB) the same steps map most of the 264 MB file: the
     measurement sees what the mechanism prevents."""
-    from dlrmflow.kernels import tiered
 
-    monkeypatch.setattr(tiered, "MAPPED_ALLOWANCE_BYTES", allowance)
+    monkeypatch.setattr(row_file, "MAPPED_ALLOWANCE_BYTES", allowance)
     rows = 2_000_000
     bag = TieredEmbeddingBag(
         [SparseFeature("t", rows, 32)], RowWiseAdagrad(0.01), tmp_path, cache_rows=20_000
@@ -364,7 +359,7 @@ def test_a_file_larger_than_the_free_space_fails_naming_it_and_leaves_nothing(
     space looked sufficient (another writer took it since), so ``posix_fallocate`` is what
     finds the disk full."""
     if not checked:
-        monkeypatch.setattr(tiered_module, "_check_free", lambda path, size: None)
+        monkeypatch.setattr(row_file, "_check_free", lambda path, size: None)
     with small_tmpfs(tmp_path / "disk", size="4m") as disk:
         with pytest.raises(DiskSpaceError) as e:
             TieredEmbeddingBag(LARGE, RowWiseAdagrad(lr=0.1), disk / "run" / "rank0", cache_rows=10)

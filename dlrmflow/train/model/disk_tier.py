@@ -26,13 +26,8 @@ from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer
-from dlrmflow.kernels.tiered import (
-    FILE_SUFFIX,
-    ROW_MAP_BYTES,
-    SLOT_BOOKKEEPING_BYTES,
-    cache_rows_for,
-    record_width,
-)
+from dlrmflow.kernels.row_cache import ROW_MAP_BYTES, SLOT_BOOKKEEPING_BYTES, cache_rows_for
+from dlrmflow.kernels.row_file import FILE_SUFFIX, record_width
 from dlrmflow.memory import Available, available_memory, format_bytes
 from dlrmflow.train.model.dlrm import embedding_optimizer
 from dlrmflow.train.model.embeddings import TieredEmbeddings

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.kernels.row_cache import CacheStats
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
-from dlrmflow.kernels.tiered import CacheStats, TieredEmbeddingBag
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.sharded.checkpoint import exact_storage
 

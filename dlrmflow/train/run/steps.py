@@ -21,7 +21,7 @@ from torch import nn
 
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.kernels.tiered import CacheStats
+from dlrmflow.kernels.row_cache import CacheStats
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.device import BatchStager
 from dlrmflow.train.model.dlrm import DLRM

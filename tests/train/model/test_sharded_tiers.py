@@ -30,7 +30,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.optimizers import RowWiseAdagrad
-from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
+from dlrmflow.kernels.row_cache import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded.tiers import TierBudgetError, TierStorage

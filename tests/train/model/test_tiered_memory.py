@@ -24,7 +24,7 @@ from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import build_config
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.optimizers import RowWiseAdagrad
-from dlrmflow.kernels.tiered import SLOT_BOOKKEEPING_BYTES
+from dlrmflow.kernels.row_cache import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.memory import peak_rss_bytes, reset_peak_rss
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.sharded.tiers import TierStorage
@@ -93,11 +93,11 @@ def _digest(model) -> list[list[float]]:
 
 
 def _job(rank: int, world: int, out: str) -> dict:
-    from dlrmflow.kernels import tiered
+    from dlrmflow.kernels import row_file
     from dlrmflow.train.model.sharded import checkpoint as sharded
 
     sharded.CHECKPOINT_CHUNK_ROWS = 1 << 16
-    tiered.MAPPED_ALLOWANCE_BYTES = 16 << 20  # below the table: training must unmap
+    row_file.MAPPED_ALLOWANCE_BYTES = 16 << 20  # below the table: training must unmap
     out_dir = Path(out)
     model, plan = _model(out_dir / "bag")
     _train(model, 2, seed=0)  # the cache and the allocator's buffers reach their size

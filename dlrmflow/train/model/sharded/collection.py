@@ -27,7 +27,8 @@ from torch import nn
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.codecs import Codec, get_codec
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer
-from dlrmflow.kernels.tiered import CacheStats, TieredEmbeddingBag
+from dlrmflow.kernels.row_cache import CacheStats
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.plan import ShardingPlan

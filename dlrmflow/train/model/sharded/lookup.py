@@ -27,8 +27,10 @@ from torch import nn
 
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer
+from dlrmflow.kernels.row_cache import CacheTooSmall
+from dlrmflow.kernels.row_file import DiskSpaceError
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag, init_table_rows
-from dlrmflow.kernels.tiered import CacheTooSmall, DiskSpaceError, TieredEmbeddingBag
+from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.sharded.input_dist import ReceivedInput

@@ -9,12 +9,8 @@ from pathlib import Path
 
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer
-from dlrmflow.kernels.tiered import (
-    SLOT_BOOKKEEPING_BYTES,
-    CacheTooSmall,
-    cache_rows_for,
-    record_width,
-)
+from dlrmflow.kernels.row_cache import SLOT_BOOKKEEPING_BYTES, CacheTooSmall, cache_rows_for
+from dlrmflow.kernels.row_file import record_width
 from dlrmflow.memory import format_bytes
 from dlrmflow.sparse import EmbeddingTable
 
