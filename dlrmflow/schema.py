@@ -146,7 +146,10 @@ class SparseFeature(_Strict):
     * ``weights``: a column of one float weight per ID (a list aligned with the ID list,
       or one number beside a one-hot ID), which scales that ID's embedding in the sum;
       per-ID weights need sum pooling in every table (the kernels' rule);
-    * ``pooling``: how a bag's embeddings combine, ``sum`` or ``mean``.
+    * ``pooling``: how a bag's embeddings combine, ``sum`` or ``mean``;
+    * ``dim``: the width of its embedding table (default ``model.embedding_dim``). The dot
+      interaction (``model.arch: dlrm``) takes every table at ``model.embedding_dim``;
+      tables of other widths need ``model.arch: dcnv2``, which takes any.
     """
 
     column: str = Field(min_length=1)
@@ -157,6 +160,7 @@ class SparseFeature(_Strict):
     keep: Literal["first", "last"] = "first"
     weights: str | None = Field(None, min_length=1)
     pooling: Literal["sum", "mean"] | None = None
+    dim: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _options(self) -> SparseFeature:
@@ -177,11 +181,13 @@ class Cross(_Strict):
     """A hashed cross of two or more single-valued sparse features (HashedCross): each row's
     IDs of ``columns``, in that order, hashed together by a stable hash into a table of its
     own named ``name`` (``rows``: its size, default from the crossed columns' distinct IDs
-    as for a hashed feature). A row where any crossed ID is null has an empty bag."""
+    as for a hashed feature; ``dim``: its width, as a sparse feature's). A row where any
+    crossed ID is null has an empty bag."""
 
     name: str = Field(min_length=1)
     columns: tuple[str, ...] = Field(min_length=2)
     rows: int | None = Field(None, ge=1)
+    dim: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _distinct(self) -> Cross:

@@ -228,7 +228,7 @@ class FeatureSpec:
                 SparseFeature(
                     name,
                     max(int(rows), 1),
-                    model.embedding_dim,
+                    feature.dim or model.embedding_dim,
                     pooling,
                     ids=feature.ids,
                     min_count=feature.min_count,
@@ -260,12 +260,13 @@ class FeatureSpec:
                 SparseFeature(
                     cross.name,
                     int(rows),
-                    model.embedding_dim,
+                    cross.dim or model.embedding_dim,
                     features.pooling,
                     cross=cross.columns,
                 )
             )
         _check_pooling(sparse)
+        _check_dims(sparse, model)
         plain = all(d.plain_log for d in transforms)
         return cls(
             dense=tuple(dense),
@@ -274,6 +275,21 @@ class FeatureSpec:
             dense_transforms=None if plain else tuple(transforms),
             weight=schema.weight,
         )
+
+
+def _check_dims(sparse: list[SparseFeature], model: ModelConfig) -> None:
+    """The dot interaction takes the dot product of every pair of vectors, so every table
+    must be as wide as the bottom MLP's output (``model.embedding_dim``); DCNv2 crosses
+    one concatenated vector and takes any widths."""
+    if model.arch != "dlrm":
+        return
+    for f in sparse:
+        if f.embedding_dim != model.embedding_dim:
+            raise SchemaError(
+                f"feature {f.name}: dim {f.embedding_dim}, but model.arch dlrm (the dot "
+                f"interaction) needs every table at model.embedding_dim "
+                f"({model.embedding_dim}); drop its dim or set model.arch=dcnv2"
+            )
 
 
 def _check_pooling(sparse: list[SparseFeature]) -> None:

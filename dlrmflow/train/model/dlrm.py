@@ -17,8 +17,8 @@ from dlrmflow.config import ModelConfig, TrainConfig
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.interaction import dot_interaction
 from dlrmflow.kernels.optimizers import SGD, EmbeddingOptimizer, RowWiseAdagrad
+from dlrmflow.kernels.row_cache import CacheTooSmall
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
-from dlrmflow.kernels.tiered import CacheTooSmall
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
 from dlrmflow.train.model.sharded.tiers import cache_budget_error
@@ -94,12 +94,13 @@ class DenseArch(nn.Module):
         self.arch = config.arch
         self.n_sparse = n_sparse
         self.dim = dim
+        width = sum(f.embedding_dim for f in spec.sparse)
         self.bottom = mlp([len(spec.dense), *config.bottom_mlp], last_relu=True)
         if config.arch == "dlrm":
             self.interaction: nn.Module = DotInteraction(config.kernels)
             top_in = DotInteraction.output_dim(n_sparse + 1, dim)
         else:
-            top_in = config.bottom_mlp[-1] + n_sparse * dim
+            top_in = config.bottom_mlp[-1] + width
             self.interaction = CrossNetwork(top_in, config.dcn_layers, config.dcn_low_rank)
         self.top = mlp([top_in, *config.top_mlp, 1], last_relu=False)
 
@@ -155,8 +156,13 @@ class DLRM(nn.Module):
         a model that is only evaluated); ``seed`` draws the embedding weights; ``precision``
         is the dense arch's (``DenseArch``)."""
         super().__init__()
-        if any(f.embedding_dim != config.embedding_dim for f in spec.sparse):
-            raise ValueError("every sparse feature must use model.embedding_dim")
+        if config.arch == "dlrm":
+            for f in spec.sparse:
+                if f.embedding_dim != config.embedding_dim:
+                    raise ValueError(
+                        f"feature {f.name}: dim {f.embedding_dim}, but the dot interaction "
+                        f"needs every table at model.embedding_dim ({config.embedding_dim})"
+                    )
         # All tables in one table-batched bag whose backward updates the touched rows itself:
         # no embedding gradient ever exists, so no torch optimizer sees these weights.
         self.embeddings = embeddings or InMemoryEmbeddings(

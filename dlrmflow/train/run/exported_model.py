@@ -145,9 +145,11 @@ class ServableDLRM(nn.Module):
             )
         if arch not in ("dlrm", "dcnv2") or (arch == "dcnv2") != (cross is not None):
             raise ValueError(f"arch {arch!r}: dcnv2 needs its cross network, dlrm none")
-        dims = {t.shape[1] for t in tables}
-        if len(tables) != len(spec.sparse) or len(dims) != 1:
-            raise ValueError("one table per sparse feature, all of one embedding dim")
+        dims = [t.shape[1] for t in tables]
+        if len(tables) != len(spec.sparse):
+            raise ValueError("one table per sparse feature")
+        if arch == "dlrm" and len(set(dims)) != 1:
+            raise ValueError("the dot interaction needs every table of one embedding dim")
         for table, feature in zip(tables, spec.sparse, strict=True):
             if table.shape[0] != feature.num_embeddings:
                 raise ValueError(
@@ -163,7 +165,15 @@ class ServableDLRM(nn.Module):
         self.arch = arch
         self.quantize = quantize
         self.n_tables = len(tables)
-        self.dim = dims.pop()
+        # Tables of several widths are stored padded with zeros to the widest (zeros add
+        # nothing to a bag's sum), and their own columns picked after pooling.
+        self.dim = max(dims)
+        keep = [k * self.dim + c for k, d in enumerate(dims) for c in range(d)]
+        self.padded = len(set(dims)) != 1
+        if self.padded:
+            self.register_buffer("columns", torch.tensor(keep, dtype=torch.int64, device="cpu"))
+        else:
+            self.columns = None  # a program of one width keeps its graph
         rows = [t.shape[0] for t in tables]
         starts = [sum(rows[:k]) for k in range(len(rows))]
         self.register_buffer("table_start", torch.tensor(starts, dtype=torch.int64, device="cpu"))
@@ -171,7 +181,9 @@ class ServableDLRM(nn.Module):
         is_mean = [f.pooling == "mean" for f in spec.sparse]
         self.has_mean = any(is_mean)
         self.register_buffer("is_mean", torch.tensor(is_mean, device="cpu"))
-        flat = torch.cat([t.detach().float().contiguous() for t in tables])
+        flat = torch.cat(
+            [F.pad(t.detach().float(), (0, self.dim - t.shape[1])).contiguous() for t in tables]
+        )
         self.fp32_table_bytes = flat.numel() * flat.element_size()
         if quantize == "none":
             self.register_buffer("weight", flat)
@@ -267,6 +279,8 @@ class ServableDLRM(nn.Module):
             mean = self.is_mean[:, None].expand(n_tables, batch).reshape(-1)
             pooled = pooled / torch.where(mean, lengths.clamp(min=1), 1).to(pooled.dtype)[:, None]
         pooled = pooled.view(n_tables, batch, self.dim).transpose(0, 1).reshape(batch, -1)
+        if self.padded:
+            pooled = pooled.index_select(1, self.columns)
         dense_out = self.bottom(dense)
         if self.cross is None:
             n = n_tables + 1
