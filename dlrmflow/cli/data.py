@@ -133,7 +133,8 @@ def stats(
     set_: SetOpt = None,
 ) -> None:
     """Per-column statistics of a dataset (missing rates, distinct IDs, dense ranges)."""
-    from dlrmflow.ingest.stats import dataset_stats, write_stats
+    from dlrmflow.ingest.stats.results import write_stats
+    from dlrmflow.ingest.stats.scan import dataset_stats
 
     url = resolve(config, set_, **{"data.url": data}).data.url
     result = dataset_stats(url)

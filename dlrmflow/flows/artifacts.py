@@ -20,7 +20,7 @@ from uuid import UUID
 from matplotlib.figure import Figure
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from dlrmflow.ingest.stats import DatasetStats
+from dlrmflow.ingest.stats.results import DatasetStats
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.run.calibration import RELIABILITY_FILE
 from dlrmflow.train.run.trainer import METRICS_FILE

@@ -67,15 +67,9 @@ from dlrmflow.ingest.criteo.convert import (
     input_fingerprint,
     start_conversion,
 )
-from dlrmflow.ingest.manifest import Manifest, join_url, read_manifest
-from dlrmflow.ingest.stats import (
-    STATS_NAME,
-    DatasetStats,
-    StatsAccumulator,
-    file_stats,
-    merge_stats,
-    write_stats,
-)
+from dlrmflow.ingest.manifest import STATS_NAME, Manifest, join_url, read_manifest
+from dlrmflow.ingest.stats.results import DatasetStats, write_stats
+from dlrmflow.ingest.stats.scan import StatsAccumulator, file_stats, merge_stats
 from dlrmflow.ingest.synthetic import day_file_name, generate_dataset
 
 # Hang guard, not a budget: far beyond what generating a month of data should take, so a

@@ -38,7 +38,7 @@ from dlrmflow.flows.storage import shared_results
 from dlrmflow.ingest.criteo.landing import convert_landed
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.registered_days import register_new_days
-from dlrmflow.ingest.stats import DatasetStats, read_stats
+from dlrmflow.ingest.stats.results import DatasetStats, read_stats
 from dlrmflow.train.line.gate import champion
 from dlrmflow.train.line.line import (
     Line,

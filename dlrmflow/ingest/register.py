@@ -52,7 +52,8 @@ from dlrmflow.ingest.manifest import (
 )
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import schema_to_json
-from dlrmflow.ingest.stats import Columns, file_stats, merge_stats, write_stats
+from dlrmflow.ingest.stats.results import write_stats
+from dlrmflow.ingest.stats.scan import Columns, file_stats, merge_stats
 from dlrmflow.schema import FeatureSchema
 
 SOURCE = "registered"

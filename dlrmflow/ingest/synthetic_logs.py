@@ -56,7 +56,8 @@ from dlrmflow.ingest.manifest import (
     Manifest,
 )
 from dlrmflow.ingest.schema import schema_to_json
-from dlrmflow.ingest.stats import dataset_stats, write_stats
+from dlrmflow.ingest.stats.results import write_stats
+from dlrmflow.ingest.stats.scan import dataset_stats
 
 # The Bayes metrics, bias calibration and ID scatter are the Criteo-shaped generator's, so
 # that both shapes' recorded optima are computed alike.

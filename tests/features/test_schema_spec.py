@@ -18,7 +18,7 @@ from dlrmflow.features.spec import MIN_HASH_ROWS, FeatureSpec, SparseFeature
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import features_digest
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.ingest.stats import Columns, StatsAccumulator
+from dlrmflow.ingest.stats.scan import Columns, StatsAccumulator
 from dlrmflow.schema import FeatureSchema, SchemaError, parse_schema
 
 SCHEMA = {

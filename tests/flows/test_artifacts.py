@@ -16,7 +16,7 @@ from dlrmflow.flows.artifacts import (
     read_metrics,
     stats_table,
 )
-from dlrmflow.ingest.stats import DatasetStats, DenseStats, SparseStats
+from dlrmflow.ingest.stats.results import DatasetStats, DenseStats, SparseStats
 from dlrmflow.train.model.plan import Shard, ShardingPlan, TablePlan
 
 

@@ -19,7 +19,8 @@ from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.runners import task_runner
 from dlrmflow.flows.storage import RESULTS_DIR
 from dlrmflow.ingest.criteo.convert import convert_criteo
-from dlrmflow.ingest.stats import dataset_stats, write_stats
+from dlrmflow.ingest.stats.results import write_stats
+from dlrmflow.ingest.stats.scan import dataset_stats
 from dlrmflow.locks import LOCK_FILE
 from tests.flows.records import run_records
 from tests.prefect_server import stop_process_group

@@ -318,7 +318,9 @@ def test_convert_on_a_full_disk_names_the_file_and_the_day(
 def test_statistics_of_other_files_go_when_the_manifest_switches(tmp_path: Path) -> None:
     # stats.json plans the tables; kept beside a regenerated dataset it would describe
     # files that are gone.
-    from dlrmflow.ingest.stats import STATS_NAME, dataset_stats, write_stats
+    from dlrmflow.ingest.manifest import STATS_NAME
+    from dlrmflow.ingest.stats.results import write_stats
+    from dlrmflow.ingest.stats.scan import dataset_stats
 
     data = tmp_path / "data"
     generate(data, seed=1)

@@ -12,16 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dlrmflow.ingest.stats import (
-    SKETCH_MANTISSA_BITS,
-    Columns,
-    StatsAccumulator,
-    file_stats,
-    merge_stats,
-    read_stats,
-    sketch_keys,
-    sketch_values,
-)
+from dlrmflow.ingest.stats.results import read_stats
+from dlrmflow.ingest.stats.scan import Columns, StatsAccumulator, file_stats, merge_stats
+from dlrmflow.ingest.stats.sketches import SKETCH_MANTISSA_BITS, sketch_keys, sketch_values
 
 COLUMNS = Columns("click", ("price", "count"), ())
 EXPECTED = pa.schema([("click", pa.int8()), ("price", pa.float64()), ("count", pa.int32())])

@@ -15,7 +15,7 @@ import pytest
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import register_dataset
-from dlrmflow.ingest.stats import read_stats
+from dlrmflow.ingest.stats.results import read_stats
 from dlrmflow.schema import SchemaError, criteo_schema, parse_schema, read_schema
 from tests.ingest.own_data import SCHEMA, SCHEMA_YAML, write_own_dataset
 

@@ -15,19 +15,16 @@ from dlrmflow.config import DataConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, SPARSE
-from dlrmflow.ingest.stats import (
-    CACHE_FRACTIONS,
+from dlrmflow.ingest.stats.cache_hits import CACHE_FRACTIONS, interpolate_hit_rate, lru_hit_rates
+from dlrmflow.ingest.stats.results import read_stats, write_stats
+from dlrmflow.ingest.stats.scan import dataset_stats
+from dlrmflow.ingest.stats.sketches import (
     HOT_IDS_PER_ROW_GROUP,
     SKEW_SAMPLE_IDS,
     HyperLogLog,
     IdSample,
     SkewTotals,
-    _hash_ids,
-    dataset_stats,
-    interpolate_hit_rate,
-    lru_hit_rates,
-    read_stats,
-    write_stats,
+    hash_ids,
 )
 from dlrmflow.ingest.synthetic import generate_dataset
 from tests.conftest import TINY_DATA
@@ -148,7 +145,7 @@ def test_per_file_totals_merge_to_the_one_pass_statistics(tiny_dataset):
     """Merging per-day totals (as the ingest flow does) equals adding every row group to
     one accumulator, bit for bit, in any order of the days."""
     from dlrmflow.ingest.manifest import read_manifest
-    from dlrmflow.ingest.stats import StatsAccumulator, file_stats, merge_stats
+    from dlrmflow.ingest.stats.scan import StatsAccumulator, file_stats, merge_stats
 
     manifest = read_manifest(tiny_dataset)
     paths = manifest.day_paths(tiny_dataset)
@@ -192,7 +189,7 @@ def _simulated_lru(ids: np.ndarray, capacity: int) -> float:
 def _skew_of(ids: np.ndarray, row_group: int) -> SkewTotals:
     skew = SkewTotals(IdSample(), np.empty(0, np.uint64), np.empty(0, np.int64))
     for start in range(0, len(ids), row_group):
-        skew.add_hashes(_hash_ids(ids[start : start + row_group]))
+        skew.add_hashes(hash_ids(ids[start : start + row_group]))
     return skew
 
 
@@ -230,7 +227,7 @@ def test_skew_totals_are_bounded_exact_and_order_free():
     sample = one_pass.sample
     assert 0 < len(sample.hashes) <= SKEW_SAMPLE_IDS and sample.level > 0
     assert 0 < len(one_pass.hot_hashes) <= 40 * HOT_IDS_PER_ROW_GROUP
-    keys, counts = np.unique(_hash_ids(ids), return_counts=True)
+    keys, counts = np.unique(hash_ids(ids), return_counts=True)
     where = np.searchsorted(keys, sample.hashes)
     assert np.array_equal(keys[where], sample.hashes)
     assert np.array_equal(counts[where], sample.counts)
@@ -323,7 +320,7 @@ def test_stats_written_before_skew_was_recorded_still_read(tmp_path):
 
 def _sample_of(ids: np.ndarray) -> IdSample:
     sample = IdSample()
-    keys, counts = np.unique(_hash_ids(ids), return_counts=True)
+    keys, counts = np.unique(hash_ids(ids), return_counts=True)
     sample.add_counts(keys, counts)
     return sample
 

@@ -15,7 +15,7 @@ from dlrmflow.cli import main
 from dlrmflow.config import ConfigError, DataConfig
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
 from dlrmflow.ingest.register import register_dataset
-from dlrmflow.ingest.stats import read_stats
+from dlrmflow.ingest.stats.results import read_stats
 from dlrmflow.ingest.synthetic_logs import LOGS_SCHEMA, generate_logs_dataset
 from dlrmflow.schema import parse_schema
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.stats import IdSample, declared_columns, file_stats
+from dlrmflow.ingest.stats.scan import declared_columns, file_stats
+from dlrmflow.ingest.stats.sketches import IdSample
 from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.checkpoint import DataIdentity
 

@@ -32,7 +32,7 @@ from dlrmflow.ingest.reader import (
     make_loader,
     pass_steps,
 )
-from dlrmflow.ingest.stats import read_stats
+from dlrmflow.ingest.stats.results import read_stats
 from dlrmflow.supervise import beat
 
 if TYPE_CHECKING:

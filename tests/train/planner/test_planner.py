@@ -12,7 +12,8 @@ import pytest
 from dlrmflow.config import build_config
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.ingest.reader import DataError
-from dlrmflow.ingest.stats import DatasetStats, SparseStats, lru_hit_rates, write_stats
+from dlrmflow.ingest.stats.cache_hits import lru_hit_rates
+from dlrmflow.ingest.stats.results import DatasetStats, SparseStats, write_stats
 from dlrmflow.train.model.plan import SHARDING_TYPES, Shard, ShardingPlan, TablePlan
 from dlrmflow.train.planner import (
     CACHE_SHARE,
