@@ -150,8 +150,8 @@ def _check_transform_range(t: DenseFeature) -> None:
 
 def _declared_dense(
     columns: list[list[pa.Array]], n: int, transforms: Sequence[DenseFeature]
-) -> torch.Tensor:
-    """[n, columns] float32 dense features by each column's declared transform.
+) -> np.ndarray:
+    """Feature-major [columns, n] float32 dense features by each column's declared transform.
 
     Each value is cast to float32 first (values beyond its range were refused before), a
     null or NaN becomes the column's ``fill``, then ``log`` is ``log1p(max(x, 0))`` (the
@@ -172,7 +172,7 @@ def _declared_dense(
         elif t.transform == "standardize":
             np.subtract(block, np.float32(t.mean), out=block)
             np.divide(block, np.float32(t.std or 1.0), out=block)
-    return torch.from_numpy(np.ascontiguousarray(out.T))
+    return out
 
 
 def _check_weights(name: str, col: pa.ChunkedArray) -> None:
@@ -534,17 +534,18 @@ def _list_weights(ids: pa.Array, weights: pa.Array, keep: np.ndarray | None) -> 
         return np.zeros(count, np.float32)
     values = _primitive(leaf)
     shift = int(w_offsets[0])
+    # copy=False: a view of float32 weights, which the caller joins (copies) anyway.
     if np.array_equal(w_offsets - shift, id_offsets - id_offsets[0]):
         if kept is None:
-            return values[shift : shift + size].astype(np.float32)
-        return values.take(kept + shift, mode="clip").astype(np.float32)
+            return values[shift : shift + size].astype(np.float32, copy=False)
+        return values.take(kept + shift, mode="clip").astype(np.float32, copy=False)
     if kept is None:
         kept = np.arange(size)
     id_offsets = id_offsets - id_offsets[0]
     rows = np.searchsorted(id_offsets, kept, side="right") - 1
     at = w_offsets[rows] + (kept - id_offsets[rows])
     # clip: ``validate`` has matched the lists' lengths; unvalidated ones stay in bounds.
-    return values.take(at, mode="clip").astype(np.float32)
+    return values.take(at, mode="clip").astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -773,6 +774,12 @@ class BatchTransform:
         Types are checked here too (once per schema), so unvalidated input can give wrong
         values but never a crash deep in numpy or a row outside its table.
         """
+        return self._batch(data)
+
+    def _batch(self, data: pa.Table | pa.RecordBatch, contiguous: bool = True) -> Batch:
+        """``self(data)``; with ``contiguous`` False, its dense features may be a transposed
+        view of feature-major memory, for a caller that copies them anyway (the window
+        places each row): the transpose is then no pass of its own."""
         layout, columns, lengths = self._read(data)
         n = data.num_rows
         if n == 0:
@@ -800,8 +807,9 @@ class BatchTransform:
             dense = self._dense(dense_columns, n, layout.dense_one_type)
         else:
             dense = _declared_dense(dense_columns, n, self.spec.dense_transforms)
+        # numpy transposes this shape much faster than torch's .t().contiguous().
         return Batch(
-            dense=dense,
+            dense=torch.from_numpy(np.ascontiguousarray(dense.T) if contiguous else dense.T),
             sparse=sparse,
             labels=torch.from_numpy(self._labels(columns[layout.label])),
             sample_weights=None
@@ -1002,10 +1010,11 @@ class BatchTransform:
         )
 
     @staticmethod
-    def _dense(columns: list[list[pa.Array]], n: int, one_type: bool) -> torch.Tensor:
-        # Feature-major so each column is written contiguously; one transpose at the end is
-        # cheaper than strided writes. When all columns share a type, one C++
-        # concatenation replaces a round of numpy calls per column and chunk.
+    def _dense(columns: list[list[pa.Array]], n: int, one_type: bool) -> np.ndarray:
+        """Feature-major [columns, n] float32: ``log(1 + max(x, 0))``, nulls and NaN as 0."""
+        # Feature-major so each column is written contiguously; one transpose at the end
+        # (``_batch``) is cheaper than strided writes. When all columns share a type, one
+        # C++ concatenation replaces a round of numpy calls per column and chunk.
         out = np.empty((len(columns), n), np.float32)
         if one_type:
             blocks = [(out.reshape(-1), pa.concat_arrays([a for col in columns for a in col]))]
@@ -1024,8 +1033,7 @@ class BatchTransform:
                     np.multiply(block, valid.view(np.uint8), out=block)
         np.fmax(out, np.float32(0), out=out)  # fmax, not maximum: NaN -> 0
         _log1p(out)
-        # numpy transposes this shape much faster than torch's .t().contiguous().
-        return torch.from_numpy(np.ascontiguousarray(out.T))
+        return out
 
     def _one_hot(self, columns: list[list[pa.Array]], layout: _Layout, n: int) -> np.ndarray:
         """Rows [n, n_keys] of one-hot features, sample-major, -1 where the bag is empty.
@@ -1102,8 +1110,14 @@ class BatchTransform:
         values = _map(self.ids, segments)
         if not self._weighted:
             return values, lengths, None
-        parts = [np.ones(w, np.float32) if isinstance(w, int) else w for w in weights]
-        return values, lengths, np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        # One array, each segment's weights (or 1s) written into place.
+        joined = np.empty(len(values), np.float32)
+        start = 0
+        for w in weights:
+            size = w if isinstance(w, int) else len(w)
+            joined[start : start + size] = 1 if isinstance(w, int) else w
+            start += size
+        return values, lengths, joined
 
     @staticmethod
     def _labels(chunks: list[pa.Array]) -> np.ndarray:

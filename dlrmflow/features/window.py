@@ -95,7 +95,7 @@ class WindowWriter:
         t = self._transform
         if n == 0 or (self._decided and self._out is None):
             if self._decided:
-                self._take(t(table), self._dest[start : start + n])
+                self._take(t._batch(table, contiguous=False), self._dest[start : start + n])
             elif self._out is None:
                 self._tables.append(table)
             return
@@ -114,7 +114,8 @@ class WindowWriter:
             for empty in self._tables:
                 self._take(t(empty), self._dest[start:start])
             self._tables = []
-            self._take(t(table), self._dest[start : start + n])
+            # Its dense features stay feature-major: each row is placed, a copy anyway.
+            self._take(t._batch(table, contiguous=False), self._dest[start : start + n])
             return
         if not self._decided:
             self._decided, self._tables = True, []
