@@ -9,7 +9,7 @@ and ``score`` (batch scoring) above. ``flows`` compose the stages as Prefect flo
 
 Beside the stages: ``config`` (the typed run configuration), ``schema`` (a dataset's
 declared features), ``sparse`` (the sparse batch types), ``days`` (which days a run trains
-and scores on), ``locks``, ``outputs``, ``memory``, ``supervise``, ``guard`` and
+and scores on), ``locks``, ``atomic_writes``, ``memory``, ``supervise``, ``guard`` and
 ``errors``; ``runtime`` holds every use of another library's private parts.
 ``tests/test_layout.py`` says which may import which.
 """

@@ -23,8 +23,8 @@ import; the train stage's folders are ordered among themselves by ``TRAIN_FOLDER
 - ``kernels``: the embedding bags, interaction and codecs, below every stage.
 - ``sparse``: the sparse batch types the kernels look up, below the kernels.
 - The modules beside the stages (``config``, the typed configuration, and ``days``,
-  ``schema``, ``locks``, ``outputs``, ``memory``, ``supervise``, ``guard``): below every
-  stage; none but ``config`` itself imports the configuration.
+  ``schema``, ``locks``, ``atomic_writes``, ``memory``, ``supervise``, ``guard``): below
+  every stage; none but ``config`` itself imports the configuration.
 - ``runtime``: the private pieces of other libraries, below everything but ``errors``.
 - ``errors``: the base of every expected failure; it imports nothing of dlrmflow.
 """
@@ -46,7 +46,7 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # beside them.
 STAGES = frozenset({"ingest", "features", "kernels", "train", "score", "flows", "bench", "cli"})
 BESIDE = frozenset(
-    {"config", "days", "errors", "guard", "locks", "memory", "outputs", "schema", "supervise"}
+    {"atomic_writes", "config", "days", "errors", "guard", "locks", "memory", "schema", "supervise"}
 )
 EVERYTHING = STAGES | BESIDE | {"runtime", "sparse"}
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.bench.ingest import run_ingest_benchmark
 from dlrmflow.bench.ingest_days import BASELINE as INGEST_DAYS_BASELINE
 from dlrmflow.bench.ingest_days import run_ingest_days_benchmark
@@ -51,7 +52,6 @@ from dlrmflow.ingest.synthetic_logs import SHAPE as LOGS_SHAPE
 from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
-from dlrmflow.outputs import write_atomic
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.plan import SHARDING_TYPES

@@ -129,6 +129,6 @@ def emit_benchmark(result: dict[str, Any], json_out: Path | None) -> None:
     """Print a benchmark's record, and also write it to ``json_out`` when given."""
     echo_json(result)
     if json_out is not None:
-        from dlrmflow.outputs import write_atomic
+        from dlrmflow.atomic_writes import write_atomic
 
         write_atomic(json_out, json.dumps(result, indent=2) + "\n")

@@ -30,9 +30,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dlrmflow.atomic_writes import write_url
 from dlrmflow.features import jit
 from dlrmflow.ingest.strings import is_string, string_ids
-from dlrmflow.outputs import write_url
 from dlrmflow.schema import SchemaError
 
 if TYPE_CHECKING:

@@ -19,11 +19,11 @@ from typing import Any
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import RunConfig, apply_overrides
 from dlrmflow.flows.evaluate import evaluate_flow
 from dlrmflow.flows.ingest import run_ingest
 from dlrmflow.flows.train import train_flow
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.rundir import run_dir_lock
 from dlrmflow.train.run.trainer import END_TO_END_KIND, claim_run_dir
 

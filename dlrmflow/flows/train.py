@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import RunConfig
 from dlrmflow.flows.artifacts import (
     TRAIN_METRICS_KEY,
@@ -26,7 +27,6 @@ from dlrmflow.flows.artifacts import (
 from dlrmflow.flows.policies import retry_unless_bad_input
 from dlrmflow.flows.progress import ProgressReporter
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import CONFIG_FILE, launch_training
 from dlrmflow.train.run.data import day_windows
 from dlrmflow.train.run.rundir import run_dir_lock

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from dlrmflow.outputs import OutputError, nearly_full, open_output
+from dlrmflow.atomic_writes import OutputError, nearly_full, open_output
 
 DIGEST_KEY = "dlrmflow.digest"
 DAY_KEY = "dlrmflow.day"

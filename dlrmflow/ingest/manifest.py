@@ -22,6 +22,7 @@ import fsspec
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from dlrmflow.atomic_writes import write_url
 from dlrmflow.ingest.dayfile import (
     FOOTER_DIGEST,
     NotRegularFile,
@@ -31,7 +32,6 @@ from dlrmflow.ingest.dayfile import (
     remove_unlisted,
 )
 from dlrmflow.ingest.reader import DataError
-from dlrmflow.outputs import write_url
 
 MANIFEST_NAME = "manifest.json"
 # The dataset's feature statistics (``dlrmflow.ingest.stats``), valid for the files the

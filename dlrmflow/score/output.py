@@ -40,10 +40,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dlrmflow.atomic_writes import OutputError, write_atomic
 from dlrmflow.config import ConfigError
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.outputs import OutputError, write_atomic
 
 SCORES_FILE = "_scores.json"
 KIND = "dlrmflow-scores"

@@ -28,6 +28,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dlrmflow.atomic_writes import OutputError
 from dlrmflow.ingest.criteo.tsv import BadLine, convert_block, read_lines, split_fields
 from dlrmflow.ingest.dayfile import (
     DayFileWriter,
@@ -48,7 +49,6 @@ from dlrmflow.ingest.manifest import (
 )
 from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import LABEL, criteo_schema, schema_to_json
-from dlrmflow.outputs import OutputError
 
 QUARANTINE_DIR = "_quarantine"
 # Part of every day file's name: change it whenever the same input and options start to

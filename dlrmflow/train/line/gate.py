@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import GateConfig
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.export import export_model
 
 MODELS_DIR = "models"

@@ -40,13 +40,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import NONE
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.criteo.landing import convert_landed
 from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_manifest
 from dlrmflow.ingest.registered_days import is_registered, register_new_days
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.launch.job import launch_evaluation, launch_training
 from dlrmflow.train.line.gate import Verdict, champion, judge, publish
 from dlrmflow.train.line.registry import log_version, mark_champion

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import RunConfig
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.export import export_model
 from dlrmflow.train.run.tracking import experiment_id_of, mlflow_client, tracking_uri_of
 

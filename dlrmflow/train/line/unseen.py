@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.stats.scan import declared_columns, file_stats
 from dlrmflow.ingest.stats.sketches import IdSample
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.checkpoint import DataIdentity
 
 IDS_DIR = "ids"

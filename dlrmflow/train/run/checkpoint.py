@@ -40,12 +40,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
+from dlrmflow.atomic_writes import nearly_full
 from dlrmflow.config import RunConfig, changed_keys, recorded_config
 from dlrmflow.days import describe
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, read_manifest
-from dlrmflow.outputs import nearly_full
 from dlrmflow.supervise import signals_deferred
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.embeddings import EmbeddingCollection

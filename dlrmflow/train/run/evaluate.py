@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import (
     ConfigError,
     DeviceType,
@@ -45,7 +46,6 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.memory import reset_peak_rss
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.model.device import resolve_device, use_device
 from dlrmflow.train.model.disk_tier import scratch_directory, scratch_tier_storage
 from dlrmflow.train.model.dlrm import DLRM

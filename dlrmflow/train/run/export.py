@@ -14,14 +14,14 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from dlrmflow.outputs import atomic_path, output_target
+from dlrmflow.atomic_writes import atomic_path, output_target
 from dlrmflow.train.run.checkpoint import load_checkpoint
 
 
 def export_model(checkpoint: str | Path, out: str | Path) -> dict[str, object]:
     """Write the model of ``checkpoint`` (a checkpoint or run directory) to ``out``.
 
-    Written beside ``out`` and renamed over it (see ``dlrmflow.outputs``): a directory,
+    Written beside ``out`` and renamed over it (see ``dlrmflow.atomic_writes``): a directory,
     device or other special file there is refused before any work, a symlink is written
     through, and a full disk leaves whatever was at ``out`` as it was.
     """

@@ -74,11 +74,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlrmflow.atomic_writes import atomic_path, output_target
 from dlrmflow.config import ConfigError, RunConfig, recorded_config
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.outputs import atomic_path, output_target
 from dlrmflow.runtime.async_assert import assert_async
 from dlrmflow.supervise import interrupt_on_signals, signals_deferred
 from dlrmflow.train.run.recipe import program_inputs, raw_recipe

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels import backends
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.run.checkpoint import (
     DataIdentity,
     prune_checkpoints,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.outputs import write_atomic
 from dlrmflow.train.model.disk_tier import TIERED_DIR
 from dlrmflow.train.run.checkpoint import (
     CHECKPOINTS_DIR,

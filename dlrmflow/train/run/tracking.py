@@ -31,8 +31,8 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlparse
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import ConfigError, RunConfig, flat_keys
-from dlrmflow.outputs import write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
 MLRUNS_DIR = "mlruns"

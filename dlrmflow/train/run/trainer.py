@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import ConfigError, RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
-from dlrmflow.outputs import write_atomic
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.device import BatchStager, resolve_device, use_device

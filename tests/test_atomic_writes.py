@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrmflow.outputs import OutputError, write_atomic
+from dlrmflow.atomic_writes import OutputError, write_atomic
 from dlrmflow.train.run.checkpoint import list_checkpoints, load_checkpoint
 from dlrmflow.train.run.export import export_model
 from dlrmflow.train.run.trainer import train
