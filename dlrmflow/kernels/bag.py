@@ -5,8 +5,9 @@ The bag in memory (``tbe.TableBatchedEmbeddingBag``) and the bag over a file on 
 live; their lookup and fused update are the TBE's in both (the disk bag runs each batch
 in a working set that is itself a TBE). This base is the surface they share, written
 once: the tables and their checks, the names and width of the output, the learning rate,
-and a table's rows and optimizer state by name, each storage saying only how it reads
-one part of a table (``_table_part``).
+a table's rows and optimizer state by name, each storage saying only how it reads one
+part of a table (``_table_part``), and the views a checkpoint saves from and loads into
+(``checkpoint_views``, after ``flush``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dlrmflow.kernels import backends, optimizers
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer, StatePart
 from dlrmflow.sparse import EmbeddingTable
 
-__all__ = ["EmbeddingBagBase", "check_tables"]
+__all__ = ["EmbeddingBagBase", "check_tables", "exact_storage"]
 
 
 class EmbeddingBagBase(nn.Module):
@@ -64,9 +65,36 @@ class EmbeddingBagBase(nn.Module):
         k = self.names.index(name)
         return {part.name: self._table_part(k, part) for part in self.optimizer.state_parts}
 
+    def flush(self) -> None:
+        """Write what only memory holds to where the rows are kept (nothing to do when
+        they are kept in memory)."""
+
+    def checkpoint_views(
+        self, name: str, rows: tuple[int, int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """One table's rows ``[first, end)`` (all by default): its weights (``"weight"``)
+        and each optimizer state part (keyed as ``state``), as tensors a checkpoint saves
+        from and loads into in place, each the whole of its storage (so that
+        ``torch.distributed.checkpoint`` writes it as it is, with no copy). ``flush``
+        first; after loading into them, the storage may need to forget cached rows."""
+        k = self.names.index(name)
+        first, end = rows if rows is not None else (0, self.tables[k].num_embeddings)
+        parts = {"weight": self._table_part(k, None)}
+        parts.update({p.name: self._table_part(k, p) for p in self.optimizer.state_parts})
+        return {key: exact_storage(value[first:end]) for key, value in parts.items()}
+
     def _table_part(self, k: int, part: StatePart | None) -> torch.Tensor:
         """Table ``k``'s weights (``part`` None) or one optimizer state part."""
         raise NotImplementedError
+
+
+def exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (contiguous, on the CPU) as a tensor whose storage is exactly its memory,
+    sharing it: DCP copies a tensor whose storage is larger (a slice of a bag's weights)
+    before writing it, which would hold a second copy of every in-memory table."""
+    if view.device.type != "cpu" or not view.is_contiguous():
+        return view
+    return torch.from_numpy(view.detach().numpy())
 
 
 def check_tables(tables: Sequence[EmbeddingTable], optimizer: EmbeddingOptimizer) -> None:

@@ -241,31 +241,27 @@ class TieredEmbeddingBag(EmbeddingBagBase):
         values = self._cache.read_range(first, end, slice(start, start + widths[index]))
         return values[:, 0] if part is not None and part.per_row else values
 
-    def file_views(
-        self, name: str, rows: tuple[int, int] | None = None, *, flush: bool = True
+    def checkpoint_views(
+        self, name: str, rows: tuple[int, int] | None = None
     ) -> dict[str, torch.Tensor]:
-        """One table's rows (``"weight"``) and optimizer state (keyed as ``state(name)``) as
-        views of the file (``rows``: only the table's rows ``[first, end)``), after a
-        ``flush``: a checkpoint saves from them and loads into them without a copy of a
-        table that may not fit in memory. Each view is contiguous and is the whole of its
-        storage, so ``torch.distributed.checkpoint`` writes it as it is. Reading or writing
-        them maps pages of the file: ``drop_pages`` unmaps them again. After writing into
-        them, call ``reload``; training on before that would use stale cached rows."""
-        if flush:
-            self.flush()
+        """Views of the file, not copies (see ``EmbeddingBagBase.checkpoint_views``): a
+        checkpoint saves a table that may not fit in memory without holding it there.
+        Reading or writing them maps pages of the file: ``drop_pages`` unmaps them again.
+        After writing into them, call ``reload``; training on before that would use stale
+        cached rows."""
         k = self.names.index(name)
         first, end = rows if rows is not None else (0, self.tables[k].num_embeddings)
         return self.file.views(k, first, end)
 
     def drop_pages(self) -> None:
         """Unmap every page of the file this process has mapped (the data stays in the page
-        cache and the file): after a checkpoint item read or wrote ``file_views``."""
+        cache and the file): after a checkpoint item read or wrote ``checkpoint_views``."""
         self.file.pages.drop_all()
 
     def reload(self) -> None:
         """Forget every cached row and pending prefetch, so that the next batches read the
-        file (written through ``file_views``, e.g. by a checkpoint load). The cache must
-        hold no update the file lacks: ``file_views`` flushed it."""
+        file (written through ``checkpoint_views``, e.g. by a checkpoint load). The cache must
+        hold no update the file lacks: a checkpoint flushed it first."""
         self._jobs.wait()
         if bool(self._cache.dirty.any()):
             raise RuntimeError(f"{self.path}: reload would drop rows updated since the last flush")

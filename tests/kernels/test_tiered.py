@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -256,14 +257,16 @@ def test_backward_of_a_superseded_forward_is_refused(tmp_path):
         first.sum().backward()
 
 
-def test_file_views_save_and_load_the_rows_in_place(tmp_path):
+def test_checkpoint_views_save_and_load_the_rows_in_place(tmp_path):
     """A checkpoint reads and writes the file through views (no copy of a table), and the
     bag then serves what was written, not the rows it had cached."""
     optimizer = RowWiseAdagrad(lr=0.2)
     ref = TableBatchedEmbeddingBag(TABLES, optimizer, seed=2)
     tiered = TieredEmbeddingBag(TABLES, optimizer, tmp_path, cache_rows=120, seed=2)
     _train_pair(ref, tiered, [_one_hot(s) for s in range(4)], prefetch=True)
-    views = tiered.file_views("a")  # flushed first: the file holds every update
+    tiered.flush()  # the file holds every update
+    views = tiered.checkpoint_views("a")
+    assert np.shares_memory(views["weight"].numpy(), tiered.file.memmap)  # no copy
     assert views.keys() == {"weight", "sum_squares"}
     assert torch.equal(views["weight"], ref.table("a"))
     assert torch.equal(views["sum_squares"], ref.state("a")["sum_squares"])
@@ -271,7 +274,7 @@ def test_file_views_save_and_load_the_rows_in_place(tmp_path):
     other = TableBatchedEmbeddingBag(TABLES, optimizer, seed=9)
     _train_pair(other, TableBatchedEmbeddingBag(TABLES, optimizer, seed=9), [_one_hot(7)], False)
     for name in tiered.names:  # a load: the values of another model, written in place
-        for key, view in tiered.file_views(name).items():
+        for key, view in tiered.checkpoint_views(name).items():
             view.copy_(other.table(name) if key == "weight" else other.state(name)[key])
     tiered.reload()
     _assert_same_tables(other, tiered)

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.kernels.bag import EmbeddingBagBase
 from dlrmflow.kernels.row_cache import CacheStats
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.sharded.checkpoint import exact_storage
 
 
 class StartedInput(Protocol):
@@ -130,11 +130,7 @@ class InMemoryEmbeddings(TableBatchedEmbeddingBag):
         return None
 
     def checkpoint_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        for name in self.names:
-            state[f"{name}.weight"] = exact_storage(self.table(name))
-            for key, value in self.state(name).items():
-                state[f"{name}.{key}"] = exact_storage(value)
+        state = _tables_state(self)
         if self.optimizer.step_key is not None:
             state[self.optimizer.step_key] = self.step
         return state
@@ -177,12 +173,7 @@ class TieredEmbeddings(TieredEmbeddingBag):
 
     def checkpoint_state(self) -> dict[str, Any]:
         # Views of the file (loaded in place, then ``reload``): never a copy of the tables.
-        self.flush()
-        state: dict[str, Any] = {
-            f"{name}.{key}": view
-            for name in self.names
-            for key, view in self.file_views(name, flush=False).items()
-        }
+        state = _tables_state(self)
         if self.optimizer.step_key is not None:
             state[self.optimizer.step_key] = torch.tensor(
                 self.step, dtype=torch.int64, device="cpu"
@@ -213,3 +204,13 @@ class UnplacedEmbeddings(nn.Module):
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         raise RuntimeError("the model's embeddings are not placed yet: parallelize it first")
+
+
+def _tables_state(bag: EmbeddingBagBase) -> dict[str, Any]:
+    """Every table's checkpoint views, keyed ``<table>.weight`` and ``<table>.<state>``."""
+    bag.flush()
+    return {
+        f"{name}.{key}": view
+        for name in bag.names
+        for key, view in bag.checkpoint_views(name).items()
+    }

@@ -6,7 +6,6 @@ place), ``tiers`` (the memory budget of shards on disk), composed by ``collectio
 
 from __future__ import annotations
 
-from dlrmflow.train.model.sharded.checkpoint import exact_storage
 from dlrmflow.train.model.sharded.collection import ShardedEmbeddingCollection
 from dlrmflow.train.model.sharded.tiers import TierBudgetError, TierStorage, cache_budget_error
 
@@ -15,5 +14,4 @@ __all__ = [
     "TierBudgetError",
     "TierStorage",
     "cache_budget_error",
-    "exact_storage",
 ]

@@ -47,18 +47,12 @@ def checkpoint_state(lookup: ShardLookup) -> dict[str, torch.Tensor | ShardedTen
         stored: dict[str, list[torch.Tensor]] = {}
         if route is None:
             pass
-        elif table.name in on_disk:
+        else:
+            bag = lookup.tiered if table.name in on_disk else lookup.local
             chunks = [
-                lookup.tiered.file_views(table.name, bounds, flush=False)
-                for bounds in _chunks(route.shard.rows)
+                bag.checkpoint_views(table.name, bounds) for bounds in _chunks(route.shard.rows)
             ]
             stored = {key: [c[key] for c in chunks] for key in chunks[0]}
-        else:
-            whole = {"weight": lookup.local.table(table.name), **lookup.local.state(table.name)}
-            stored = {
-                key: [exact_storage(value[lo:hi]) for lo, hi in _chunks(route.shard.rows)]
-                for key, value in whole.items()
-            }
         shard = route.shard if route else None
         state[f"{table.name}.weight"] = _sharded(
             stored.get("weight"), table.shards, shard, (table.rows, table.dim), device
@@ -79,9 +73,8 @@ def checkpoint_state(lookup: ShardLookup) -> dict[str, torch.Tensor | ShardedTen
     if lookup.replicated is not None:
         for k in routing.replicated_features:
             name = routing.names[k]
-            state[f"{name}.weight"] = exact_storage(lookup.replicated.table(name))
-            for key, value in lookup.replicated.state(name).items():
-                state[f"{name}.{key}"] = exact_storage(value)
+            for key, value in lookup.replicated.checkpoint_views(name).items():
+                state[f"{name}.{key}"] = value
     step_key = optimizer.step_key
     if step_key is not None:
         # Every bag of the rank counts the same steps: the in-memory bags' count, or a
@@ -112,7 +105,7 @@ def after_checkpoint_load(
         for part in optimizer.state_parts:
             if part.per_row:
                 value = (
-                    lookup.tiered.file_views(table.name, flush=False)[part.name]
+                    lookup.tiered.checkpoint_views(table.name)[part.name]
                     if table.name in on_disk
                     else lookup.local.state(table.name)[part.name]
                 )
@@ -139,15 +132,6 @@ def _chunks(rows: int) -> list[tuple[int, int]]:
     return [
         (lo, min(lo + CHECKPOINT_CHUNK_ROWS, rows)) for lo in range(0, rows, CHECKPOINT_CHUNK_ROWS)
     ]
-
-
-def exact_storage(view: torch.Tensor) -> torch.Tensor:
-    """``view`` (contiguous, on the CPU) as a tensor whose storage is exactly its memory,
-    sharing it: DCP copies a tensor whose storage is larger (a slice of a bag's weights)
-    before writing it, which would hold a second copy of every in-memory shard."""
-    if view.device.type != "cpu" or not view.is_contiguous():
-        return view
-    return torch.from_numpy(view.detach().numpy())
 
 
 def _sharded(
