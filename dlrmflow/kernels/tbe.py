@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from dlrmflow.kernels import backends, cpu_tbe, fbgemm_tbe, optimizers, triton_tbe
+from dlrmflow.kernels import backends, cpu_tbe, fbgemm_tbe, triton_tbe
 from dlrmflow.kernels.bag import EmbeddingBagBase
-from dlrmflow.kernels.optimizers import EmbeddingOptimizer, StatePart
+from dlrmflow.kernels.optimizers import EmbeddingOptimizer, StatePart, StepContext
 from dlrmflow.kernels.tbe_layout import GroupLookup, TableGroup, groups_of
 from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 
@@ -516,16 +516,15 @@ class TableBatchedEmbeddingBag(EmbeddingBagBase):
         w = weight.index_select(0, rows)
         views = {part.name: self._state_view(part, group) for part in self.optimizer.state_parts}
         state = {name: view.index_select(0, rows) for name, view in views.items()}
-        mean_square = optimizers.mean_of_squares
+        ctx = StepContext(self.lr, self.step_count())
         if self.square_sum_hook is not None:
             hook = self.square_sum_hook
 
             def mean_square(g: torch.Tensor) -> torch.Tensor:
                 return hook(group_index, rows, g.square().sum(1))
 
-        self.optimizer.update(
-            w, grads, state, lr=self.lr, step=self.step_count(), mean_square=mean_square
-        )
+            ctx = StepContext(self.lr, self.step_count(), mean_square)
+        self.optimizer.update(w, grads, state, ctx)
         for name, view in views.items():
             view.index_copy_(0, rows, state[name])
         weight.index_copy_(0, rows, w)

@@ -45,10 +45,10 @@ class Momentum(EmbeddingOptimizer):
     )
     step_key: ClassVar[str | None] = "momentum_step"
 
-    def update(self, weights, grads, state, *, lr, step, mean_square=None) -> None:
+    def update(self, weights, grads, state, ctx) -> None:
         velocity = state["velocity"].mul_(self.mu).add_(grads)
         state["updates"].add_(1.0)
-        weights.add_(velocity, alpha=-lr)
+        weights.add_(velocity, alpha=-ctx.lr)
 
 
 def test_each_optimizer_states_its_row_layout_and_bytes():

@@ -9,7 +9,9 @@ from dlrmflow.kernels.optimizers.adam import Adam
 from dlrmflow.kernels.optimizers.base import (
     EmbeddingOptimizer,
     FusedRule,
+    State,
     StatePart,
+    StepContext,
     mean_of_squares,
 )
 from dlrmflow.kernels.optimizers.rowwise_adagrad import RowWiseAdagrad
@@ -21,7 +23,9 @@ __all__ = [
     "EmbeddingOptimizer",
     "FusedRule",
     "RowWiseAdagrad",
+    "State",
     "StatePart",
+    "StepContext",
     "checked",
     "mean_of_squares",
 ]

@@ -6,13 +6,12 @@ update advances, as FBGEMM and ``torch.optim.SparseAdam`` do (a row first touche
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from dlrmflow.kernels.optimizers.base import EmbeddingOptimizer, StatePart, mean_of_squares
+from dlrmflow.kernels.optimizers.base import EmbeddingOptimizer, State, StatePart, StepContext
 
 
 @dataclass(frozen=True)
@@ -32,22 +31,15 @@ class Adam(EmbeddingOptimizer):
         return "FBGEMM advances Adam's step count on every forward, ours on each update"
 
     def update(
-        self,
-        weights: torch.Tensor,
-        grads: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        lr: float,
-        step: int,
-        mean_square: Callable[[torch.Tensor], torch.Tensor] = mean_of_squares,
+        self, weights: torch.Tensor, grads: torch.Tensor, state: State, ctx: StepContext
     ) -> None:
         # torch's single-tensor AdamW, restricted to the touched rows.
         beta1, beta2 = self.betas
         m = state["momentum1"].lerp_(grads, 1 - beta1)
         v = state["momentum2"].mul_(beta2)
         v.addcmul_(grads, grads, value=1 - beta2)
-        correction2_sqrt = math.sqrt(1 - beta2**step)
-        weights.mul_(1 - lr * self.weight_decay)
+        correction2_sqrt = math.sqrt(1 - beta2**ctx.step)
+        weights.mul_(1 - ctx.lr * self.weight_decay)
         weights.addcdiv_(
-            m, v.sqrt().div_(correction2_sqrt).add_(self.eps), value=-lr / (1 - beta1**step)
+            m, v.sqrt().div_(correction2_sqrt).add_(self.eps), value=-ctx.lr / (1 - beta1**ctx.step)
         )

@@ -19,10 +19,12 @@ from typing import ClassVar, Literal
 
 import torch
 
-__all__ = ["EmbeddingOptimizer", "FusedRule", "StatePart", "mean_of_squares"]
+__all__ = ["EmbeddingOptimizer", "FusedRule", "StatePart", "StepContext", "mean_of_squares"]
 
 # The update rules the fused kernels (compiled CPU, Triton, FBGEMM) implement.
 FusedRule = Literal["sgd", "rowwise_adagrad"]
+# An update's optimizer state: each part's gathered rows by name.
+State = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,18 @@ class StatePart:
 def mean_of_squares(grads: torch.Tensor) -> torch.Tensor:
     """Each row's mean squared gradient over its columns (a whole row in one bag)."""
     return grads.square().mean(1)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What an update needs besides the rows: the learning rate, the global step count
+    after this step's advance (0 for an optimizer that counts none), and how to get each
+    row's mean squared gradient (a column shard's asks the other shards for their
+    columns')."""
+
+    lr: float
+    step: int = 0
+    mean_square: Callable[[torch.Tensor], torch.Tensor] = mean_of_squares
 
 
 class EmbeddingOptimizer:
@@ -89,18 +103,9 @@ class EmbeddingOptimizer:
         return None
 
     def update(
-        self,
-        weights: torch.Tensor,
-        grads: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        lr: float,
-        step: int,
-        mean_square: Callable[[torch.Tensor], torch.Tensor] = mean_of_squares,
+        self, weights: torch.Tensor, grads: torch.Tensor, state: State, ctx: StepContext
     ) -> None:
         """One step on gathered rows, in place: ``weights`` ``[n, cols]``, their summed
         ``grads`` and ``state`` (each part's rows: ``[n]`` per row, ``[n, cols]`` per
-        element). ``step`` is the global count after this step's advance (0 when the
-        optimizer counts none); ``mean_square(g)`` gives each row's mean squared gradient
-        (a column shard's asks the other shards for their columns')."""
+        element)."""
         raise NotImplementedError

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -13,8 +12,9 @@ import torch
 from dlrmflow.kernels.optimizers.base import (
     EmbeddingOptimizer,
     FusedRule,
+    State,
     StatePart,
-    mean_of_squares,
+    StepContext,
 )
 
 
@@ -28,16 +28,9 @@ class RowWiseAdagrad(EmbeddingOptimizer):
     fused_rule: ClassVar[FusedRule | None] = "rowwise_adagrad"
 
     def update(
-        self,
-        weights: torch.Tensor,
-        grads: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        lr: float,
-        step: int,
-        mean_square: Callable[[torch.Tensor], torch.Tensor] = mean_of_squares,
+        self, weights: torch.Tensor, grads: torch.Tensor, state: State, ctx: StepContext
     ) -> None:
         if self.weight_decay:
             grads = grads.add(weights, alpha=self.weight_decay)
-        s = state["sum_squares"].add_(mean_square(grads))
-        weights.add_(grads / s.sqrt().add_(self.eps)[:, None], alpha=-lr)
+        s = state["sum_squares"].add_(ctx.mean_square(grads))
+        weights.add_(grads / s.sqrt().add_(self.eps)[:, None], alpha=-ctx.lr)

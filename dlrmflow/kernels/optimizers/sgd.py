@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from dlrmflow.kernels.optimizers.base import EmbeddingOptimizer, FusedRule, mean_of_squares
+from dlrmflow.kernels.optimizers.base import EmbeddingOptimizer, FusedRule, State, StepContext
 
 
 @dataclass(frozen=True)
@@ -19,15 +18,8 @@ class SGD(EmbeddingOptimizer):
     fused_rule: ClassVar[FusedRule | None] = "sgd"
 
     def update(
-        self,
-        weights: torch.Tensor,
-        grads: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        lr: float,
-        step: int,
-        mean_square: Callable[[torch.Tensor], torch.Tensor] = mean_of_squares,
+        self, weights: torch.Tensor, grads: torch.Tensor, state: State, ctx: StepContext
     ) -> None:
         if self.weight_decay:
             grads = grads.add(weights, alpha=self.weight_decay)
-        weights.add_(grads, alpha=-lr)
+        weights.add_(grads, alpha=-ctx.lr)
