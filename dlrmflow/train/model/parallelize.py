@@ -30,9 +30,9 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer
 from dlrmflow.train.model.comms import CommStats, dense_comm_hook
-from dlrmflow.train.model.disk_tier import tiered_embeddings
 from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer, hand_pooled_in
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings, UnplacedEmbeddings
+from dlrmflow.train.model.memory_budget import tiered_embeddings
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded import ShardedEmbeddingCollection, TierStorage
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.ingest.manifest import join_url, read_manifest
-from dlrmflow.ingest.stats import STATS_NAME, DatasetStats, read_stats
+from dlrmflow.ingest.manifest import STATS_NAME, join_url, read_manifest
+from dlrmflow.ingest.stats.results import DatasetStats, read_stats
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.planner.planners import plan_sharding
 from dlrmflow.train.planner.types import OPTIMIZER_STATES, PlanningError, TableSpec, Topology
@@ -216,8 +216,8 @@ def plan_for_job(
     ``PlanningError`` quoting it, instead of waiting in the broadcast until the job times out.
 
     The job is about to allocate the plan's tables, so the plan is checked against the
-    memory of each host first (``dlrmflow.train.model.disk_tier.check_memory``, also a collective):
-    a model its hosts cannot hold fails on every rank, in one line naming
+    memory of each host first (``dlrmflow.train.model.memory_budget.check_memory``, also a
+    collective): a model its hosts cannot hold fails on every rank, in one line naming
     ``train.embedding_memory_bytes``. The memory is measured before any rank plans or
     allocates; the tables' even share is checked before planning too (a model far too
     large for the host needs no plan to say so).
@@ -225,7 +225,7 @@ def plan_for_job(
     import torch.distributed as dist  # here: planning alone needs only numpy, and is quick
 
     from dlrmflow.memory import available_memory
-    from dlrmflow.train.model.disk_tier import check_memory
+    from dlrmflow.train.model.memory_budget import check_memory
 
     available = available_memory()
     if not (dist.is_available() and dist.is_initialized()):

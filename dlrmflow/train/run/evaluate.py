@@ -47,8 +47,8 @@ from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.memory import reset_peak_rss
 from dlrmflow.train.model.device import resolve_device, use_device
-from dlrmflow.train.model.disk_tier import scratch_directory, scratch_tier_storage
 from dlrmflow.train.model.dlrm import DLRM
+from dlrmflow.train.model.memory_budget import scratch_directory, scratch_tier_storage
 from dlrmflow.train.model.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
 from dlrmflow.train.run.calibration import (

@@ -22,7 +22,7 @@ from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.config import RunConfig
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.train.model.disk_tier import TIERED_DIR
+from dlrmflow.train.model.memory_budget import TIERED_DIR
 from dlrmflow.train.run.checkpoint import (
     CHECKPOINTS_DIR,
     DATASET_KEY,

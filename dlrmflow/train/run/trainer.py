@@ -31,7 +31,7 @@ from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.train.model.comms import CommStats
 from dlrmflow.train.model.device import BatchStager, resolve_device, use_device
-from dlrmflow.train.model.disk_tier import TIERED_DIR, tier_storage
+from dlrmflow.train.model.memory_budget import TIERED_DIR, tier_storage
 from dlrmflow.train.model.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
 from dlrmflow.train.run.checkpoint import CHECKPOINTS_DIR, DataIdentity, list_checkpoints

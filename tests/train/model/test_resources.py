@@ -18,8 +18,8 @@ import pytest
 from dlrmflow.config import build_config
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.memory import Available
-from dlrmflow.train.model.disk_tier import MemoryShortage, check_memory, tiered_embeddings
 from dlrmflow.train.model.dlrm import embedding_optimizer
+from dlrmflow.train.model.memory_budget import MemoryShortage, check_memory, tiered_embeddings
 from dlrmflow.train.model.sharded.tiers import TierBudgetError
 from dlrmflow.train.planner import cpu_topology, plan_for_config
 from tests.conftest import small_tmpfs

@@ -129,7 +129,7 @@ def test_embeddings_beyond_the_memory_budget_train_from_disk_to_the_same_weights
     assert all(torch.equal(got[k], want[k]) for k in want)
     # Evaluated under the same budget: its tables in a scratch file, removed afterwards,
     # and the metrics of the in-memory run.
-    from dlrmflow.train.model import disk_tier as tiers
+    from dlrmflow.train.model import memory_budget as tiers
     from dlrmflow.train.run.evaluate import evaluate
 
     bags = []
