@@ -28,7 +28,7 @@ from dlrmflow.schema import (
 from dlrmflow.sparse import EmbeddingTable
 
 if TYPE_CHECKING:
-    from dlrmflow.ingest.stats import DatasetStats, DenseStats
+    from dlrmflow.ingest.stats.results import DatasetStats, DenseStats
 
 # Hash tables are never smaller than this: tiny features (2-3 values) would otherwise see
 # their few IDs collide, and a 1024-row table costs nothing.

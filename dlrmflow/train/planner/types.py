@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from dlrmflow.ingest.stats import interpolate_hit_rate
+from dlrmflow.ingest.stats.cache_hits import interpolate_hit_rate
 from dlrmflow.kernels.optimizers import SGD, Adam, EmbeddingOptimizer, RowWiseAdagrad
 
 
