@@ -8,11 +8,14 @@ costs a pass over every byte of the window, so it is folded into work done anywa
   into its rows' places (``BatchTransform._write``), and the batches are views.
 * Every other layout: each row group is transformed into a ``Batch`` as it arrives, and
   its rows are placed at once, while it is still in cache, into arrays in emission order
-  (``_PlacedWindow``): dense features, labels, weights and one-hot rows as they are,
-  jagged bags as one row of (length, slot) per sample, a bag of one ID kept in its slot
-  and a longer one as where its IDs start. A batch is then rows ``a:b`` of those arrays:
-  views, and one compiled pass that reads its bags in order (``jit.gather_placed_bags``).
-  Only bags of more than one ID read memory elsewhere, one read a bag.
+  (``PlacedWindow``): dense features, labels, weights and one-hot rows as they are,
+  jagged bags as one row of (length, slot) per sample, the ID of a key whose bags hold
+  one at most kept in its slot, a list's slot saying where its IDs start. A batch is then
+  rows ``a:b`` of those arrays: views, and one compiled pass that reads its bags in order
+  (``jit.gather_placed_bags``). Only list bags read memory elsewhere, one read a bag.
+
+``BatchTransform.window_writer`` (``features.transform.WindowWriter``) drives both as the
+reader adds its row groups; this module knows nothing of the transform.
 
 Blocks that cannot share one form (one-hot beside jagged, with and without weights) take
 the plain way, ``Batch.concat(blocks).take(order)``, which also raises where they cannot
@@ -21,21 +24,15 @@ be joined.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-import pyarrow as pa
 import torch
 
 from dlrmflow.features import jit
 from dlrmflow.features.batch import Batch
 from dlrmflow.sparse import KeyedJaggedTensor
 
-if TYPE_CHECKING:
-    from dlrmflow.features.transform import BatchTransform, _Rows
 
-
-def _destinations(order: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+def destinations(order: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """(``order`` as int64, its inverse: where each of the ``n`` rows goes), checked."""
     order = np.asarray(order, dtype=np.int64)
     if order.ndim != 1 or len(order) != n:
@@ -46,125 +43,8 @@ def _destinations(order: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return order, dest
 
 
-class WindowWriter:
-    """``BatchTransform.window(tables, order)``, built one table at a time.
-
-    ``add`` the tables in window order, then ``finish`` (the window as one ``Batch``) or
-    ``batches`` (the window's batches, cut where the reader cuts them). On the compiled
-    path each table's rows are written straight to their shuffled places as it arrives
-    and the table is not kept: the reader transforms a row group right after decoding it,
-    while its columns are still in cache, and frees it before decoding the next (a whole
-    window decoded first no longer fits in cache when it is transformed). Other layouts
-    (lists, per-ID weights, dictionaries, declared transforms ...) are transformed as they
-    arrive too, and each block's rows placed at once in emission order (``_PlacedWindow``).
-
-    Used by one thread at a time; ``add`` raises for a table whose rows overflow
-    ``order`` or whose layout differs from the compiled one of the tables before it.
-    """
-
-    def __init__(
-        self, transform: BatchTransform, order: np.ndarray, dest: np.ndarray | None = None
-    ) -> None:
-        self._transform = transform
-        if dest is None:
-            self._order, self._dest = _destinations(order, np.asarray(order).size)
-        else:
-            self._order, self._dest = order, np.asarray(dest, np.int64)
-            if self._dest.shape != np.shape(order):
-                raise ValueError(
-                    f"window: dest has shape {self._dest.shape}, order {np.shape(order)}"
-                )
-        self._start = 0  # rows added so far
-        # Decided by the first table with rows: the compiled path's arrays, or (when it
-        # does not apply) the transformed tables, placed as they come.
-        self._out: _Rows | None = None
-        self._tables: list[pa.Table] = []  # tables without rows, before the path is decided
-        self._blocks: list[Batch] = []  # the transformed tables, where not compiled
-        # The blocks' rows in emission order while every block has one form; None before
-        # the first block, and from a block of another form on (``_shuffled`` then).
-        self._placed: _PlacedWindow | None = None
-        self._mixed = False
-        self._decided = False
-
-    def add(self, table: pa.Table) -> None:
-        """Place ``table``'s rows, the next ``table.num_rows`` of the window."""
-        n, start = table.num_rows, self._start
-        if start + n > len(self._dest):
-            raise ValueError(f"window: {start + n} rows added, but order holds {len(self._dest)}")
-        self._start += n
-        t = self._transform
-        if n == 0 or (self._decided and self._out is None):
-            if self._decided:
-                self._take(t._batch(table, contiguous=False), self._dest[start : start + n])
-            elif self._out is None:
-                self._tables.append(table)
-            return
-        layout, columns, lengths = t._read(table)
-        if layout.compiled and lengths is None:
-            # Columns chunked differently: one chunk each, and the compiled path applies.
-            layout, columns, lengths = t._read(table.combine_chunks())
-        if lengths is None:
-            if self._out is not None:
-                raise ValueError(
-                    "window: a table the compiled path cannot take follows tables it took; "
-                    "the tables of one window must share one schema"
-                )
-            self._decided = True
-            # Transformed and placed now, while its columns are in cache.
-            for empty in self._tables:
-                self._take(t(empty), self._dest[start:start])
-            self._tables = []
-            # Its dense features stay feature-major: each row is placed, a copy anyway.
-            self._take(t._batch(table, contiguous=False), self._dest[start : start + n])
-            return
-        if not self._decided:
-            self._decided, self._tables = True, []
-            self._out = t._allocate(len(self._dest), layout)
-        assert self._out is not None
-        t._write(columns, layout, lengths, self._dest[start : start + n], self._out)
-
-    def _take(self, block: Batch, dest: np.ndarray) -> None:
-        """Keep ``block`` (rows bound for ``dest``) and place its rows where its form
-        allows."""
-        self._blocks.append(block)
-        if self._mixed:
-            return
-        if self._placed is None:
-            self._placed = _PlacedWindow.for_block(block, len(self._dest))
-        if self._placed is None or not self._placed.add(block, dest):
-            self._placed, self._mixed = None, True
-
-    def finish(self) -> Batch:
-        """The window's ``Batch``: row ``j`` is row ``order[j]`` of the tables added."""
-        self._check_complete()
-        if self._out is not None:
-            return self._transform._finish(self._out)
-        if self._blocks:
-            if self._placed is not None:
-                return self._placed.batch(0, len(self._dest))
-            return _shuffled(self._blocks, self._order)
-        if not self._tables:
-            return self._transform._empty()
-        return self._transform.window(self._tables, self._order)
-
-    def batches(self, pieces: list[tuple[int, int]]) -> list[Batch]:
-        """``[finish().slice(a, b) for a, b in pieces]``, each built on its own where the
-        window's rows were placed: no window-wide jagged batch is built to be cut up."""
-        self._check_complete()
-        if self._out is None and self._blocks and self._placed is not None:
-            return [self._placed.batch(a, b) for a, b in pieces]
-        window = self.finish()
-        return [window.slice(a, b) for a, b in pieces]
-
-    def _check_complete(self) -> None:
-        if self._start != len(self._dest):
-            raise ValueError(
-                f"window: order holds {len(self._dest)} rows, but {self._start} were added"
-            )
-
-
 def _form(b: Batch) -> tuple[object, ...]:
-    """What blocks must share to be joined by ``_shuffled`` or ``_PlacedWindow``."""
+    """What blocks must share to be joined by ``shuffled`` or ``PlacedWindow``."""
     s = b.sparse
     rows = s.one_hot_rows
     return (
@@ -177,7 +57,7 @@ def _form(b: Batch) -> tuple[object, ...]:
     )
 
 
-class _PlacedWindow:
+class PlacedWindow:
     """A window's rows in emission order, each block's rows placed as the block arrives.
 
     Dense features, labels, sample weights and one-hot rows go to their rows as they are.
@@ -212,9 +92,9 @@ class _PlacedWindow:
         self._base = 0  # where the next block's values start among all blocks'
 
     @classmethod
-    def for_block(cls, first: Batch, rows: int) -> _PlacedWindow | None:
+    def for_block(cls, first: Batch, rows: int) -> PlacedWindow | None:
         """The placed window for blocks of ``first``'s form, or None where that form has
-        float dense features of another width than float32 (``_shuffled``'s plain way)."""
+        float dense features of another width than float32 (``shuffled``'s plain way)."""
         return cls(first, rows) if first.dense.dtype == torch.float32 else None
 
     def add(self, block: Batch, dest: np.ndarray) -> bool:
@@ -302,7 +182,7 @@ def _joined(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
-def _shuffled(blocks: list[Batch], order: np.ndarray) -> Batch:
+def shuffled(blocks: list[Batch], order: np.ndarray) -> Batch:
     """``Batch.concat(blocks).take(order)``, gathered in one compiled pass per part.
 
     ``KeyedJaggedTensor.take`` works out every ID's position in numpy (a repeat and an

@@ -14,10 +14,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+from dlrmflow.features.bags import cross_ids
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.features.transform import BatchTransform, cross_ids
+from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, encode_batch
 from dlrmflow.schema import DenseFeature
 from tests.features.test_transform import assert_batches_equal, rechunk
