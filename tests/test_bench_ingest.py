@@ -18,8 +18,9 @@ from dlrmflow.config import ConfigError, DataConfig, FeaturesConfig, ModelConfig
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
+from dlrmflow.ingest.loader import reader_threads
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import list_splits, reader_threads
+from dlrmflow.ingest.splits import list_splits
 from dlrmflow.ingest.synthetic_logs import generate_logs_dataset
 from dlrmflow.runtime.glibc_malloc import applied_threshold
 from tests.conftest import run_cli

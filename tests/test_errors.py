@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from dlrmflow.ingest.manifest import MANIFEST_NAME, read_manifest
-from dlrmflow.ingest.reader import Split, assign_splits, list_splits
+from dlrmflow.ingest.splits import Split, assign_splits, list_splits
 from tests.conftest import tiny_run_config
 
 BAD_COLUMN = "I5"

@@ -59,16 +59,11 @@ from dlrmflow.config import ConfigError, DataConfig, FeaturesConfig, ModelConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.features.transform import BatchTransform
-from dlrmflow.features.window import WindowWriter
+from dlrmflow.features.transform import BatchTransform, WindowWriter
+from dlrmflow.ingest.loader import make_loader, reader_threads
 from dlrmflow.ingest.manifest import Manifest, read_manifest
-from dlrmflow.ingest.reader import (
-    ParquetBatchDataset,
-    Split,
-    list_splits,
-    make_loader,
-    reader_threads,
-)
+from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.splits import Split, list_splits
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.ingest.synthetic_logs import SHAPE as LOGS_SHAPE
 from dlrmflow.ingest.synthetic_logs import generate_logs_dataset

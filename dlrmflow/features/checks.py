@@ -4,7 +4,7 @@ not take (schema drift), a dense value float32 cannot hold, a label outside {0, 
 that do not line up with their IDs, a dictionary index outside its dictionary.
 
 Each check raises ``ValueError`` naming the column (the reader adds the file and row
-group: ``ingest.reader.DataError``). They run on every row group, so each first looks
+group: ``ingest.errors.DataError``). They run on every row group, so each first looks
 where a bad value would show at the least cost (raw min and max, offsets compared) and
 only then counts and shows the bad values exactly.
 """

@@ -53,8 +53,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import join_url
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import NoDayPartitions, find_partitions
 
 SAMPLE_FILES = 3  # files sampled, spread over the days

@@ -31,7 +31,7 @@ from dlrmflow.ingest.dayfile import (
     open_regular,
     remove_unlisted,
 )
-from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 # The dataset's feature statistics (``dlrmflow.ingest.stats``), valid for the files the

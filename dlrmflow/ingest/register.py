@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrmflow.ingest.dayfile import footer_digest, open_regular
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import (
     MANIFEST_NAME,
@@ -50,7 +51,6 @@ from dlrmflow.ingest.manifest import (
     read_manifest,
     write_manifest,
 )
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import schema_to_json
 from dlrmflow.ingest.stats.results import write_stats
 from dlrmflow.ingest.stats.scan import Columns, file_stats, merge_stats

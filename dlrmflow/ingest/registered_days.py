@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlrmflow.ingest.dayfile import footer_digest, open_regular
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import MANIFEST_NAME, DayFile, Manifest, join_url, read_manifest
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import SOURCE, Partition, find_partitions, register_dataset
 from dlrmflow.schema import parse_schema
 

@@ -28,7 +28,9 @@ import pyarrow as pa
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform, WindowWriter
-from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, make_loader
+from dlrmflow.ingest.errors import DataError
+from dlrmflow.ingest.loader import make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset
 from dlrmflow.score.keys import KeyReader
 from dlrmflow.score.shares import RowKeys, Share
 from dlrmflow.train.run.data import IdMapper

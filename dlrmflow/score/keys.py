@@ -25,8 +25,9 @@ import pyarrow.parquet as pq
 from dlrmflow.config import ConfigError
 from dlrmflow.features.spec import dataset_schema
 from dlrmflow.ingest.dayfile import footer_identity, open_regular, open_regular_for_arrow
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import Manifest, join_url
-from dlrmflow.ingest.reader import DataError, Split
+from dlrmflow.ingest.splits import Split
 from dlrmflow.score.output import SCHEMA
 
 KEYS_OPTION = "--keys"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.ingest.reader import Split, assign_splits, list_splits
+from dlrmflow.ingest.splits import Split, assign_splits, list_splits
 
 
 @dataclass(frozen=True)

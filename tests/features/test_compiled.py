@@ -21,7 +21,10 @@ from dlrmflow.features.dense import log1p
 from dlrmflow.features.ids import HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.ingest.errors import DataError
+from dlrmflow.ingest.loader import make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.splits import list_splits
 from dlrmflow.sparse import KeyedJaggedTensor
 
 SPEC = FeatureSpec(

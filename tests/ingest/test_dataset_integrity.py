@@ -24,8 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.config import DataConfig
+from dlrmflow.ingest.errors import DataError
+from dlrmflow.ingest.loader import make_loader
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
-from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.splits import list_splits
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.run.checkpoint import dataset_digest
 from tests.ingest.digests import content_digest

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from dlrmflow.config import DataConfig
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.infer import LABEL_PLACEHOLDER, SCORE_COLUMNS, infer_schema, schema_yaml
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.ingest.synthetic_logs import LOGS_SCHEMA, generate_logs_dataset
 from dlrmflow.schema import DenseFeature, read_schema

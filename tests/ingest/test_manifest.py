@@ -12,8 +12,8 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
-from dlrmflow.ingest.reader import DataError
 
 
 @pytest.fixture

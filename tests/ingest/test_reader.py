@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
-import threading
 
 import fsspec
 import numpy as np
@@ -13,24 +10,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from torchdata.nodes import IterableWrapper
 
 from dlrmflow.config import DataConfig, FeaturesConfig, ModelConfig
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest import reader as reader_module
+from dlrmflow.ingest.errors import DataError
+from dlrmflow.ingest.loader import make_loader
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import (
-    DataError,
-    ParquetBatchDataset,
-    RoundRobin,
-    Split,
-    assign_splits,
-    list_splits,
-    make_loader,
-    reader_threads,
-)
+from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.splits import Split, assign_splits, list_splits
 from dlrmflow.ingest.synthetic import generate_dataset
 
 # Rows per row group of each file: uneven on purpose so that batches span row groups,
@@ -112,35 +101,6 @@ def _dataset(splits, epoch: int = 0, **kwargs) -> ParquetBatchDataset:
 
 def _read(splits, num_workers: int = 0, threads: int | None = None, **kwargs) -> list:
     return list(make_loader(_dataset(splits, **kwargs), num_workers=num_workers, threads=threads))
-
-
-def test_list_splits_reads_every_row_group(splits, tmp_path):
-    assert [(s.row_group, s.num_rows) for s in splits[:4]] == list(enumerate(ROW_GROUPS[0]))
-    assert splits[4].path == f"{tmp_path}/part-1.parquet"
-    assert len(splits) == 12 and sum(s.num_rows for s in splits) == TOTAL_ROWS
-
-
-def test_assign_splits_partitions_each_epoch(splits):
-    for world_size, num_workers, epoch in itertools.product((1, 2, 3), (1, 2), (0, 1)):
-        parts = [
-            assign_splits(
-                splits,
-                rank=rank,
-                world_size=world_size,
-                worker=worker,
-                num_workers=num_workers,
-                seed=7,
-                epoch=epoch,
-            )
-            for rank in range(world_size)
-            for worker in range(num_workers)
-        ]
-        flat = [s for part in parts for s in part]
-        assert sorted(flat, key=lambda s: (s.path, s.row_group)) == splits
-    kwargs = dict(rank=0, world_size=1, worker=0, num_workers=1, seed=7)
-    assert assign_splits(splits, epoch=0, **kwargs) == assign_splits(splits, epoch=0, **kwargs)
-    assert assign_splits(splits, epoch=0, **kwargs) != assign_splits(splits, epoch=1, **kwargs)
-    assert assign_splits(splits, epoch=3, shuffle=False, **kwargs) == splits
 
 
 def test_every_row_once_across_ranks_and_workers(splits):
@@ -244,15 +204,6 @@ def test_preparation_threads_change_nothing_but_speed(splits, num_workers, threa
     assert np.array_equal(_row_ids(_read(splits, num_workers, threads=threads, **kwargs)), expected)
     blocks = _read(splits, num_workers, threads=threads, transform=to_rows, **kwargs)
     assert np.array_equal(np.concatenate([b.columns["row_id"] for b in blocks]), expected)
-
-
-def test_reader_threads_use_two_per_reader_where_the_cores_allow(monkeypatch):
-    monkeypatch.setattr(reader_module, "_cores", lambda: 2)
-    assert [reader_threads(n) for n in (0, 1, 2, 3)] == [2, 2, 1, 1]
-    monkeypatch.setattr(reader_module, "_cores", lambda: 16)
-    assert [reader_threads(n) for n in (1, 8, 16)] == [2, 2, 1]
-    with pytest.raises(ValueError, match="threads must be positive"):
-        make_loader(_dataset([]), threads=0)
 
 
 def test_transform_runs_once_per_row_group(splits):
@@ -374,86 +325,6 @@ def test_state_from_another_worker_count_is_refused(splits, saved, loaded, messa
         iter(other)
 
 
-def test_round_robin_drops_sources_that_run_out_and_resumes():
-    def node() -> RoundRobin:
-        return RoundRobin([IterableWrapper(r) for r in (range(5), range(10, 12), range(20, 23))])
-
-    assert list(node()) == [0, 10, 20, 1, 11, 21, 2, 22, 3, 4]
-    for k in range(10):
-        interrupted = node()
-        head = list(itertools.islice(interrupted, k))
-        resumed = node()
-        resumed.reset(interrupted.state_dict())
-        assert head + list(resumed) == [0, 10, 20, 1, 11, 21, 2, 22, 3, 4]
-
-
-def test_only_requested_columns_are_read(splits):
-    tables: list[pa.Table] = []
-    batch = _read(splits, validate=tables.append)[0]
-    assert batch.schema.names == COLUMNS
-    assert tables[0].column_names == COLUMNS
-    assert batch.column("x").null_count > 0  # nulls survive the shuffle
-
-
-def test_missing_column_names_file_row_group_and_column(tmp_path):
-    path = str(tmp_path / "drift.parquet")
-    pq.write_table(_row_group(0, 10).drop_columns(["x"]), path)
-    with pytest.raises(DataError, match=rf"{path}, row group 0: missing column x \(schema drift\)"):
-        _read(list_splits([path]))
-
-
-def test_column_type_drift_names_the_column(tmp_path):
-    good, bad = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
-    pq.write_table(_row_group(0, 10), good)
-    table = _row_group(10, 10)
-    pq.write_table(table.set_column(1, "x", table.column("x").cast(pa.int64())), bad)
-    with pytest.raises(DataError, match=rf"{bad}, row group 0: column x is int64"):
-        _read(list_splits([good, bad]), shuffle=False)
-
-
-def test_files_that_differ_only_in_nullability_share_a_window(tmp_path):
-    strict, loose = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
-    table = _row_group(0, 10)
-    schema = table.schema.set(0, table.schema.field("row_id").with_nullable(False))
-    pq.write_table(table.cast(schema), strict)
-    pq.write_table(_row_group(10, 10), loose)
-    batches = _read(list_splits([strict, loose]), shuffle=False, batch_size=15)
-    assert np.array_equal(_row_ids(batches), np.arange(20))
-
-
-def test_truncated_file_is_named(tmp_path, splits):
-    path = tmp_path / "part-0.parquet"
-    path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(DataError, match=f"{path}: cannot read Parquet footer"):
-        list_splits([str(path)])
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_corrupt_row_group_names_file_and_row_group(tmp_path, splits, num_workers):
-    path = tmp_path / "part-0.parquet"
-    data = bytearray(path.read_bytes())
-    data[4:68] = b"\xff" * 64  # the first page header of row group 0; the footer is intact
-    path.write_bytes(bytes(data))
-    # With reader threads the error crosses to the consumer with its type and message.
-    with pytest.raises(DataError, match=f"^{path}, row group 0: cannot decode"):
-        _read(splits, num_workers, shuffle=False)
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_validate_errors_are_wrapped_with_file_and_row_group(tmp_path, splits, num_workers):
-    def validate(table: pa.Table) -> None:
-        if table.num_rows == 250:
-            raise ValueError("label out of range")
-
-    # Raised as the reader thread raised it: its message alone (not torchdata's "Caught
-    # DataError in _populate_queue" and a traceback), its cause kept.
-    message = f"{tmp_path}/part-0.parquet, row group 1: label out of range"
-    with pytest.raises(DataError) as raised:
-        _read(splits, num_workers, validate=validate)
-    assert str(raised.value) == message
-    assert isinstance(raised.value.__cause__, ValueError)
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_transform_errors_name_file_and_row_group(tmp_path, splits, num_workers):
     def transform(table: pa.Table) -> Rows:
@@ -464,83 +335,6 @@ def test_transform_errors_name_file_and_row_group(tmp_path, splits, num_workers)
     where = f"{tmp_path}/part-1.parquet, row group 2"
     with pytest.raises(DataError, match=f"^{where}: transform failed: KeyError: 'C3'$"):
         _read(splits, num_workers, transform=transform)
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_closing_the_loader_stops_every_reader_thread(splits, num_workers):
-    before = set(threading.enumerate())
-    loader = make_loader(_dataset(splits, batch_size=16), num_workers=num_workers, threads=2)
-    next(iter(loader))
-    started = set(threading.enumerate()) - before
-    assert started  # preparation threads, and a prefetch thread per reader
-    loader.close()
-    assert not [t.name for t in started if t.is_alive()]
-    # A closed loader reads a whole pass again.
-    assert np.array_equal(np.sort(_row_ids(loader)), np.arange(TOTAL_ROWS))
-    loader.close()
-
-
-# Readers at work when the interpreter exits after an error: a reader thread that is inside
-# a torch call then (here: joining a batch across windows), or an Arrow IO thread freeing a
-# Python buffer, used to abort the process (exit 134) once in a few runs.
-_EXIT_WHILE_READING = """
-import sys
-
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import torch
-
-from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
-
-path = sys.argv[1]
-pq.write_table(pa.table({"x": np.arange(2000, dtype=np.float32)}), path, row_group_size=10)
-
-
-class Rows:
-    def __init__(self, t):
-        self.t = t
-
-    def __len__(self):
-        return len(self.t)
-
-    def take(self, indices):
-        return Rows(self.t[torch.from_numpy(indices)])
-
-    @classmethod
-    def concat(cls, blocks):
-        for _ in range(100):
-            torch.zeros(20000)
-        return Rows(torch.cat([b.t for b in blocks]))
-
-
-dataset = ParquetBatchDataset(
-    list_splits([path]),
-    ["x"],
-    batch_size=7,  # every window of one 10-row row group leaves rows for the next batch
-    shuffle_window=1,
-    transform=lambda table: Rows(torch.tensor(table.column("x").to_numpy())),
-)
-batches = iter(make_loader(dataset, num_workers=2, prefetch_factor=1000))
-next(batches)
-raise ValueError("the consumer failed")
-"""
-
-
-def test_an_error_while_readers_work_exits_1_not_134(tmp_path):
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _EXIT_WHILE_READING, str(tmp_path / f"{i}.parquet")],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(4)
-    ]
-    for run in runs:
-        _, err = run.communicate(timeout=120)
-        assert run.returncode == 1, err[-2000:]
-        assert err.rstrip().endswith("ValueError: the consumer failed"), err[-2000:]
 
 
 def test_memory_filesystem():

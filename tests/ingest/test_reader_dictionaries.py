@@ -12,7 +12,10 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.ingest.errors import DataError
+from dlrmflow.ingest.loader import make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.splits import list_splits
 from dlrmflow.schema import DenseFeature
 from tests.features.test_transform import assert_batches_equal
 

@@ -23,8 +23,10 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
+from dlrmflow.ingest.loader import make_loader
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.splits import list_splits
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.ingest.synthetic_logs import generate_logs_dataset
 

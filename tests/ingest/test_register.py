@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.ingest.stats.results import read_stats
 from dlrmflow.schema import SchemaError, criteo_schema, parse_schema, read_schema

@@ -14,10 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
-from dlrmflow.ingest.reader import DataError, ParquetBatchDataset, list_splits
+from dlrmflow.ingest.reader import ParquetBatchDataset
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.ingest.registered_days import RegisteredDayChanged, register_new_days
+from dlrmflow.ingest.splits import list_splits
 from tests.conftest import run_cli
 from tests.ingest.own_data import SCHEMA, SCHEMA_YAML, own_day
 

@@ -16,7 +16,7 @@ from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.spec import SparseFeature as SpecFeature
 from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.schema import Cross, FeatureSchema, SparseFeature
 from tests.conftest import run_cli

@@ -13,13 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits
+from dlrmflow.ingest.reader import ParquetBatchDataset
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.ingest.registered_days import (
     RegisteredDayChanged,
     is_registered,
     register_new_days,
 )
+from dlrmflow.ingest.splits import list_splits
 from tests.ingest.own_data import SCHEMA, own_day, write_own_dataset
 
 ROWS = 200

@@ -15,12 +15,14 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pytest
 
+from dlrmflow.ingest.loader import make_loader
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset
 from dlrmflow.ingest.service.client import RemoteBatchSource
 from dlrmflow.ingest.service.protocol import Endpoint
 from dlrmflow.ingest.service.server import BatchStream, FlightBatchServer
 from dlrmflow.ingest.service.streams import ParquetStreams
+from dlrmflow.ingest.splits import list_splits
 
 COLUMNS = ["label", "I1", "C1"]
 READ = {"batch_size": 700, "seed": 3, "shuffle_window": 1}

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.config import DataConfig
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, SPARSE
 from dlrmflow.ingest.stats.cache_hits import CACHE_FRACTIONS, interpolate_hit_rate, lru_hit_rates
 from dlrmflow.ingest.stats.results import read_stats, write_stats

@@ -19,7 +19,7 @@ import pytest
 
 from dlrmflow.config import build_config
 from dlrmflow.flows.score import SCORES_KEY, score_flow
-from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.score.output import SCORES_FILE, ScoresDirError
 from dlrmflow.score.score import score_dataset

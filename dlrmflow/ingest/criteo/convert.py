@@ -38,6 +38,7 @@ from dlrmflow.ingest.dayfile import (
     file_name,
     remove_temporaries,
 )
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import (
     DayFile,
@@ -47,7 +48,6 @@ from dlrmflow.ingest.manifest import (
     publish_manifest,
     read_manifest,
 )
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import LABEL, criteo_schema, schema_to_json
 
 QUARANTINE_DIR = "_quarantine"

@@ -29,9 +29,9 @@ from dlrmflow.ingest.criteo.convert import (
     start_conversion,
 )
 from dlrmflow.ingest.dayfile import discard_unlisted
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.lock import dataset_lock
 from dlrmflow.ingest.manifest import Manifest, join_url, listed_paths, read_manifest
-from dlrmflow.ingest.reader import DataError
 
 
 def landed_days(directory: str) -> list[str]:

@@ -33,14 +33,8 @@ import pyarrow.flight as flight
 from torchdata.nodes import BaseNode
 
 from dlrmflow.errors import DlrmflowError
-from dlrmflow.ingest.reader import (
-    ParquetBatchDataset,
-    ReaderLoader,
-    ReaderPrefetcher,
-    RoundRobin,
-    Split,
-    pass_steps,
-)
+from dlrmflow.ingest.loader import ReaderLoader, ReaderPrefetcher, RoundRobin
+from dlrmflow.ingest.reader import ParquetBatchDataset, pass_steps
 from dlrmflow.ingest.service.calls import DEADLINES, Abandoned, NoAnswer, OpenCall, Opening
 from dlrmflow.ingest.service.protocol import (
     SPLITS_ACTION,
@@ -50,6 +44,7 @@ from dlrmflow.ingest.service.protocol import (
     read_marked,
 )
 from dlrmflow.ingest.service.security import SECRET_ENV, ReaderRefusedError, ReaderSecurity
+from dlrmflow.ingest.splits import Split
 
 logger = logging.getLogger(__name__)
 

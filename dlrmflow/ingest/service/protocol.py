@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow.flight as flight
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.errors import DataError
 
 STATE_ACTION = "reader-state"
 # The row groups a ticket's files hold, as the server lists them: the trainer counts a pass's

@@ -16,9 +16,10 @@ import numpy as np
 import pyarrow as pa
 
 from dlrmflow.ingest.manifest import Manifest, join_url
-from dlrmflow.ingest.reader import Block, ParquetBatchDataset, Split, SplitReader, list_splits
+from dlrmflow.ingest.reader import Block, ParquetBatchDataset, SplitReader
 from dlrmflow.ingest.service.protocol import Endpoint, StreamRequest
 from dlrmflow.ingest.service.server import BatchStream
+from dlrmflow.ingest.splits import Split, list_splits
 
 
 class _Throttled:

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 import fsspec
 import numpy as np
 
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import STATS_NAME, join_url, write_json
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.stats.sketches import sketch_keys, sketch_values, sum_by_key
 
 

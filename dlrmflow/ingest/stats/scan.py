@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dlrmflow.ingest.dayfile import NotRegularFile, open_regular
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import Manifest, read_manifest
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.schema import DENSE, LABEL, SPARSE, criteo_schema
 from dlrmflow.ingest.stats.cache_hits import lru_hit_rates
 from dlrmflow.ingest.stats.results import DatasetStats, DenseStats, SparseStats

@@ -24,14 +24,10 @@ from dlrmflow.features.ids import FeatureIds, HashIds, Vocabulary
 from dlrmflow.features.spec import FeatureSpec, dataset_schema
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, features_digest
+from dlrmflow.ingest.loader import ReaderLoader, make_loader
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.ingest.reader import (
-    ParquetBatchDataset,
-    ReaderLoader,
-    list_splits,
-    make_loader,
-    pass_steps,
-)
+from dlrmflow.ingest.reader import ParquetBatchDataset, pass_steps
+from dlrmflow.ingest.splits import list_splits
 from dlrmflow.ingest.stats.results import read_stats
 from dlrmflow.supervise import beat
 

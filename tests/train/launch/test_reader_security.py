@@ -32,8 +32,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from dlrmflow.config import ConfigError, ReaderSecurityConfig, load_config
+from dlrmflow.ingest.loader import make_loader
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import ParquetBatchDataset, list_splits, make_loader
+from dlrmflow.ingest.reader import ParquetBatchDataset
 from dlrmflow.ingest.service.client import ReaderUnavailableError, RemoteBatchSource
 from dlrmflow.ingest.service.protocol import Endpoint
 from dlrmflow.ingest.service.security import (
@@ -44,6 +45,7 @@ from dlrmflow.ingest.service.security import (
 )
 from dlrmflow.ingest.service.server import FlightBatchServer
 from dlrmflow.ingest.service.streams import ParquetStreams
+from dlrmflow.ingest.splits import list_splits
 from dlrmflow.train.launch.job import free_port
 from dlrmflow.train.run.trainer import train
 from tests.conftest import same_weights, tiny_run_config

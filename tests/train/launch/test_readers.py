@@ -22,8 +22,8 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.features.wire import decode_batch, encode_batch
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.service.client import ReaderUnavailableError
 from dlrmflow.ingest.service.protocol import Endpoint
 from dlrmflow.ingest.synthetic import generate_dataset

@@ -11,7 +11,7 @@ import pytest
 
 from dlrmflow.config import build_config
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
-from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.stats.cache_hits import lru_hit_rates
 from dlrmflow.ingest.stats.results import DatasetStats, SparseStats, write_stats
 from dlrmflow.train.model.plan import SHARDING_TYPES, Shard, ShardingPlan, TablePlan

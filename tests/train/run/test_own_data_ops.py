@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from dlrmflow.cli import app
 from dlrmflow.ingest.dayfile import footer_digest
-from dlrmflow.ingest.reader import DataError
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.stats.results import read_stats
 from dlrmflow.schema import read_schema
 from dlrmflow.score.score import score_dataset

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrmflow.config import apply_overrides, build_config
+from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
-from dlrmflow.ingest.reader import DataError
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.score.score import score_dataset
 from dlrmflow.train.launch.job import launch_training

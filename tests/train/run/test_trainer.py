@@ -144,7 +144,7 @@ def test_embeddings_beyond_the_memory_budget_train_from_disk_to_the_same_weights
 
 
 def test_a_manifest_test_day_without_a_file_fails_before_training(tiny_dataset, tmp_path):
-    from dlrmflow.ingest.reader import DataError
+    from dlrmflow.ingest.errors import DataError
     from tests.ingest.test_manifest import edit_manifest
 
     data = tmp_path / "data"
