@@ -137,10 +137,11 @@ def serving(prefect_api: str, tmp_path: Path):
         stop_process_group(serving.proc)
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_while_serving_ends_serve_in_one_line(serving, sig, code):
+def test_sigint_while_serving_ends_serve_in_one_line(serving):
+    """Ctrl-C with no run in flight. (SIGTERM takes the same way, the runner stopped and
+    the signal handed on, in the test below, with a run to cancel on the way.)"""
     serving.polling()
-    assert serving.stop(sig) == (code, f"error: dlrmflow serve stopped by {sig.name}\n")
+    assert serving.stop(signal.SIGINT) == (130, "error: dlrmflow serve stopped by SIGINT\n")
     serving.assert_nothing_left()
 
 
