@@ -100,13 +100,14 @@ def deploy_flows(
     when missing) on the server at ``PREFECT_API_URL``; returns the pool and the
     deployments' ids by ``flow/deployment`` name.
 
-    ``config`` (default: the defaults) is every deployment's default parameter, ``line`` the
-    recurring flow's model line; the flow ``scheduled`` runs on ``cron`` or every
-    ``interval`` seconds. A worker starts each run in ``working_dir``, where a relative
-    ``run_dir``, ``data.url`` or line resolves: by default the directory this is called
-    from, as ``dlrmflow serve`` runs its flows in its own. It must exist on the workers'
-    hosts (a shared file system, or the same layout); Prefect's own default, a temporary
-    directory per run, would delete a relative run directory.
+    ``config`` (default: the defaults) gives every deployment its default parameters (see
+    ``build_deployments``), ``line`` the recurring flow's model line; the flow
+    ``scheduled`` runs on ``cron`` or every ``interval`` seconds. A worker starts each run
+    in ``working_dir``, where a relative ``run_dir``, ``data.url`` or line resolves: by
+    default the directory this is called from, as ``dlrmflow serve`` runs its flows in
+    its own. It must exist on the workers' hosts (a shared file system, or the same
+    layout); Prefect's own default, a temporary directory per run, would delete a
+    relative run directory.
     """
     url = api_url()
     folder = Path(working_dir if working_dir is not None else ".").absolute()

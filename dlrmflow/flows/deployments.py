@@ -130,10 +130,11 @@ def serve_flows(
     """Serve the flows as deployments until stopped by a signal (Ctrl-C, SIGTERM, SIGHUP),
     which cancels the runs in flight before it ends the process as it would have.
 
-    ``config`` (default: the defaults) is every deployment's default parameter; a run can
-    override it. ``limit`` caps the flow runs executing at once: one by default, because
-    runs on one machine share its cores and often its run directory. On shutdown the
-    schedule is paused, so no runs pile up while nothing serves them.
+    ``config`` (default: the defaults) gives every deployment its default parameters (see
+    ``build_deployments``); a run can override them. ``limit`` caps the flow runs
+    executing at once: one by default, because runs on one machine share its cores and
+    often its run directory. On shutdown the schedule is paused, so no runs pile up while
+    nothing serves them.
     """
     require_api()
     deployments = build_deployments(
