@@ -14,8 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from dlrmflow.features import jit
 from dlrmflow.features.columns import label_values, primitive, valid_mask
 from dlrmflow.schema import DenseFeature
+
+_NO_MASK = np.zeros(0, np.bool_)
 
 
 def log1p(values: np.ndarray) -> None:
@@ -66,9 +69,15 @@ def filled(chunks: list[pa.Array], out: np.ndarray, fill: float) -> None:
     for arr in chunks:
         part = out[start : start + len(arr)]
         start += len(arr)
+        values = primitive(arr)
+        if values.dtype != np.float16:  # numba takes every other numeric type
+            valid = valid_mask(arr)
+            mask = _NO_MASK if valid is None else valid
+            jit.fill_float32(jit.frozen(values), jit.frozen(mask), np.float32(fill), part)
+            continue
         # Garbage under a null may overflow the cast: quietly, it is replaced below.
         with np.errstate(over="ignore", invalid="ignore"):
-            np.copyto(part, primitive(arr), casting="unsafe")
+            np.copyto(part, values, casting="unsafe")
         missing = np.isnan(part)
         valid = valid_mask(arr)
         if valid is not None:

@@ -571,3 +571,18 @@ def gather_placed_bags(
             to += size
             j += _ONE
     return out_lengths, out_values, out_weights
+
+
+@numba.njit(nogil=True, cache=True)
+def fill_float32(values: np.ndarray, valid: np.ndarray, fill: np.float32, out: np.ndarray) -> None:
+    """``out[i] = values[i]`` as float32, or ``fill`` where ``valid[i]`` is False (``valid``
+    empty: no nulls) or the float32 is NaN: a declared dense column's fill in one pass,
+    where numpy takes a cast, a NaN test, a null mask and a masked write. The conversions
+    are numpy's (the same instructions), so the values are bitwise its."""
+    checked = valid.shape[0] != 0
+    for i in range(out.shape[0]):
+        x = np.float32(values[i])
+        missing = x != x
+        if checked:
+            missing |= not valid[i]
+        out[i] = fill if missing else x
