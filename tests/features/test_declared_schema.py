@@ -170,6 +170,30 @@ def test_output_equals_the_reference_whatever_the_chunks(encoding, price):
         assert_batches_equal(transform(chunked.slice(start, stop - start)), part)
 
 
+@pytest.mark.parametrize(
+    "kind", [pa.int8(), pa.uint32(), pa.int64(), pa.float16(), pa.float32(), pa.float64()]
+)
+def test_a_declared_fill_takes_every_numeric_type(kind):
+    """Each value as float32 (numpy's cast), each null or NaN as the fill, whatever the
+    column's type and wherever a slice starts in its buffers."""
+    values = [3, None, 7, 0, None, 120, 1, 9]
+    floating = pa.types.is_floating(kind)
+    if floating:
+        values = [2.5, None, float("nan"), -0.75, None, 1e4, 0.1, 7.0]
+    table = make_table()
+    table = table.set_column(table.schema.get_field_index("price"), "price", pa.array(values, kind))
+    transform = BatchTransform(spec_of(TRANSFORMS["none"]), mapper())
+    for start in (0, 3):
+        part = table.slice(start)
+        transform.validate(part)
+        dtype = kind.to_pandas_dtype()
+        expected = [
+            2.5 if v is None or v != v else float(np.array(v, dtype).astype(np.float32))
+            for v in values[start:]
+        ]
+        assert transform(part).dense[:, 0].tolist() == expected
+
+
 @pytest.mark.parametrize("declared", [False, True])
 def test_string_ids_map_like_their_int64_hashes(declared):
     """One-hot string IDs (the compiled path when the dense transforms are Criteo's): the
