@@ -26,10 +26,12 @@ LOGS_HOW = (
     "As the ingest benchmark above (`dlrmflow bench ingest --shape logs`), on a generated "
     "dataset of a team's click logs (`dlrmflow generate --shape logs`): string user and "
     "item IDs hashed, a list of tag IDs with a weight per tag, a logged and a clipped "
-    "float with nulls. Its batches are jagged (lists and per-ID weights), so each row "
-    "group is transformed as it is read and the window is gathered in emission order by "
-    "compiled loops, rather than written row by row to its place as Criteo's one-hot "
-    "layout is."
+    "float with nulls. Its batches are jagged (lists and per-ID weights): each row group "
+    "is transformed as it is read and its rows placed in the shuffled window, each batch "
+    "then gathered by one compiled pass. Ours reads the string IDs a file stores as "
+    "dictionaries as dictionaries (each distinct string decoded and hashed once) where the "
+    'baseline decodes every string, so the fair figure is "plain strings": ours with every '
+    "string decoded plain too."
 )
 
 
@@ -47,6 +49,11 @@ def _kernels_headline(bench: dict, key: str) -> bool:
 
 
 def _ingest_headline(bench: dict, key: str) -> bool:
+    """Reader + transform against the decode; where strings are read as dictionaries on
+    our side only, the fairer figure with every string decoded plain on both."""
+    fair = "reader_transform_plain_strings_vs_"
+    if any(k.startswith(fair) for k in bench["ratios"]):
+        return key.startswith(fair)
     return key.startswith("reader_transform_vs_")
 
 

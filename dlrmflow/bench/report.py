@@ -246,6 +246,8 @@ def ingest_section(record: dict) -> str:
                 r["reader_transform_no_shuffle_rows_per_s"],
                 r.get("decode_transform_rows_per_s", ""),  # older records lack it
                 record["ratios"][f"reader_transform_vs_pyarrow_decode_{n}w"],
+                # Strings decoded plain on both sides; absent where there are none.
+                record["ratios"].get(f"reader_transform_plain_strings_vs_pyarrow_decode_{n}w", ""),
                 record["ratios"].get(f"decode_transform_vs_pyarrow_decode_{n}w", ""),
                 r["pyarrow_decode_cpu_s_per_m_rows"],
                 r["reader_transform_cpu_s_per_m_rows"],
@@ -280,6 +282,7 @@ def ingest_section(record: dict) -> str:
                     "no shuffle rows/s",
                     "decode + transform rows/s",
                     "ratio (reader + transform / decode)",
+                    "ratio, plain strings",
                     "ratio (decode + transform / decode)",
                     "pyarrow CPU s per M rows",
                     "ours CPU s per M rows",
