@@ -20,7 +20,7 @@ from dlrmflow.config import FeaturesConfig, ModelConfig
 from dlrmflow.features.ids import FeatureIds, HashIds, IdMapper, Vocabulary, build_vocabulary
 from dlrmflow.features.spec import FeatureSpec, dataset_schema
 from dlrmflow.ingest.manifest import Manifest
-from dlrmflow.ingest.stats import DatasetStats
+from dlrmflow.ingest.stats.results import DatasetStats
 from dlrmflow.schema import FeatureSchema, SchemaError
 
 

@@ -14,16 +14,7 @@ job each:
 - ``cache_hits``: the hit rates of an LRU cache of hot rows, from access counts;
 - ``results``: what the pass results in (``DatasetStats``) and its file, ``stats.json``.
 
-Each name is imported from the module it lives in. The names below are here only until
-the modules that import them from this package switch to their homes (``features.fit``
-and ``features.spec``; the planner's ``jobs`` and ``types``), which are being edited
-elsewhere; delete them then.
+Each name is imported from the module it lives in.
 """
 
 from __future__ import annotations
-
-from dlrmflow.ingest.manifest import STATS_NAME
-from dlrmflow.ingest.stats.cache_hits import interpolate_hit_rate
-from dlrmflow.ingest.stats.results import DatasetStats, DenseStats, read_stats
-
-__all__ = ["STATS_NAME", "DatasetStats", "DenseStats", "interpolate_hit_rate", "read_stats"]

@@ -19,9 +19,9 @@ order of the row groups (``SkewTotals``; unless ``MAX_HOT_IDS`` is reached):
   the sample outgrows that, so it describes the many rarely seen IDs.
 
 A sample of IDs alone misses the few IDs that take a large share of the accesses (in click
-logs, a Zipf-like head): on Zipf-distributed IDs (exponents 0.7-1.1, 2M IDs, 10M accesses)
-its hit rates were off by up to 0.55; with the hot IDs counted apart, by at most 0.035.
-What a cache would hit, from these counts, is ``cache_hits``'s.
+logs, a Zipf-like head), so the hot IDs are counted apart (how close the hit rates come
+is measured in docs/design.md). What a cache would hit, from these counts, is
+``cache_hits``'s.
 
 Dense columns get what the declared transforms need: the standard deviation beside the mean
 (``standardize``), from sums of squares kept exact (``exact_sum``, ``integer_square_sum``),
