@@ -6,7 +6,11 @@ first schema guessed from it), ``criteo`` (Criteo's TSV days converted) or ``syn
 and ``synthetic_logs`` (generated with a known click model, grown a day at a time by
 ``generated``); ``dayfile``, ``manifest``, ``lock``, ``schema`` (Criteo's layout) and
 ``strings`` (string IDs hashed to int64) serve them, and ``stats`` computes the feature
-statistics. ``reader`` reads a dataset as Arrow record batches split by rank and worker,
-resumable, with ``window`` and ``shuffle`` building its shuffled windows; ``service`` is
-the reader service that streams those batches to trainers on other hosts.
+statistics. Reading a dataset as Arrow record batches split by rank and worker,
+resumable: ``splits`` (row groups dealt to readers each epoch), ``decode`` (a split
+decoded and validated, its file held to its identity), ``reader`` (one reader's pass, with
+``window`` and ``shuffle`` building its shuffled windows), ``loader`` (readers behind
+prefetch threads: ``make_loader``) and ``errors`` (``DataError``, raised across the
+stage); ``service`` is the reader service that streams those batches to trainers on
+other hosts.
 """
