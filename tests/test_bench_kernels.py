@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from dlrmflow.bench.kernels import (
     TorchRowWiseAdagrad,
     make_batches,
-    run_kernel_benchmark,
     stacked_inputs,
     table_sizes,
     zipf_ids,
@@ -59,19 +58,6 @@ def _check_record(record: dict) -> None:
     assert record["batch_size"] == 256 and record["dims"] == [8]
 
 
-def test_quick_benchmark_record():
-    record = run_kernel_benchmark(quick=True)
-    _check_record(record)
-    results = record["results"]
-    # 26 tables x 256 samples, one ID each or 20 each; distinct rows can't exceed either.
-    onehot, multihot = results["tbe_sgd_step_onehot_d8"], results["tbe_sgd_step_multihot_d8"]
-    assert onehot["ids"] == 26 * 256 and multihot["ids"] == 26 * 256 * 20
-    assert 0 < onehot["distinct_rows"] <= min(onehot["ids"], sum(record["table_rows"]))
-    # Same IDs, so Adagrad touches the same rows plus 8 bytes of state per row.
-    adagrad = results["tbe_rowwise_adagrad_step_onehot_d8"]
-    assert adagrad["bytes_touched"] == onehot["bytes_touched"] + 8 * onehot["distinct_rows"]
-
-
 def test_zipf_ids_are_skewed_in_range_and_deterministic():
     ids = zipf_ids(np.random.default_rng(1), 1000, 50_000)
     assert ids.min() >= 0 and ids.max() < 1000
@@ -91,13 +77,22 @@ def test_batches_cover_every_table_within_its_rows():
             assert int(values.min()) >= 0 and int(values.max()) < size
 
 
-def test_cli_writes_the_json(tmp_path):
+def test_the_cli_writes_a_quick_record(tmp_path):
+    # One quick run serves both the command's output and the record's checks.
     out = tmp_path / "bench" / "kernels.json"
     result = CliRunner().invoke(app, ["bench", "kernels", "--quick", "--json", str(out)])
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     _check_record(record)
     assert json.loads(result.stdout)["ratios"].keys() == record["ratios"].keys()
+    results = record["results"]
+    # 26 tables x 256 samples, one ID each or 20 each; distinct rows can't exceed either.
+    onehot, multihot = results["tbe_sgd_step_onehot_d8"], results["tbe_sgd_step_multihot_d8"]
+    assert onehot["ids"] == 26 * 256 and multihot["ids"] == 26 * 256 * 20
+    assert 0 < onehot["distinct_rows"] <= min(onehot["ids"], sum(record["table_rows"]))
+    # Same IDs, so Adagrad touches the same rows plus 8 bytes of state per row.
+    adagrad = results["tbe_rowwise_adagrad_step_onehot_d8"]
+    assert adagrad["bytes_touched"] == onehot["bytes_touched"] + 8 * onehot["distinct_rows"]
 
 
 @pytest.mark.parametrize("form", ["onehot", "multihot"])
