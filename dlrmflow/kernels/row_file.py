@@ -241,8 +241,7 @@ class RowFile:
             for first, end in self.group_keys
         ]
 
-    def _regions(self, memmap: np.memmap | None = None) -> list[Region]:
-        memmap = self.memmap if memmap is None else memmap
+    def _regions(self, memmap: np.memmap) -> list[Region]:
         regions, offset = [], 0
         for (start, rows, _), (first, _end) in zip(
             self._region_shapes(), self.group_keys, strict=True

@@ -29,6 +29,7 @@ import math
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -517,13 +518,9 @@ class TableBatchedEmbeddingBag(EmbeddingBagBase):
         views = {part.name: self._state_view(part, group) for part in self.optimizer.state_parts}
         state = {name: view.index_select(0, rows) for name, view in views.items()}
         ctx = StepContext(self.lr, self.step_count())
-        if self.square_sum_hook is not None:
-            hook = self.square_sum_hook
-
-            def mean_square(g: torch.Tensor) -> torch.Tensor:
-                return hook(group_index, rows, g.square().sum(1))
-
-            ctx = StepContext(self.lr, self.step_count(), mean_square)
+        hook = self.square_sum_hook
+        if hook is not None:
+            ctx = replace(ctx, mean_square=lambda g: hook(group_index, rows, g.square().sum(1)))
         self.optimizer.update(w, grads, state, ctx)
         for name, view in views.items():
             view.index_copy_(0, rows, state[name])

@@ -123,9 +123,6 @@ class InMemoryEmbeddings(TableBatchedEmbeddingBag):
     def prefetch_next(self, started: StartedInput | None) -> None:
         pass
 
-    def flush(self) -> None:
-        pass
-
     def cache_stats(self) -> CacheStats | None:
         return None
 

@@ -169,8 +169,7 @@ class ServableDLRM(nn.Module):
         # nothing to a bag's sum), and their own columns picked after pooling.
         self.dim = max(dims)
         keep = [k * self.dim + c for k, d in enumerate(dims) for c in range(d)]
-        self.padded = len(set(dims)) != 1
-        if self.padded:
+        if len(set(dims)) != 1:
             self.register_buffer("columns", torch.tensor(keep, dtype=torch.int64, device="cpu"))
         else:
             self.columns = None  # a program of one width keeps its graph
@@ -279,7 +278,7 @@ class ServableDLRM(nn.Module):
             mean = self.is_mean[:, None].expand(n_tables, batch).reshape(-1)
             pooled = pooled / torch.where(mean, lengths.clamp(min=1), 1).to(pooled.dtype)[:, None]
         pooled = pooled.view(n_tables, batch, self.dim).transpose(0, 1).reshape(batch, -1)
-        if self.padded:
+        if self.columns is not None:
             pooled = pooled.index_select(1, self.columns)
         dense_out = self.bottom(dense)
         if self.cross is None:

@@ -128,7 +128,7 @@ class ShardLookup(nn.Module):
     ) -> None:
         routes = self.tiered_routes
         tables = [self._local_table(route) for route in routes]
-        kept = in_memory_bytes([self._local_table(r) for r in self.memory_routes], optimizer)
+        kept = in_memory_bytes(self.local.tables if self.local else [], optimizer)
         kept += in_memory_bytes(replicated, optimizer)
         problem, cache_rows = "", 0
         if tables:

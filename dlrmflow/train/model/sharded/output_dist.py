@@ -63,7 +63,7 @@ class OutputDist:
         out = torch.zeros(batch, routing.output_dim, device=self.device)
         # Rank order: partial sums of row-wise tables always add up the same way.
         columns = list(routing.out_columns)
-        if len(blocks) > len(columns):
+        if routing.replicated_features:  # their block comes last
             columns.append(routing.replicated_columns)
         for cols, block in zip(columns, blocks, strict=True):
             if cols.numel():
