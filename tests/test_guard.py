@@ -71,7 +71,13 @@ def test_a_killed_command_leaves_nothing_it_started(tmp_path: Path) -> None:
     command = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert command.stdout is not None and command.stdout.readline() == "started\n"
-        [token] = {_token_of(pid) for pid in _children(command.pid)} - {None}
+        # The grandchild's Popen returned before the print, but its environment is read
+        # from /proc once it has exec'ed: wait for it rather than race it.
+        deadline = time.monotonic() + 10
+        while not (tokens := {_token_of(pid) for pid in _children(command.pid)} - {None}):
+            assert time.monotonic() < deadline, "the guard's token reached no child"
+            time.sleep(0.05)
+        [token] = tokens
         assert len(carrying(token)) == 1  # the grandchild (the command carries its parent's)
         command.kill()
         command.wait()
