@@ -5,10 +5,10 @@ A team's logs never look like Criteo, so a dataset says what its columns are: th
 column (0/1 integers, booleans, or floats in [0, 1]), dense features (a numeric column, the
 value a null or NaN takes, and a transform) and sparse features (a column of IDs: int64 or
 strings, one a row or a list a row, hashed or looked up in a vocabulary, each feature's
-table its own), plus hashed crosses of sparse features. ``dlrmflow register`` records the
-schema in the dataset's manifest, so every stage reads the same one; a dataset without one
-(generated, converted from Criteo TSV, or written before schemas) has Criteo's layout,
-``criteo_schema()``, with every stage behaving as it always has.
+table its own or shared with others), plus hashed crosses of sparse features. ``dlrmflow
+register`` records the schema in the dataset's manifest, so every stage reads the same one;
+a dataset without one (generated, converted from Criteo TSV, or written before schemas) has
+Criteo's layout, ``criteo_schema()``, with every stage behaving as it always has.
 
 The operations follow NVTabular's named ops: FillMissing (``fill``), LogOp (``log``), Clip,
 Normalize (``standardize``), Bucketize, HashBucket and Categorify (``ids: hash | vocab``
@@ -149,7 +149,15 @@ class SparseFeature(_Strict):
     * ``pooling``: how a bag's embeddings combine, ``sum`` or ``mean``;
     * ``dim``: the width of its embedding table (default ``model.embedding_dim``). The dot
       interaction (``model.arch: dlrm``) takes every table at ``model.embedding_dim``;
-      tables of other widths need ``model.arch: dcnv2``, which takes any.
+      tables of other widths need ``model.arch: dcnv2``, which takes any;
+    * ``table``: the name of the embedding table it looks up (default: its column's).
+      Features naming one table share its rows (TorchRec's ``feature_names`` of one
+      ``EmbeddingBagConfig``): ``item_id`` and a ``clicked_items`` list, both with
+      ``table: items``, give an item the same row, and so the same vector, wherever it
+      appears, each feature still pooled on its own. A shared table's rows, ``ids``,
+      ``min_count``, ``pooling`` and ``dim`` are the table's: declare each on any of its
+      features (values that differ are refused). Its hash (salted by the table's name)
+      or vocabulary (counted over all its columns) is one for all of them.
     """
 
     column: str = Field(min_length=1)
@@ -161,6 +169,7 @@ class SparseFeature(_Strict):
     weights: str | None = Field(None, min_length=1)
     pooling: Literal["sum", "mean"] | None = None
     dim: int | None = Field(None, ge=1)
+    table: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _options(self) -> SparseFeature:
@@ -175,6 +184,15 @@ class SparseFeature(_Strict):
         if self.weights == self.column:
             raise ValueError(f"{self.column}: its weights are in a column of their own")
         return self
+
+    @property
+    def table_name(self) -> str:
+        """The embedding table it looks up: ``table``, else its column's name."""
+        return self.table or self.column
+
+
+# What features sharing a table share: the table's settings, declared on any of them.
+TABLE_SETTINGS = ("rows", "ids", "min_count", "pooling", "dim")
 
 
 class Cross(_Strict):
@@ -237,6 +255,7 @@ class FeatureSchema(_Strict):
                     raise ValueError(
                         f"cross {cross.name}: {column} is not a declared sparse column"
                     )
+        self._check_tables(names)
         keys = list(self.keys)
         repeated = sorted({c for c in keys if keys.count(c) > 1})
         if repeated:
@@ -246,6 +265,42 @@ class FeatureSchema(_Strict):
         if self.day_column is not None and self.day_column in (self.label, self.weight):
             raise ValueError(f"day_column {self.day_column} is the label or the weight")
         return self
+
+    def _check_tables(self, names: set[str]) -> None:
+        """A table's name is its own features' (no other column's or cross's), and its
+        features agree on its settings (``table_settings``)."""
+        for f in self.sparse:
+            table = f.table_name
+            members = [g.column for g in self.sparse if g.table_name == table]
+            if table in names and table not in members:
+                raise ValueError(
+                    f"sparse feature {f.column}: table {table} is the name of another column "
+                    "or cross; name the table after one of its own features, or anew"
+                )
+            self.table_settings(table)
+
+    def table_members(self, table: str) -> tuple[SparseFeature, ...]:
+        """The sparse features that look up ``table``, in schema order."""
+        return tuple(f for f in self.sparse if f.table_name == table)
+
+    def table_settings(self, table: str) -> dict[str, Any]:
+        """``table``'s settings (``TABLE_SETTINGS``) as its features declare them: each
+        from whichever feature declares it; ``ValueError`` naming both where two differ."""
+        settings: dict[str, Any] = {}
+        declared_by: dict[str, str] = {}
+        for f in self.table_members(table):
+            for name in TABLE_SETTINGS:
+                value = getattr(f, name)
+                if value is None:
+                    continue
+                if name in settings and settings[name] != value:
+                    raise ValueError(
+                        f"sparse feature {f.column}: {name} {value}, but {declared_by[name]} "
+                        f"declares {settings[name]} for their shared table {table}"
+                    )
+                settings[name] = value
+                declared_by[name] = f.column
+        return settings
 
     @property
     def dense_names(self) -> tuple[str, ...]:

@@ -17,7 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dlrmflow.config import FeaturesConfig, ModelConfig
-from dlrmflow.features.ids import FeatureIds, HashIds, IdMapper, Vocabulary, build_vocabulary
+from dlrmflow.features.ids import (
+    FeatureIds,
+    HashIds,
+    IdMapper,
+    Vocabulary,
+    build_vocabulary,
+    shared,
+)
 from dlrmflow.features.spec import FeatureSpec, dataset_schema
 from dlrmflow.ingest.manifest import Manifest
 from dlrmflow.ingest.stats.results import DatasetStats
@@ -32,10 +39,11 @@ def vocabulary_columns(
     out-of-vocabulary row), else ``features.max_rows_per_table`` does."""
     wanted = {}
     for f in schema.sparse:
-        if (f.ids or features.ids) != "vocab":
+        table = schema.table_settings(f.table_name)  # a shared table's, as declared
+        if (table.get("ids") or features.ids) != "vocab":
             continue
-        rows = f.rows if f.rows is not None else features.max_rows_per_table
-        wanted[f.column] = (f.min_count or features.min_count, max(rows - 1, 0))
+        rows = table.get("rows") or features.max_rows_per_table
+        wanted[f.column] = (table.get("min_count") or features.min_count, max(rows - 1, 0))
     return wanted
 
 
@@ -64,6 +72,7 @@ def fit_vocabulary(
         # One threshold for all is recorded as the one it always was.
         min_count=distinct.pop() if len(distinct) == 1 else thresholds,
         max_size={c: cap for c, (_, cap) in wanted.items()},
+        tables={f.column: f.table for f in schema.sparse if f.table and f.column in wanted},
     )
 
 
@@ -75,8 +84,9 @@ def feature_ids(
     spec that looks nothing up is hashed as ``HashIds.from_spec``; one whose every feature
     is in the vocabulary is the vocabulary itself (the compiled transform's mappers)."""
     looked_up = [f.name for f in spec.sparse if f.mapping(default) == "vocab"]
+    tables = shared(spec)
     if not looked_up:
-        return HashIds({f.name: f.num_embeddings for f in spec.sparse}, seed=seed)
+        return HashIds({f.name: f.num_embeddings for f in spec.sparse}, seed=seed, tables=tables)
     if vocabulary is None:
         raise SchemaError(f"sparse feature {looked_up[0]}: ids vocab, but no vocabulary given")
     missing = [name for name in looked_up if name not in vocabulary.ids]
@@ -85,7 +95,7 @@ def feature_ids(
     hashed = {f.name: f.num_embeddings for f in spec.sparse if f.name not in looked_up}
     if not hashed and set(vocabulary.names) == set(looked_up):
         return vocabulary
-    return FeatureIds(vocabulary, HashIds(hashed, seed=seed))
+    return FeatureIds(vocabulary, HashIds(hashed, seed=seed, tables=tables))
 
 
 def fit_features(

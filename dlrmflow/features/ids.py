@@ -173,13 +173,25 @@ class HashIds(_OneHotMapper):
     once each.
     """
 
-    def __init__(self, num_embeddings: Mapping[str, int], *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_embeddings: Mapping[str, int],
+        *,
+        seed: int = 0,
+        tables: Mapping[str, str] | None = None,
+    ) -> None:
+        """``tables`` names the table of each feature that shares one (by default each is
+        its own): the salt is the table's, so an ID takes one row in all its features."""
         for name, n in num_embeddings.items():
             if not 1 <= n <= 2**32:
                 raise ValueError(f"feature {name}: num_embeddings must be in [1, 2**32], got {n}")
         self.seed = seed
+        self.tables = {k: v for k, v in (tables or {}).items() if k != v}
         self._rows = {name: int(n) for name, n in num_embeddings.items()}
-        self._salts = {name: np.uint64(feature_salt(name, seed)) for name in num_embeddings}
+        self._salts = {
+            name: np.uint64(feature_salt(self.tables.get(name, name), seed))
+            for name in num_embeddings
+        }
 
     @classmethod
     def from_spec(cls, spec: FeatureSpec, *, seed: int = 0) -> HashIds:
@@ -192,7 +204,7 @@ class HashIds(_OneHotMapper):
                     f"sparse feature {f.name}: ids vocab, but this run hashes every feature; "
                     "its rows come from a vocabulary fitted on the training days"
                 )
-        return cls({f.name: f.num_embeddings for f in spec.sparse}, seed=seed)
+        return cls({f.name: f.num_embeddings for f in spec.sparse}, seed=seed, tables=shared(spec))
 
     @property
     def table_rows(self) -> dict[str, int]:
@@ -226,8 +238,17 @@ class HashIds(_OneHotMapper):
             raise KeyError(f"feature {name}: no hash table size given (have {sorted(self._rows)})")
         return name
 
+    def salt(self, name: str) -> int:
+        """Feature ``name``'s salt: its table's ``feature_salt``."""
+        return int(self._salts[self._known(name)])
+
     def __repr__(self) -> str:
         return f"HashIds(seed={self.seed}, tables={self._rows})"
+
+
+def shared(spec: FeatureSpec) -> dict[str, str]:
+    """The table of each of ``spec``'s features that shares one (``SparseFeature.table``)."""
+    return {f.name: f.table for f in spec.sparse if f.table is not None}
 
 
 def _check_scatter(
@@ -534,6 +555,7 @@ def build_vocabulary(
     *,
     min_count: int | Mapping[str, int],
     max_size: int | None | Mapping[str, int | None] = None,
+    tables: Mapping[str, str] | None = None,
 ) -> Vocabulary:
     """Count every ID of ``columns`` over the Parquet files ``paths`` and keep the frequent.
 
@@ -541,6 +563,8 @@ def build_vocabulary(
     (and null elements of list columns) are not IDs and are not counted. ``max_size`` caps
     each table at that many frequent IDs (plus the out-of-vocabulary row). Both
     ``min_count`` and ``max_size`` are one for every column, or one per column.
+    ``tables`` names the shared table of columns that share one: their IDs are counted
+    together, and each of them gets the table's vocabulary (the same rows for an ID).
     """
     thresholds = {c: min_count if isinstance(min_count, int) else min_count[c] for c in columns}
     caps = {c: max_size if not isinstance(max_size, Mapping) else max_size[c] for c in columns}
@@ -549,14 +573,20 @@ def build_vocabulary(
             raise ValueError(f"{name}: min_count must be >= 1, got {thresholds[name]}")
         if caps[name] is not None and caps[name] < 0:
             raise ValueError(f"{name}: max_size must be >= 0, got {caps[name]}")
-    tables = {name: _CountTable() for name in columns}
+    table_of = {name: (tables or {}).get(name, name) for name in columns}
+    counted = {table: _CountTable() for table in table_of.values()}
     for path in paths:
-        for rg, table in _row_groups(path, columns):
+        for rg, part in _row_groups(path, columns):
             for name in columns:
-                tables[name].add(_flat_ids(table.column(name), f"{path} row group {rg}: {name}"))
-    ids, counts = {}, {}
+                ids = _flat_ids(part.column(name), f"{path} row group {rg}: {name}")
+                counted[table_of[name]].add(ids)
+    ranked = {}
     for name in columns:
-        ids[name], counts[name] = _ranked(tables[name].merge(), thresholds[name], caps[name])
+        table = table_of[name]
+        if table not in ranked:
+            ranked[table] = _ranked(counted[table].merge(), thresholds[name], caps[name])
+    ids = {name: ranked[table_of[name]][0] for name in columns}
+    counts = {name: ranked[table_of[name]][1] for name in columns}
     return Vocabulary(ids, counts, min_count=min_count)
 
 

@@ -12,6 +12,7 @@ refuses naming the feature.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -47,8 +48,10 @@ class SparseFeature(EmbeddingTable):
     ``bucketize``: the bucket index of a dense column (``boundaries`` resolved, so the
     index is the row). ``ids`` (``hash`` or ``vocab``; None: the run's ``features.ids``),
     ``min_count`` (None: ``features.min_count``), ``max_length`` and ``keep``
-    (ListSlice) and ``weights`` (the column of per-ID weights) are the schema's
-    ``SparseFeature`` fields.
+    (ListSlice), ``weights`` (the column of per-ID weights) and ``table`` (the table it
+    shares with other features; None: its own, named after it) are the schema's
+    ``SparseFeature`` fields. Features sharing a table carry its rows, dim, pooling and
+    ID mapping alike.
     """
 
     ids: Literal["hash", "vocab"] | None = None
@@ -58,6 +61,12 @@ class SparseFeature(EmbeddingTable):
     weights: str | None = None
     cross: tuple[str, ...] | None = None
     bucketize: DenseFeature | None = None
+    table: str | None = None
+
+    @property
+    def table_name(self) -> str:
+        """The embedding table it looks up: ``table``, else its own name."""
+        return self.table or self.name
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -134,6 +143,7 @@ class FeatureSpec:
             for t in self.dense_transforms:
                 if t.categorical or (t.transform == "standardize" and t.std is None):
                     raise ValueError(f"dense column {t.column}: transform {t.transform} unresolved")
+        _check_shared(self.sparse)
 
     @property
     def columns(self) -> list[str]:
@@ -147,6 +157,31 @@ class FeatureSpec:
     @property
     def sparse_names(self) -> list[str]:
         return [f.name for f in self.sparse]
+
+    @property
+    def shares_tables(self) -> bool:
+        """Whether some features share a table (so the model has fewer tables than
+        sparse features)."""
+        return any(f.table is not None for f in self.sparse)
+
+    @property
+    def tables(self) -> tuple[EmbeddingTable, ...]:
+        """The embedding tables, in the order of their first feature: a spec without shared
+        tables has one per sparse feature, the features themselves; a shared table is
+        named ``table`` and has its features' rows, dim and pooling."""
+        if not self.shares_tables:
+            return self.sparse
+        tables: dict[str, EmbeddingTable] = {}
+        for f in self.sparse:
+            if f.table_name not in tables:
+                tables[f.table_name] = EmbeddingTable(
+                    f.table_name, f.num_embeddings, f.embedding_dim, f.pooling
+                )
+        return tuple(tables.values())
+
+    def table_features(self, table: str) -> list[str]:
+        """The sparse features looking up ``table``, in spec order."""
+        return [f.name for f in self.sparse if f.table_name == table]
 
     @property
     def plain_sparse(self) -> bool:
@@ -195,7 +230,8 @@ class FeatureSpec:
         A vocabulary's table has ``table_rows[name]`` rows when given (its size), else the
         schema's ``rows`` for the feature. Otherwise IDs are hashed: with a known
         cardinality (synthetic and registered data; a cross: the product of its columns')
-        into ``hash_size_factor`` buckets per distinct ID, at least ``MIN_HASH_ROWS``, so
+        (a shared table: its widest column's, features sharing an ID space) into
+        ``hash_size_factor`` buckets per distinct ID, at least ``MIN_HASH_ROWS``, so
         that few IDs share a row; with none (converted Criteo data) into
         ``max_rows_per_table`` buckets. Hash tables never exceed ``max_rows_per_table``. A
         bucketized column's table has a row per bucket.
@@ -216,25 +252,31 @@ class FeatureSpec:
         sparse = []
         for feature in schema.sparse:
             name = feature.column
+            table = schema.table_settings(feature.table_name)
+            ids = table.get("ids")
             # A feature declared hashed never takes a vocabulary's size.
-            if feature.ids != "hash" and table_rows is not None and name in table_rows:
+            if ids != "hash" and table_rows is not None and name in table_rows:
                 rows = table_rows[name]
-            elif feature.rows is not None:
-                rows = feature.rows
+            elif table.get("rows") is not None:
+                rows = table["rows"]
             else:
-                rows = hashed_rows(cards.get(name))
-            pooling = feature.pooling or features.pooling
+                # Features share a table because they share an ID space: its distinct IDs
+                # are taken as its widest column's.
+                members = schema.table_members(feature.table_name)
+                known = [cards.get(m.column) for m in members]
+                rows = hashed_rows(None if None in known else max(known))
             sparse.append(
                 SparseFeature(
                     name,
                     max(int(rows), 1),
-                    feature.dim or model.embedding_dim,
-                    pooling,
-                    ids=feature.ids,
-                    min_count=feature.min_count,
+                    table.get("dim") or model.embedding_dim,
+                    table.get("pooling") or features.pooling,
+                    ids=ids,
+                    min_count=table.get("min_count"),
                     max_length=feature.max_length,
                     keep=feature.keep,
                     weights=feature.weights,
+                    table=feature.table if feature.table_name != name else None,
                 )
             )
         dense, transforms = [], []
@@ -275,6 +317,26 @@ class FeatureSpec:
             dense_transforms=None if plain else tuple(transforms),
             weight=schema.weight,
         )
+
+
+def _check_shared(sparse: Sequence[SparseFeature]) -> None:
+    """Features sharing a table agree on what the table is, and only plain ID columns share
+    one (a cross's and a bucket's rows mean something else)."""
+    first: dict[str, SparseFeature] = {}
+    for f in sparse:
+        if f.table is not None and (f.cross is not None or f.bucketize is not None):
+            raise SchemaError(f"sparse feature {f.name}: a cross or bucket shares no table")
+        other = first.setdefault(f.table_name, f)
+        if other is f:
+            continue
+        if other.cross is not None or other.bucketize is not None:
+            raise SchemaError(f"sparse feature {f.name}: table {f.table_name} is a cross or bucket")
+        for field in ("num_embeddings", "embedding_dim", "pooling", "ids"):
+            if getattr(f, field) != getattr(other, field):
+                raise SchemaError(
+                    f"sparse feature {f.name}: {field} {getattr(f, field)}, but {other.name} "
+                    f"has {getattr(other, field)} in their shared table {f.table_name}"
+                )
 
 
 def _check_dims(sparse: list[SparseFeature], model: ModelConfig) -> None:

@@ -22,6 +22,7 @@ from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
 from dlrmflow.train.model.sharded.tiers import cache_budget_error
+from dlrmflow.train.model.shared_tables import share_tables
 
 
 def embedding_optimizer(train: TrainConfig) -> EmbeddingOptimizer:
@@ -129,9 +130,9 @@ def hand_pooled_in(model: DLRM, precision: str) -> None:
     """Embeddings in one bag hand the dense arch its pooled rows in the dtype it computes
     in (bf16: bfloat16, gathered straight into it; see ``TableBatchedEmbeddingBag``).
     Other collections hand on float32, which the dense arch casts."""
-    if isinstance(model.embeddings, TableBatchedEmbeddingBag):
-        bf16 = precision == "bf16"
-        model.embeddings.pooled_dtype = torch.bfloat16 if bf16 else torch.float32
+    bag = getattr(model.embeddings, "inner", model.embeddings)  # shared tables: its bag
+    if isinstance(bag, TableBatchedEmbeddingBag):
+        bag.pooled_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 class DLRM(nn.Module):
@@ -165,8 +166,11 @@ class DLRM(nn.Module):
                     )
         # All tables in one table-batched bag whose backward updates the touched rows itself:
         # no embedding gradient ever exists, so no torch optimizer sees these weights.
-        self.embeddings = embeddings or InMemoryEmbeddings(
-            spec.sparse, embedding_optimizer or SGD(lr=0.0), seed=seed, kernels=config.kernels
+        self.embeddings = embeddings or share_tables(
+            InMemoryEmbeddings(
+                spec.tables, embedding_optimizer or SGD(lr=0.0), seed=seed, kernels=config.kernels
+            ),
+            spec,
         )
         self.dense_arch = DenseArch(spec, config, precision)
         hand_pooled_in(self, precision)

@@ -33,6 +33,7 @@ from dlrmflow.train.model.dlrm import embedding_optimizer
 from dlrmflow.train.model.embeddings import TieredEmbeddings
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded.tiers import TierBudgetError, TierStorage
+from dlrmflow.train.model.shared_tables import share_tables
 
 TIERED_DIR = "embeddings"
 
@@ -100,24 +101,25 @@ def tiered_embeddings(
     """
     check_memory(config, spec, alone=True)
     budget = config.train.embedding_memory_bytes
-    if budget is None or _table_bytes(spec.sparse, optimizer) <= budget:
+    if budget is None or _table_bytes(spec.tables, optimizer) <= budget:
         return None
-    rows = cache_rows_for(budget, spec.sparse, optimizer)
+    rows = cache_rows_for(budget, spec.tables, optimizer)
     if rows < 1:
         raise TierBudgetError(
             f"train.embedding_memory_bytes: {budget} bytes hold no row of the cache of the "
-            f"tables on disk ({_slot_bytes(spec.sparse, optimizer)} bytes a row, its "
+            f"tables on disk ({_slot_bytes(spec.tables, optimizer)} bytes a row, its "
             "tracking included); raise it"
         )
     (Path(directory) / f"embeddings{FILE_SUFFIX}").unlink(missing_ok=True)
-    return TieredEmbeddings(
-        spec.sparse,
+    tiered = TieredEmbeddings(
+        spec.tables,
         optimizer,
         directory,
         cache_rows=rows,
         seed=config.train.seed,
         fill=fill,
     )
+    return share_tables(tiered, spec)
 
 
 class MemoryShortage(DlrmflowError):
@@ -192,7 +194,7 @@ def _rank_needs(
     opt = embedding_optimizer(config.train)
     budget = config.train.embedding_memory_bytes
     if plan is None:
-        tables = list(spec.sparse)
+        tables = list(spec.tables)
         total, rows = _table_bytes(tables, opt), sum(t.num_embeddings for t in tables)
         if world_size > 1:  # before planning: an even share, a lower bound of the largest
             return (0 if budget is not None else -(-total // world_size)), rows // world_size
@@ -248,7 +250,7 @@ def _shortage(
     row_map = ROW_MAP_BYTES * max(rows for _, rows in needs)
     most = available.bytes // per_host - row_map
     budget = config.train.embedding_memory_bytes
-    if most < _slot_bytes(spec.sparse, embedding_optimizer(config.train)):
+    if most < _slot_bytes(spec.tables, embedding_optimizer(config.train)):
         more = " or spread them over more hosts (distributed.nnodes)" if world_size > 1 else ""
         whose = "the tables'" if world_size == 1 else "a rank's"
         return (

@@ -35,6 +35,7 @@ from dlrmflow.train.model.embeddings import InMemoryEmbeddings, UnplacedEmbeddin
 from dlrmflow.train.model.memory_budget import tiered_embeddings
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded import ShardedEmbeddingCollection, TierStorage
+from dlrmflow.train.model.shared_tables import share_tables
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -98,8 +99,11 @@ def apply_local_embeddings(
     embeddings = None
     if directory is not None:
         embeddings = tiered_embeddings(config, spec, optimizer, directory, fill=fill)
-    model.embeddings = embeddings or InMemoryEmbeddings(
-        spec.sparse, optimizer, seed=config.train.seed, kernels=config.model.kernels
+    model.embeddings = embeddings or share_tables(
+        InMemoryEmbeddings(
+            spec.tables, optimizer, seed=config.train.seed, kernels=config.model.kernels
+        ),
+        spec,
     )
 
 
@@ -123,7 +127,7 @@ def apply_sharded_embeddings(
     output_group = dist.new_group(timeout=timeout)
     input_group = dist.new_group(timeout=timeout)
     embeddings = ShardedEmbeddingCollection(
-        spec.sparse,
+        spec.tables,
         plan,
         optimizer,
         seed=config.train.seed,
@@ -138,7 +142,7 @@ def apply_sharded_embeddings(
         timeout=timeout,
     )
     embeddings.pipelined = config.distributed.pipeline
-    model.embeddings = embeddings
+    model.embeddings = share_tables(embeddings, spec)
     return embeddings
 
 

@@ -19,6 +19,8 @@ plan.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import STATS_NAME, join_url, read_manifest
@@ -68,9 +70,44 @@ def cpu_topology(
 
 def tables_from_spec(spec: FeatureSpec, stats: DatasetStats | None = None) -> list[TableSpec]:
     """The spec's tables. With the dataset's ``stats``, each table's pooling factor, access
-    frequency, distinct IDs and cache hit rates are its feature's; without, every table is
-    one-hot, always accessed and accessed uniformly. Stats lacking a table's feature raise
-    ``PlanningError`` naming both."""
+    frequency, distinct IDs and cache hit rates are its feature's (a shared table's: its
+    features' together, ``_shared``); without, every table is one-hot, always accessed and
+    accessed uniformly. Stats lacking a table's feature raise ``PlanningError`` naming
+    both."""
+    features = _feature_tables(spec, stats)
+    if not spec.shares_tables:
+        return features
+    by_feature = dict(zip(spec.sparse_names, features, strict=True))
+    return [
+        _shared(table.name, [by_feature[f] for f in spec.table_features(table.name)])
+        for table in spec.tables
+    ]
+
+
+def _shared(name: str, members: list[TableSpec]) -> TableSpec:
+    """One table looked up by ``members``' features: their IDs a sample add up; they share
+    an ID space (why they share the table), so its distinct IDs are the widest feature's;
+    and the cache's hit rates are those of the feature that looks up the most."""
+    if len(members) == 1:
+        return replace(members[0], name=name)
+    ids = sum(m.ids_per_sample for m in members)
+    access = min(1.0, sum(m.access_frequency for m in members))
+    known = [m.distinct_ids for m in members if m.distinct_ids is not None]
+    rows = members[0].rows
+    busiest = max(members, key=lambda m: m.ids_per_sample)
+    return TableSpec(
+        name,
+        rows,
+        members[0].dim,
+        pooling_factor=ids / access if access > 0 else 0.0,
+        access_frequency=access,
+        distinct_ids=max(known) if len(known) == len(members) else None,
+        cache_hits=busiest.cache_hits,
+    )
+
+
+def _feature_tables(spec: FeatureSpec, stats: DatasetStats | None) -> list[TableSpec]:
+    """One ``TableSpec`` per sparse feature, as if each had its own table."""
     if stats is None:
         return [TableSpec(f.name, f.num_embeddings, f.embedding_dim) for f in spec.sparse]
     by_name = {s.name: s for s in stats.sparse}

@@ -21,12 +21,12 @@ dlrmflow, no training code. The program takes plain tensors in the project's
 the IDs itself (an ID outside its feature's table would otherwise read a row of the next
 table), so a raw consumer gets an error rather than a silent wrong score.
 
-Why one flat table: every feature's table is stacked into one ``[rows, dim]`` weight and
-an ID becomes ``its table's first row + ID``, so the whole lookup is one
-``embedding_bag`` over all bags, as the training's table-batched bag does; with one ID
-per bag (the usual one-hot data) and float32 tables the pooled vectors, and so the
-probabilities, are bitwise those of the checkpoint's model (measured: identical on the
-held-out day, see tests/train/run/test_exported_model.py).
+Why one flat table: every table is stacked into one ``[rows, dim]`` weight (a table that
+features share, once) and an ID becomes ``its feature's table's first row + ID``, so the
+whole lookup is one ``embedding_bag`` over all bags, as the training's table-batched bag
+does; with one ID per bag (the usual one-hot data) and float32 tables the pooled vectors,
+and so the probabilities, are bitwise those of the checkpoint's model (measured: identical
+on the held-out day, see tests/train/run/test_exported_model.py).
 
 The dense arch always runs in float32 here: a run trained with ``train.precision=bf16``
 scores its checkpoint under bfloat16 autocast, so the export's check against it shows
@@ -145,17 +145,20 @@ class ServableDLRM(nn.Module):
             )
         if arch not in ("dlrm", "dcnv2") or (arch == "dcnv2") != (cross is not None):
             raise ValueError(f"arch {arch!r}: dcnv2 needs its cross network, dlrm none")
-        dims = [t.shape[1] for t in tables]
-        if len(tables) != len(spec.sparse):
-            raise ValueError("one table per sparse feature")
+        if len(tables) != len(spec.tables):
+            raise ValueError(f"{len(tables)} tables for the spec's {len(spec.tables)}")
+        for table, declared in zip(tables, spec.tables, strict=True):
+            if table.shape[0] != declared.num_embeddings:
+                raise ValueError(
+                    f"table {declared.name!r} has {table.shape[0]} rows, its spec "
+                    f"{declared.num_embeddings}"
+                )
+        # Each feature's table (several features may share one, stored once).
+        index = {t.name: k for k, t in enumerate(spec.tables)}
+        table_of = [index[f.table_name] for f in spec.sparse]
+        dims = [tables[k].shape[1] for k in table_of]
         if arch == "dlrm" and len(set(dims)) != 1:
             raise ValueError("the dot interaction needs every table of one embedding dim")
-        for table, feature in zip(tables, spec.sparse, strict=True):
-            if table.shape[0] != feature.num_embeddings:
-                raise ValueError(
-                    f"table {feature.name!r} has {table.shape[0]} rows, its spec "
-                    f"{feature.num_embeddings}"
-                )
         weighted = _weighted(spec)
         if bool(weighted) != self.takes_weights:
             raise ValueError(
@@ -164,7 +167,7 @@ class ServableDLRM(nn.Module):
             )
         self.arch = arch
         self.quantize = quantize
-        self.n_tables = len(tables)
+        self.n_tables = len(spec.sparse)  # the bags' keys: one per feature
         # Tables of several widths are stored padded with zeros to the widest (zeros add
         # nothing to a bag's sum), and their own columns picked after pooling.
         self.dim = max(dims)
@@ -173,8 +176,10 @@ class ServableDLRM(nn.Module):
             self.register_buffer("columns", torch.tensor(keep, dtype=torch.int64, device="cpu"))
         else:
             self.columns = None  # a program of one width keeps its graph
-        rows = [t.shape[0] for t in tables]
-        starts = [sum(rows[:k]) for k in range(len(rows))]
+        sizes = [t.shape[0] for t in tables]
+        firsts = [sum(sizes[:k]) for k in range(len(sizes))]
+        starts = [firsts[k] for k in table_of]
+        rows = [sizes[k] for k in table_of]
         self.register_buffer("table_start", torch.tensor(starts, dtype=torch.int64, device="cpu"))
         self.register_buffer("table_rows", torch.tensor(rows, dtype=torch.int64, device="cpu"))
         is_mean = [f.pooling == "mean" for f in spec.sparse]
@@ -211,8 +216,8 @@ class ServableDLRM(nn.Module):
         the cross network), run in float32 whatever precision trained them.
         """
         bag = model.embeddings
-        if list(bag.names) != spec.sparse_names:
-            raise ValueError(f"the model's tables {bag.names} differ from the spec's features")
+        if list(bag.names) != [t.name for t in spec.tables]:
+            raise ValueError(f"the model's tables {bag.names} differ from the spec's")
         arch = model.dense_arch
         tables = [bag.table(name).detach().cpu() for name in bag.names]
         kind = WeightedServableDLRM if _weighted(spec) else ServableDLRM

@@ -60,7 +60,8 @@ HASH_ROW = (
 )
 SALT = (
     "each hashed feature's salt (given): int.from_bytes(hashlib.blake2b(f'{seed}:{name}'"
-    ".encode(), digest_size=8).digest(), 'little') with seed 0 and the feature's name"
+    ".encode(), digest_size=8).digest(), 'little') with seed 0 and the name of the "
+    "feature's table (its 'table' where it shares one, else the feature's own name)"
 )
 VOCAB = (
     "row = 1 + the position of the ID (its 64-bit pattern; a string ID after string_ids) "
@@ -127,8 +128,10 @@ def _sparse(feature: SparseFeature, default_ids: str) -> dict[str, Any]:
         entry["column"] = feature.name
     entry["ids"] = mapping
     entry["rows"] = feature.num_embeddings
+    if feature.table is not None:
+        entry["table"] = feature.table  # shared: its rows are the table's, as its salt
     if mapping == "hash":
-        entry["salt"] = feature_salt(feature.name)
+        entry["salt"] = feature_salt(feature.table_name)
     if feature.max_length is not None:
         entry["max_length"] = feature.max_length
         entry["keep"] = feature.keep
