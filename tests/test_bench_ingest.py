@@ -128,13 +128,15 @@ def test_an_existing_dataset_is_recorded_under_its_shape_and_its_jagged_bytes(tm
     record = run_ingest_benchmark(data_url=data, workers=(1,), batch_size=512, repeats=1)
     assert record["shape"] == "logs" and record["rows"] == 4000
     # The first batch's tensors: a row's label and two dense floats and an int32 length
-    # for each of its three keys; an int64 row and a float32 weight for each user, item
-    # and tag ID (a batch with weights has one for every ID: 1 where none is declared).
+    # for each of its four keys; an int64 row and a float32 weight for each user, item,
+    # recent item and tag ID (a batch with weights has one for every ID: 1 where none is
+    # declared).
     first = read_manifest(data).day_paths(data, [0])[0]
     rows = pq.ParquetFile(first).read_row_group(0).slice(0, 512)
     tags = pc.sum(pc.list_value_length(rows.column("tags"))).as_py()
-    ids = 512 - rows.column("user_id").null_count + 512 + tags
-    want = (512 * (4 * 3 + 4 * 3) + ids * (8 + 4)) / 512
+    recent = pc.sum(pc.list_value_length(rows.column("recent_items"))).as_py()
+    ids = 512 - rows.column("user_id").null_count + 512 + recent + tags
+    want = (512 * (4 * 3 + 4 * 4) + ids * (8 + 4)) / 512
     assert record["written_bytes_per_row"]["reader_transform"] == want
 
 

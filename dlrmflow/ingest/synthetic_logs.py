@@ -14,6 +14,9 @@ A day file's columns:
 * ``request_id`` (int64): a key, unique in the dataset (the day in the high 32 bits);
 * ``user_id`` (string, null for logged-out requests) and ``item_id`` (string):
   Zipf-popular IDs whose strings say nothing of their popularity;
+* ``recent_items`` (list of string: the items the user interacted with recently, the
+  same IDs as ``item_id`` drawn from the same popularity; Poisson lengths, some null or
+  empty): declared with ``item_id`` in one shared table, ``items``;
 * ``price`` (float32, log-normal, some nulls) and ``discount`` (float32, the share taken
   off, some nulls, and a few logging errors outside [0, 1] that the declared clip removes);
 * ``tags`` (list of int64, Poisson lengths, some null or empty) and ``tags_weight`` (list
@@ -21,9 +24,12 @@ A day file's columns:
 
 The click model's logit is a bias (calibrated to ``data.positive_rate``), the user's and
 the item's effects, a user x item interaction (the dot of their latent vectors, which the
-DLRM's dot interaction represents), the *weighted* sum of the tags' effects, and linear
-terms in ``log(1 + price)`` and the clipped discount: in each case the value the declared
-transform hands the model (a null as the declared fill). A model that pools the tags
+DLRM's dot interaction represents), ``RECENT_WEIGHT`` times the sum of the recent items'
+effects (the very effects of ``item_id``, so that an item's row learnt from either column
+serves the other: what the shared table is for; a sum, as the model's sum pooling takes
+it), the *weighted* sum of the tags' effects, and linear terms in ``log(1 + price)`` and
+the clipped discount: in each case the value the declared transform hands the model (a
+null as the declared fill, a null list as an empty one). A model that pools the tags
 with their weights can reach the Bayes AUC; one that ignores the weights cannot: the
 generator record says how far below it the true model falls with every weight replaced by
 its mean (``auc_list_weights_ignored``).
@@ -89,6 +95,11 @@ TAGS_MEAN_LENGTH = 4.0  # Poisson mean of a list's length (0 gives an empty list
 TAGS_MISSING = 0.03  # a null list
 # log(weight) ~ N(-s^2/2, s): mean 1, and spread enough that the weights matter.
 TAG_WEIGHT_SIGMA = 1.0
+RECENT_MEAN_LENGTH = 3.0  # Poisson mean of recent_items' length (0 gives an empty list)
+RECENT_MISSING = 0.02  # a null recent_items list (no history logged)
+# Logit change per unit of the recent items' summed item effects: their term's variance
+# is about 0.7 of item_id's own effect's, so the shared table matters without dominating.
+RECENT_WEIGHT = 0.5
 PRICE_MEDIAN, PRICE_SIGMA, PRICE_MISSING = 20.0, 1.0, 0.05
 PRICE_WEIGHT = -0.3  # logit change per unit of log(1 + price)
 DISCOUNT_MEAN, DISCOUNT_STD, DISCOUNT_MISSING = 0.15, 0.12, 0.04
@@ -100,7 +111,7 @@ CALIBRATION_ROWS = 1 << 16
 
 # Part of every day file's name: change it whenever the same parameters start to give other
 # rows, so that a new dataset never takes an old file's name.
-GENERATOR_FORMAT = 1
+GENERATOR_FORMAT = 2  # 2: recent_items, and its term in the click model
 
 # First word of every SeedSequence key: never one of the Criteo-shaped generator's streams.
 _SHAPE_KEY = 0x6C6F6773  # "logs"
@@ -112,6 +123,7 @@ ARROW_SCHEMA = pa.schema(
         pa.field("request_id", pa.int64(), nullable=False),
         pa.field("user_id", pa.string()),
         pa.field("item_id", pa.string(), nullable=False),
+        pa.field("recent_items", pa.list_(pa.string())),
         pa.field("price", pa.float32()),
         pa.field("discount", pa.float32()),
         pa.field("tags", pa.list_(pa.int64())),
@@ -128,7 +140,8 @@ LOGS_SCHEMA = FeatureSchema(
     ),
     sparse=(
         SparseFeature(column="user_id"),
-        SparseFeature(column="item_id"),
+        SparseFeature(column="item_id", table="items"),
+        SparseFeature(column="recent_items", table="items"),
         SparseFeature(column="tags", weights="tags_weight"),
     ),
     keys=("request_id",),
@@ -230,6 +243,7 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
             cardinalities={
                 "user_id": truth.users.cardinality,
                 "item_id": truth.items.cardinality,
+                "recent_items": truth.items.cardinality,
                 "tags": truth.tags.cardinality,
             },
             bayes_auc=files[test_day].bayes_auc,
@@ -373,11 +387,8 @@ def _sample_rows(truth: _Truth, rng: np.random.Generator, n: int) -> _Rows:
     logit += DISCOUNT_WEIGHT * seen
 
     # Tags: a list of IDs, each with a weight; the logit takes their weighted sum of effects.
-    null_list = rng.random(n) < TAGS_MISSING
-    lengths = rng.poisson(TAGS_MEAN_LENGTH, n) * ~null_list
-    offsets = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    tag = truth.tags.draw(rng, int(offsets[-1]))
+    lengths, offsets = _list_lengths(rng, n, TAGS_MEAN_LENGTH, TAGS_MISSING)
+    tag = truth.tags.draw(rng, int(lengths.sum()))
     sigma = TAG_WEIGHT_SIGMA
     weight = np.exp(sigma * rng.standard_normal(tag.size) - 0.5 * sigma * sigma)
     weight = weight.astype(np.float32)
@@ -386,16 +397,39 @@ def _sample_rows(truth: _Truth, rng: np.random.Generator, n: int) -> _Rows:
     logit_ignored = logit + np.bincount(row, effect, minlength=n)
     logit += np.bincount(row, effect * weight.astype(np.float64), minlength=n)
 
-    offsets_array = pa.array(offsets, mask=np.append(null_list, False))
+    # Recent items: a list of item IDs from item_id's popularity; the logit takes
+    # RECENT_WEIGHT times the sum of their item effects (none for a null or empty list).
+    recent_lengths, recent_offsets = _list_lengths(rng, n, RECENT_MEAN_LENGTH, RECENT_MISSING)
+    recent = truth.items.draw(rng, int(recent_lengths.sum()))
+    recent_row = np.repeat(np.arange(n), recent_lengths)
+    recent_term = RECENT_WEIGHT * np.bincount(recent_row, truth.items.effect[recent], minlength=n)
+    logit += recent_term
+    logit_ignored += recent_term
+
     columns = {
         "user_id": pc.take(truth.users.ids, pa.array(user, mask=~present)),
         "item_id": pc.take(truth.items.ids, pa.array(item)),
+        "recent_items": pa.ListArray.from_arrays(
+            recent_offsets, pc.take(truth.items.ids, pa.array(recent))
+        ),
         "price": pa.array(price, mask=price_missing),
         "discount": pa.array(discount, mask=discount_missing),
-        "tags": pa.ListArray.from_arrays(offsets_array, pc.take(truth.tags.ids, pa.array(tag))),
-        "tags_weight": pa.ListArray.from_arrays(offsets_array, pa.array(weight)),
+        "tags": pa.ListArray.from_arrays(offsets, pc.take(truth.tags.ids, pa.array(tag))),
+        "tags_weight": pa.ListArray.from_arrays(offsets, pa.array(weight)),
     }
     return _Rows(columns, logit, logit_ignored)
+
+
+def _list_lengths(
+    rng: np.random.Generator, n: int, mean_length: float, missing: float
+) -> tuple[np.ndarray, pa.Array]:
+    """``n`` lists' lengths (Poisson of mean ``mean_length``; 0 for the share ``missing``
+    of null lists) and their Arrow offsets, null where the list is."""
+    null_list = rng.random(n) < missing
+    lengths = rng.poisson(mean_length, n) * ~null_list
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return lengths, pa.array(offsets, mask=np.append(null_list, False))
 
 
 def _generator_record(
@@ -422,6 +456,8 @@ def _generator_record(
         "latent_dim": LATENT_DIM,
         "latent_std": LATENT_STD,
         "tags_mean_length": TAGS_MEAN_LENGTH,
+        "recent_mean_length": RECENT_MEAN_LENGTH,
+        "recent_weight": RECENT_WEIGHT,
         "tag_weight_sigma": TAG_WEIGHT_SIGMA,
         "price_weight": PRICE_WEIGHT,
         "discount_weight": DISCOUNT_WEIGHT,

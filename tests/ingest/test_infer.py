@@ -312,8 +312,9 @@ def _guess_and_register(monkeypatch, capsys, data: Path, schema: Path):
 
 def test_the_logs_shapes_files_round_trip_through_the_guess(tmp_path, monkeypatch, capsys):
     """``generate --shape logs`` writes a team's logs and declares their schema: the guess
-    from its files alone is that schema but for the one thing the data cannot show (that
-    discount's values outside [0, 1] are logging errors to clip), and registers as it is."""
+    from its files alone is that schema but for the two things the data cannot show (that
+    discount's values outside [0, 1] are logging errors to clip, and that ``item_id`` and
+    ``recent_items`` name the same items, to look up in one table), and registers as it is."""
     generated = tmp_path / "generated"
     generate_logs_dataset(
         DataConfig(
@@ -334,7 +335,12 @@ def test_the_logs_shapes_files_round_trip_through_the_guess(tmp_path, monkeypatc
         column="discount", transform="clip", clip_min=0.0, clip_max=1.0
     )
     discount = DenseFeature(column="discount", transform="none")
-    assert guessed == LOGS_SCHEMA.model_copy(update={"dense": (LOGS_SCHEMA.dense[0], discount)})
+    # Declared in one table, items; the guess gives each column a table of its own.
+    assert [f.table for f in LOGS_SCHEMA.sparse] == [None, "items", "items", None]
+    own_tables = tuple(f.model_copy(update={"table": None}) for f in LOGS_SCHEMA.sparse)
+    assert guessed == LOGS_SCHEMA.model_copy(
+        update={"dense": (LOGS_SCHEMA.dense[0], discount), "sparse": own_tables}
+    )
     assert registered["days"] == 3 and registered["rows"] == 6000
     assert registered["partitions"] == ["day=0", "day=1", "day=2"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +14,11 @@ import pytest
 
 from dlrmflow.cli import main
 from dlrmflow.config import ConfigError, DataConfig
+from dlrmflow.ingest import synthetic_logs
 from dlrmflow.ingest.manifest import check_dataset, read_manifest
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.ingest.stats.results import read_stats
-from dlrmflow.ingest.synthetic_logs import LOGS_SCHEMA, generate_logs_dataset
+from dlrmflow.ingest.synthetic_logs import LOGS_SCHEMA, RECENT_WEIGHT, generate_logs_dataset
 from dlrmflow.schema import parse_schema
 
 SMALL = {"days": 3, "rows_per_day": 4000, "row_group_size": 1000, "cardinality_scale": 0.0001}
@@ -38,7 +40,9 @@ def test_the_manifest_declares_the_schema_and_the_optimum(logs):
     assert parse_schema(manifest.features, "manifest") == LOGS_SCHEMA
     assert (manifest.rows, manifest.days, manifest.test_day) == (12_000, 3, 2)
     assert manifest.multi_hot and manifest.generator["shape"] == "logs"
-    assert manifest.cardinalities == {"user_id": 500, "item_id": 100, "tags": 20}
+    assert manifest.cardinalities == {
+        "user_id": 500, "item_id": 100, "recent_items": 100, "tags": 20,
+    }  # fmt: skip
     assert check_dataset(logs, manifest) == []
     assert 0.22 < manifest.positive_rate < 0.28  # data.positive_rate's 0.25
     # The test day's optimum, and what ignoring the tags' weights costs the true model.
@@ -47,14 +51,15 @@ def test_the_manifest_declares_the_schema_and_the_optimum(logs):
     assert manifest.bayes_auc - manifest.generator["auc_list_weights_ignored"] > 0.025
     # Statistics as registering writes them: the declared columns' distinct IDs.
     stats = {s.name: s for s in read_stats(logs).sparse}
-    assert sorted(stats) == ["item_id", "tags", "user_id"]
+    assert sorted(stats) == ["item_id", "recent_items", "tags", "user_id"]
     assert 0 < stats["tags"].distinct <= 20 and stats["user_id"].distinct > 100
 
 
 def test_the_columns_look_like_a_teams_logs(logs):
     table = _day(logs, 0)
     assert table.schema.names == [
-        "click", "request_id", "user_id", "item_id", "price", "discount", "tags", "tags_weight",
+        "click", "request_id", "user_id", "item_id", "recent_items", "price", "discount", "tags",
+        "tags_weight",
     ]  # fmt: skip
     assert table.column("user_id").type == pa.string() and table.column("user_id").null_count
     assert table.column("item_id").to_pylist()[0].startswith("item-")
@@ -70,8 +75,49 @@ def test_the_columns_look_like_a_teams_logs(logs):
     assert pc.list_value_length(tags).equals(pc.list_value_length(weights))
     assert pc.min(weights.flatten()).as_py() > 0
     assert abs(pc.mean(weights.flatten()).as_py() - 1.0) < 0.05  # log-normal of mean 1
+    recent = table.column("recent_items").combine_chunks()
+    assert recent.type == pa.list_(pa.string())
+    assert recent.null_count and pc.sum(pc.equal(pc.list_value_length(recent), 0)).as_py()
+    assert pc.list_flatten(recent).null_count == 0  # null lists, never null IDs (as tags)
+    assert 2.5 < pc.mean(pc.list_value_length(recent)).as_py() < 3.5  # Poisson of mean 3
     days = [_day(logs, d).column("request_id").to_numpy() for d in range(3)]
     assert np.unique(np.concatenate(days)).size == 12_000
+
+
+def test_recent_items_share_the_item_table_and_move_the_clicks(logs, tmp_path, monkeypatch):
+    """``recent_items`` is a list of item IDs declared in one table with ``item_id``, drawn
+    from the same popularity, and the hidden model takes ``RECENT_WEIGHT`` times the sum of
+    their item effects."""
+    schema = parse_schema(read_manifest(logs).features, "manifest")
+    assert [f.column for f in schema.table_members("items")] == ["item_id", "recent_items"]
+    assert {f.table_name for f in schema.sparse} == {"user_id", "items", "tags"}
+    # The same ID space and popularity: the most logged recent item is a popular item.
+    days = [_day(logs, d) for d in range(3)]
+    items = Counter(i for t in days for i in t.column("item_id").to_pylist())
+    recent = Counter(i for t in days for i in pc.list_flatten(t.column("recent_items")).to_pylist())
+    [(top_recent, _)] = recent.most_common(1)
+    assert top_recent in [i for i, _ in items.most_common(5)]
+    truth = synthetic_logs._ground_truth(DataConfig(url="unused", **SMALL))
+    assert set(recent) <= set(truth.items.ids.to_pylist())  # the hidden item table's IDs
+
+    # The term in the true logits: with the same draws, the logit less that without it is
+    # RECENT_WEIGHT times the recent items' summed effects.
+    with_term = synthetic_logs._sample_rows(truth, np.random.default_rng(3), 2000)
+    monkeypatch.setattr(synthetic_logs, "RECENT_WEIGHT", 0.0)
+    without = synthetic_logs._sample_rows(truth, np.random.default_rng(3), 2000)
+    rank = {item: r for r, item in enumerate(truth.items.ids.to_pylist())}
+    column = with_term.columns["recent_items"]
+    assert column.equals(without.columns["recent_items"])
+    summed = [sum(truth.items.effect[rank[i]] for i in row or []) for row in column.to_pylist()]
+    want = RECENT_WEIGHT * np.array(summed)
+    assert np.any(want != 0)
+    np.testing.assert_allclose(with_term.logit - without.logit, want, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        with_term.logit_weights_ignored - without.logit_weights_ignored, want, atol=1e-12
+    )
+    # And so in the recorded optimum.
+    zero = generate_logs_dataset(DataConfig(url=str(tmp_path / "zero"), **SMALL))
+    assert zero.bayes_auc != read_manifest(logs).bayes_auc
 
 
 def test_its_files_register_as_a_users_own_data_under_its_schema(logs, tmp_path):
