@@ -76,9 +76,10 @@ class TableSharing:
         if kjt.keys != list(self.features):
             raise ValueError(f"batch keys {kjt.keys} differ from the features {self.features}")
         batch, n_tables = kjt.stride, len(self.tables)
-        tables = torch.tensor(self.table_of)
-        slots = torch.tensor(self.slot_of)
         rows = kjt.one_hot_rows
+        device = (rows if rows is not None else kjt.lengths).device
+        tables = torch.tensor(self.table_of, device=device)
+        slots = torch.tensor(self.slot_of, device=device)
         if rows is not None:
             stacked = rows.new_full((self.slots, batch, n_tables), -1)
             stacked[slots, :, tables] = rows.t()
@@ -170,7 +171,7 @@ class SharedTableEmbeddings(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["inner"], name)
+            return getattr(super().__getattr__("inner"), name)
 
 
 def share_tables(embeddings: nn.Module, spec: FeatureSpec) -> nn.Module:
