@@ -69,6 +69,11 @@ def test_random_strings_match_the_reference():
     alphabet = list("abcXYZ019-_ é€😀")
     words = ["".join(rng.choice(alphabet, size=rng.integers(0, 40))) for _ in range(300)]
     assert string_ids(pa.array(words)).tolist() == [reference_hash(w) for w in words]
+    # Hashed four at a time, the rest one by one: every count and offset of a slice.
+    array = pa.array(words)
+    for start, stop in ((1, 300), (2, 299), (3, 6), (5, 6), (7, 14)):
+        expected = [reference_hash(w) for w in words[start:stop]]
+        assert string_ids(array[start:stop]).tolist() == expected
 
 
 def test_offsets_outside_the_data_are_refused():
