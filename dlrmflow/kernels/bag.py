@@ -83,6 +83,34 @@ class EmbeddingBagBase(nn.Module):
         parts.update({p.name: self._table_part(k, p) for p in self.optimizer.state_parts})
         return {key: exact_storage(value[first:end]) for key, value in parts.items()}
 
+    def reset_rows(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Set rows ``rows`` of table ``name`` to ``values`` (``[len(rows), dim]``) and zero
+        their optimizer state: a row handed to a new ID (a dynamic table's eviction) must
+        carry nothing of the ID it held. Written where the rows are kept, through the
+        checkpoint's views; a storage that caches rows forgets them after
+        (``_after_rows_written``)."""
+        k = self.names.index(name)
+        rows = torch.as_tensor(rows, dtype=torch.int64, device="cpu")
+        if rows.numel() == 0:
+            return
+        n, dim = self.tables[k].num_embeddings, self.tables[k].embedding_dim
+        if int(rows.min()) < 0 or int(rows.max()) >= n:
+            raise IndexError(f"table {name!r}: rows to reset must lie in [0, {n})")
+        if tuple(values.shape) != (rows.numel(), dim):
+            raise ValueError(f"table {name!r}: {rows.numel()} rows need values [n, {dim}]")
+        self.flush()
+        views = self.checkpoint_views(name)
+        with torch.no_grad():
+            views["weight"][rows.to(views["weight"].device)] = values.to(views["weight"])
+            for part in self.optimizer.state_parts:
+                view = views[part.name]
+                view[rows.to(view.device)] = 0
+        self._after_rows_written()
+
+    def _after_rows_written(self) -> None:
+        """After ``reset_rows`` wrote through ``checkpoint_views``: nothing where the
+        views are the rows themselves."""
+
     def _table_part(self, k: int, part: StatePart | None) -> torch.Tensor:
         """Table ``k``'s weights (``part`` None) or one optimizer state part."""
         raise NotImplementedError

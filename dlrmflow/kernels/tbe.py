@@ -45,7 +45,7 @@ from dlrmflow.sparse import EmbeddingTable, KeyedJaggedTensor
 # The CSR product is stable API in practice; torch still prints a beta notice on first use.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
-__all__ = ["TableBatchedEmbeddingBag", "init_table_rows"]
+__all__ = ["TableBatchedEmbeddingBag", "init_table_rows", "initial_rows"]
 
 # Rows drawn per generator in the init: each block has its own seed, so any row range of a
 # table (a shard) is drawn without drawing the rows before it.
@@ -89,6 +89,24 @@ def init_table_rows(
         out[lo - row_start : hi - row_start] = values[
             lo - block_start : hi - block_start, col_start : col_start + cols
         ]
+
+
+def initial_rows(
+    name: str, seed: int, rows: torch.Tensor, *, table_rows: int, dim: int
+) -> torch.Tensor:
+    """Rows ``rows`` of table ``name``'s initial weights (``init_table_rows``), ``[len(rows),
+    dim]``: what a row handed to a new ID starts from, as at the table's birth. Each block
+    of ``INIT_BLOCK_ROWS`` holding one of them is drawn once."""
+    rows = torch.as_tensor(rows, dtype=torch.int64, device="cpu")
+    out = torch.empty(rows.numel(), dim)
+    blocks = rows // INIT_BLOCK_ROWS
+    for block in torch.unique(blocks).tolist():
+        start = block * INIT_BLOCK_ROWS
+        drawn = torch.empty(min(INIT_BLOCK_ROWS, table_rows - start), dim)
+        init_table_rows(drawn, name, seed, table_rows=table_rows, row_start=start)
+        mine = (blocks == block).nonzero().squeeze(1)
+        out[mine] = drawn[rows[mine] - start]
+    return out
 
 
 class _FusedLookup(torch.autograd.Function):

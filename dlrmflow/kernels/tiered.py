@@ -253,6 +253,11 @@ class TieredEmbeddingBag(EmbeddingBagBase):
         first, end = rows if rows is not None else (0, self.tables[k].num_embeddings)
         return self.file.views(k, first, end)
 
+    def _after_rows_written(self) -> None:
+        # Written into the file (flushed first): the cached copies are stale now.
+        self.reload()
+        self.drop_pages()
+
     def drop_pages(self) -> None:
         """Unmap every page of the file this process has mapped (the data stays in the page
         cache and the file): after a checkpoint item read or wrote ``checkpoint_views``."""

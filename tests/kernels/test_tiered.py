@@ -13,7 +13,7 @@ from dlrmflow.kernels import row_file
 from dlrmflow.kernels.optimizers import SGD, Adam, RowWiseAdagrad
 from dlrmflow.kernels.row_cache import SLOT_BOOKKEEPING_BYTES, CacheTooSmall
 from dlrmflow.kernels.row_file import HEADER_BYTES, DiskSpaceError
-from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag, init_table_rows
+from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag, init_table_rows, initial_rows
 from dlrmflow.kernels.tiered import TieredEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.dlrm import DLRM
@@ -373,3 +373,36 @@ def test_a_file_larger_than_the_free_space_fails_naming_it_and_leaves_nothing(
         assert f"its file system has 4.2 MB ({free} bytes) free" in message
         assert list(disk.iterdir()) == []
         assert isinstance(e.value, OSError)  # the CLI's one-line errors
+
+
+@pytest.mark.parametrize("optimizer", [RowWiseAdagrad(lr=0.1), Adam(lr=0.05)], ids=type)
+def test_reset_rows_start_them_afresh_in_memory_and_on_disk(tmp_path, optimizer):
+    """A row handed to a new ID (a dynamic table's eviction) returns to its initial draw
+    with no optimizer state, in memory and on disk alike (the disk bag's cached copy
+    forgotten), and training on continues the same in both; other rows keep theirs."""
+    ref = TableBatchedEmbeddingBag(TABLES, optimizer, seed=3)
+    tiered = TieredEmbeddingBag(TABLES, optimizer, tmp_path, cache_rows=120, seed=3)
+    batches = [_jagged(s) for s in range(8)]
+    _train_pair(ref, tiered, batches[:4], prefetch=False)
+    rows = torch.tensor([0, 7, 31, 59])
+    trained = ref.table("a").clone()
+    fresh = initial_rows("a", 3, rows, table_rows=60, dim=4)
+    assert not torch.equal(trained[rows], fresh)  # the rows had moved: a reset shows
+    for bag in (ref, tiered):
+        bag.reset_rows("a", rows, fresh)
+        assert torch.equal(bag.table("a")[rows], fresh)
+        for value in bag.state("a").values():
+            assert not value[rows].any()
+        others = torch.ones(60, dtype=torch.bool)
+        others[rows] = False
+        assert torch.equal(bag.table("a")[others], trained[others])
+    _train_pair(ref, tiered, batches[4:], prefetch=True)
+    _assert_same_tables(ref, tiered)
+
+
+def test_initial_rows_are_the_tables_birth_values():
+    bag = TableBatchedEmbeddingBag(TABLES, SGD(lr=0.1), seed=9)
+    rows = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(initial_rows("d", 9, rows, table_rows=50, dim=4), bag.table("d")[rows])
+    with pytest.raises(IndexError, match=r"table 'd': rows to reset must lie in \[0, 50\)"):
+        bag.reset_rows("d", torch.tensor([50]), torch.zeros(1, 4))
