@@ -173,6 +173,22 @@ def _forget(
             _delete(keys, rows, spare, slot, shift)
 
 
+# The state's arrays, as ``state_dict`` names them.
+_STATE = (
+    "settings",
+    "keys",
+    "rows",
+    "candidate_keys",
+    "candidate_counts",
+    "candidate_seen",
+    "id_of_row",
+    "last_seen",
+    "hits",
+    "free",
+    "sizes",
+)
+
+
 @dataclass(frozen=True)
 class IdMapStats:
     """What a map did since its counters were last taken (``DynamicIdMap.take_stats``)
@@ -359,6 +375,13 @@ class DynamicIdMap:
         )  # fmt: skip
         return out
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The map's live state arrays by name, as int64 views (IDs' bit patterns kept):
+        a checkpoint saves from them and loads into them in place."""
+        return {
+            name: getattr(self, f"_{name}").view(np.int64) for name in _STATE if name != "settings"
+        }
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """The map's whole state as arrays (a checkpoint's); ``load_state_dict`` of a map
         made with the same settings restores it exactly."""
@@ -386,8 +409,7 @@ class DynamicIdMap:
         for name, have, got in zip(names, mine, state["settings"], strict=True):
             if int(have) != int(got):
                 raise ValueError(f"id map: saved with {name} {int(got)}, this map has {int(have)}")
-        for name in ("keys", "rows", "candidate_keys", "candidate_counts", "candidate_seen",
-                     "id_of_row", "last_seen", "hits", "free", "sizes"):  # fmt: skip
+        for name in _STATE[1:]:
             target = getattr(self, f"_{name}")
             if state[name].shape != target.shape:
                 raise ValueError(f"id map: saved {name} of shape {state[name].shape}")

@@ -1,0 +1,174 @@
+"""Dynamic ID tables on the trainer's side: raw IDs remapped to rows in batch order.
+
+A dynamic table's rows follow its IDs (``kernels.id_map.DynamicIdMap``: admission,
+eviction, a default row). The map must see the batches in the order they train, once
+each, so it is kept here, in front of the embedding collection, and never in the readers,
+whose windows run ahead in several threads (TorchRec's managed-collision modules sit at
+the same place). ``DynamicIdEmbeddings`` takes batches whose dynamic features carry raw
+IDs (int64; strings hashed to int64 by the reader), maps them (admitting while training,
+looking up only while evaluating or scoring), evicts every ``evict_every`` training
+batches, resetting the freed rows in the bag (``EmbeddingBagBase.reset_rows``: their birth
+values, no optimizer state) before any ID reads them, and hands the rows to the
+collection it wraps. Its maps are part of the checkpoint, beside the rows they index.
+
+In this step the collection must keep its rows in this process (in memory or on disk):
+a job's input all-to-all would have to route each raw ID to the rank owning it first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dlrmflow.kernels.bag import EmbeddingBagBase
+from dlrmflow.kernels.id_map import DynamicIdMap, IdMapStats
+from dlrmflow.kernels.row_cache import CacheStats
+from dlrmflow.kernels.tbe import initial_rows
+from dlrmflow.sparse import KeyedJaggedTensor
+from dlrmflow.train.model.embeddings import StartedInput
+
+__all__ = ["DynamicIdEmbeddings", "DynamicTable"]
+
+STEP_KEY = "id_maps.step"  # the checkpoint key of the training batches mapped so far
+
+
+@dataclass(frozen=True)
+class DynamicTable:
+    """One dynamic table: its name in the bag, the batch keys (features) whose IDs it
+    maps, and its map's settings (``DynamicIdMap``)."""
+
+    name: str
+    features: tuple[str, ...]
+    capacity: int
+    dim: int
+    admit_after: int = 1
+    ttl: int | None = None
+
+    def new_map(self) -> DynamicIdMap:
+        return DynamicIdMap(self.capacity, admit_after=self.admit_after, ttl=self.ttl)
+
+
+class DynamicIdEmbeddings(nn.Module):
+    """An ``EmbeddingCollection`` (``inner``) whose dynamic features' raw IDs are mapped
+    to rows first; ``bag`` is the one holding the dynamic tables' rows, ``seed`` the one
+    its rows were drawn from (a reset row gets its birth values back)."""
+
+    def __init__(
+        self,
+        inner: nn.Module,
+        bag: EmbeddingBagBase,
+        tables: list[DynamicTable],
+        *,
+        seed: int,
+        evict_every: int | None,
+    ) -> None:
+        super().__init__()
+        if evict_every is not None and evict_every < 1:
+            raise ValueError(f"evict_every must be at least 1 (or None), got {evict_every}")
+        for t in tables:
+            if t.name not in bag.names:
+                raise ValueError(f"dynamic table {t.name!r} is not among the bag's {bag.names}")
+        self.inner = inner
+        self.bag = bag
+        self.dynamic = tables
+        self.maps = {t.name: t.new_map() for t in tables}
+        self.seed = seed
+        self.evict_every = evict_every
+        self.rows_on_disk = inner.rows_on_disk
+        self.begins_ahead = False  # a batch is mapped when it is current, never ahead
+        # Training batches mapped so far: the maps' clock (``now``), saved with them.
+        self.step = torch.zeros((), dtype=torch.int64, device="cpu")
+
+    # -- the collection's interface -------------------------------------------------------
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.inner(self.remap(kjt))
+
+    def start_input(self, kjt: KeyedJaggedTensor, *, ahead: bool = False) -> StartedInput | None:
+        if ahead:
+            return None  # mapped when current: the maps see batches in training order
+        return self.inner.start_input(self.remap(kjt))
+
+    def look_up(self, received: Any) -> torch.Tensor:
+        return self.inner.look_up(received)
+
+    def input_rows(self, received: Any) -> int:
+        return self.inner.input_rows(received)
+
+    def prefetch_next(self, started: StartedInput | None) -> None:
+        self.inner.prefetch_next(started)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def cache_stats(self) -> CacheStats | None:
+        return self.inner.cache_stats()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        state = self.inner.checkpoint_state()
+        for name, m in self.maps.items():
+            for key, array in m.arrays().items():
+                state[f"{name}.id_map.{key}"] = torch.from_numpy(array)  # loaded in place
+        state[STEP_KEY] = self.step
+        return state
+
+    def after_checkpoint_load(self, loaded: dict[str, Any]) -> None:
+        self.inner.after_checkpoint_load(loaded)
+
+    def drop_file_pages(self) -> None:
+        self.inner.drop_file_pages()
+
+    def lookup_modules(self) -> list[nn.Module]:
+        return self.inner.lookup_modules()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+    # -- the maps ------------------------------------------------------------------------
+
+    def take_stats(self) -> dict[str, IdMapStats]:
+        """Each dynamic table's map counters since the last call, and its size."""
+        return {name: m.take_stats() for name, m in self.maps.items()}
+
+    def remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` with its dynamic features' raw IDs replaced by rows. A training batch
+        (module in training mode, autograd on) advances the clock, may first evict, and
+        admits; any other only looks up."""
+        admit = self.training and torch.is_grad_enabled()
+        if admit:
+            self.step += 1
+            if self.evict_every is not None and int(self.step) % self.evict_every == 0:
+                self.evict()
+        now = int(self.step)
+        if kjt.one_hot_rows is not None:
+            # -1 marks an empty bag there, and is a raw ID like any other.
+            raise ValueError("dynamic features take jagged batches: raw IDs have no sentinel")
+        keys = kjt.keys
+        values = kjt.values.clone()
+        starts = np.concatenate([[0], np.cumsum(kjt.length_per_key())])
+        for table in self.dynamic:
+            for feature in table.features:
+                k = keys.index(feature)
+                segment = values[starts[k] : starts[k + 1]]
+                out = self.maps[table.name].map(segment.numpy(), now, admit=admit)
+                segment.copy_(torch.from_numpy(out))
+        return KeyedJaggedTensor(keys, values, kjt.lengths, kjt.weights)
+
+    def evict(self) -> None:
+        """Evict from every map now, resetting the freed rows before any ID reads them."""
+        now = int(self.step)
+        for table in self.dynamic:
+            freed = self.maps[table.name].evict(now)
+            if len(freed):
+                rows = torch.from_numpy(freed)
+                fresh = initial_rows(
+                    table.name, self.seed, rows, table_rows=table.capacity, dim=table.dim
+                )
+                self.bag.reset_rows(table.name, rows, fresh)
