@@ -139,7 +139,12 @@ class SparseFeature(_Strict):
       IDs and ``features.hash_size_factor``, at most ``features.max_rows_per_table``) or
       ``vocab`` (Categorify: each ID seen at least ``min_count`` times in the training days
       gets a row of its own, the most frequent first, at most ``rows - 1`` of them; the
-      rest share row 0);
+      rest share row 0) or ``dynamic`` (a row per live ID, kept by the trainer: an ID is
+      admitted to one of ``rows`` rows once seen ``admit_after`` times (default 1), reads
+      a shared default row until then or while the table is full, and gives its row up
+      when unseen for ``ttl`` training steps or when it is among the least seen of a full
+      table, checked every ``evict_every`` steps (default 1000); see
+      ``dlrmflow.kernels.id_map``. One process for now);
     * ``max_length``: a list longer than this keeps its first (``keep: first``) or last
       (``keep: last``) ``max_length`` IDs, nulls dropped first (ListSlice; a no-op on a
       one-hot column);
@@ -162,8 +167,11 @@ class SparseFeature(_Strict):
 
     column: str = Field(min_length=1)
     rows: int | None = Field(None, ge=1)
-    ids: Literal["hash", "vocab"] | None = None
+    ids: Literal["hash", "vocab", "dynamic"] | None = None
     min_count: int | None = Field(None, ge=1)
+    admit_after: int | None = Field(None, ge=1)
+    ttl: int | None = Field(None, ge=1)
+    evict_every: int | None = Field(None, ge=1)
     max_length: int | None = Field(None, ge=1)
     keep: Literal["first", "last"] = "first"
     weights: str | None = Field(None, min_length=1)
@@ -173,8 +181,13 @@ class SparseFeature(_Strict):
 
     @model_validator(mode="after")
     def _options(self) -> SparseFeature:
-        if self.min_count is not None and self.ids == "hash":
+        if self.min_count is not None and self.ids in ("hash", "dynamic"):
             raise ValueError(f"{self.column}: min_count is for ids: vocab")
+        dynamic = {"admit_after": self.admit_after, "ttl": self.ttl}
+        dynamic["evict_every"] = self.evict_every
+        for name, value in dynamic.items():
+            if value is not None and self.ids not in ("dynamic", None):
+                raise ValueError(f"{self.column}: {name} is for ids: dynamic")
         if self.keep != "first" and self.max_length is None:
             raise ValueError(f"{self.column}: keep is for max_length")
         if self.weights is not None and self.pooling == "mean":
@@ -192,7 +205,9 @@ class SparseFeature(_Strict):
 
 
 # What features sharing a table share: the table's settings, declared on any of them.
-TABLE_SETTINGS = ("rows", "ids", "min_count", "pooling", "dim")
+TABLE_SETTINGS = (
+    "rows", "ids", "min_count", "pooling", "dim", "admit_after", "ttl", "evict_every",
+)  # fmt: skip
 
 
 class Cross(_Strict):

@@ -21,6 +21,7 @@ from dlrmflow.features.ids import (
     FeatureIds,
     HashIds,
     IdMapper,
+    RawIds,
     Vocabulary,
     build_vocabulary,
     shared,
@@ -82,9 +83,22 @@ def feature_ids(
     """The ID mapping of ``spec``: ``vocabulary`` for its features whose IDs look it up
     (``ids``, else ``default``, the run's ``features.ids``), hashing for the others. A
     spec that looks nothing up is hashed as ``HashIds.from_spec``; one whose every feature
-    is in the vocabulary is the vocabulary itself (the compiled transform's mappers)."""
+    is in the vocabulary is the vocabulary itself (the compiled transform's mappers).
+    Features of ``ids: dynamic`` are handed on raw (``RawIds``) for the trainer's maps."""
     looked_up = [f.name for f in spec.sparse if f.mapping(default) == "vocab"]
+    dynamic = {f.name: f.num_embeddings for f in spec.sparse if f.mapping(default) == "dynamic"}
     tables = shared(spec)
+    if dynamic:
+        # Raw IDs for the trainer's maps; the other features as they would be without.
+        rest = [f for f in spec.sparse if f.name not in dynamic]
+        hashed = {f.name: f.num_embeddings for f in rest if f.name not in looked_up}
+        if looked_up and vocabulary is None:
+            raise SchemaError(f"sparse feature {looked_up[0]}: ids vocab, but no vocabulary given")
+        return FeatureIds(
+            vocabulary if looked_up else None,
+            HashIds(hashed, seed=seed, tables=tables),
+            RawIds(dynamic),
+        )
     if not looked_up:
         return HashIds({f.name: f.num_embeddings for f in spec.sparse}, seed=seed, tables=tables)
     if vocabulary is None:

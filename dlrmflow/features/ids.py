@@ -447,21 +447,65 @@ class Vocabulary(_OneHotMapper):
         return f"Vocabulary(min_count={self.min_count}, tables={self.table_rows})"
 
 
-class FeatureIds:
-    """A vocabulary's features looked up in it, every other feature hashed: the mapping of
-    a schema that chooses ``ids`` per feature. Rows are exactly what the ``Vocabulary`` and
-    the ``HashIds`` alone give their features."""
+class RawIds:
+    """The IDs themselves (their 64-bit patterns as int64), for features of ``ids:
+    dynamic``: the trainer's map gives their rows (``train.model.dynamic_ids``), in
+    training order, which a reader running ahead cannot. ``num_embeddings`` is the
+    table's capacity."""
 
-    def __init__(self, vocabulary: Vocabulary, hashed: HashIds) -> None:
-        both = set(vocabulary.names) & set(hashed.table_rows)
-        if both:
-            raise ValueError(f"feature {sorted(both)[0]}: both in the vocabulary and hashed")
-        self.vocabulary = vocabulary
-        self.hashed = hashed
+    def __init__(self, num_embeddings: Mapping[str, int]) -> None:
+        self._rows = {name: int(n) for name, n in num_embeddings.items()}
 
     @property
     def table_rows(self) -> dict[str, int]:
-        return {**self.hashed.table_rows, **self.vocabulary.table_rows}
+        return dict(self._rows)
+
+    def num_embeddings(self, name: str) -> int:
+        return self._rows[name]
+
+    def map(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return self.map_keyed([name], [ids])
+
+    def map_keyed(self, names: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
+        parts = [_as_bits(part, f"feature {name}") for name, part in zip(names, ids, strict=True)]
+        out = np.empty(sum(len(bits) for bits in parts), np.int64)
+        start = 0
+        for bits in parts:
+            out[start : start + len(bits)] = bits.view(np.int64)
+            start += len(bits)
+        return out
+
+    def __repr__(self) -> str:
+        return f"RawIds(tables={self._rows})"
+
+
+class FeatureIds:
+    """A vocabulary's features looked up in it, dynamic ones passed on raw, every other
+    feature hashed: the mapping of a schema that chooses ``ids`` per feature. Rows are
+    exactly what the ``Vocabulary``, the ``HashIds`` and the ``RawIds`` alone give their
+    features."""
+
+    def __init__(
+        self, vocabulary: Vocabulary | None, hashed: HashIds, raw: RawIds | None = None
+    ) -> None:
+        owners = [o.table_rows for o in (vocabulary, hashed, raw) if o is not None]
+        seen: set[str] = set()
+        for rows in owners:
+            both = seen & set(rows)
+            if both:
+                raise ValueError(f"feature {sorted(both)[0]}: mapped two ways")
+            seen |= set(rows)
+        self.vocabulary = vocabulary
+        self.hashed = hashed
+        self.raw = raw
+
+    @property
+    def table_rows(self) -> dict[str, int]:
+        rows = dict(self.hashed.table_rows)
+        for owner in (self.vocabulary, self.raw):
+            if owner is not None:
+                rows.update(owner.table_rows)
+        return rows
 
     def num_embeddings(self, name: str) -> int:
         return self._owner(name).num_embeddings(name)
@@ -473,7 +517,9 @@ class FeatureIds:
         """Each owner maps its features' IDs in one call; the rows go back in key order."""
         out = np.empty(sum(len(part) for part in ids), np.int64)
         starts = np.cumsum([0, *(len(part) for part in ids)])
-        for owner in (self.vocabulary, self.hashed):
+        for owner in (self.vocabulary, self.hashed, self.raw):
+            if owner is None:
+                continue
             mine = [k for k, name in enumerate(names) if self._owner(name) is owner]
             if not mine:
                 continue
@@ -485,11 +531,15 @@ class FeatureIds:
                 at += size
         return out
 
-    def _owner(self, name: str) -> Vocabulary | HashIds:
-        return self.vocabulary if name in self.vocabulary.ids else self.hashed
+    def _owner(self, name: str) -> Vocabulary | HashIds | RawIds:
+        if self.raw is not None and name in self.raw.table_rows:
+            return self.raw
+        if self.vocabulary is not None and name in self.vocabulary.ids:
+            return self.vocabulary
+        return self.hashed
 
     def __repr__(self) -> str:
-        return f"FeatureIds({self.vocabulary!r}, {self.hashed!r})"
+        return f"FeatureIds({self.vocabulary!r}, {self.hashed!r}, {self.raw!r})"
 
 
 _ID_TYPES = "int64 or string IDs, or lists of them (optionally dictionary-encoded)"

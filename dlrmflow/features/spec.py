@@ -54,7 +54,7 @@ class SparseFeature(EmbeddingTable):
     ID mapping alike.
     """
 
-    ids: Literal["hash", "vocab"] | None = None
+    ids: Literal["hash", "vocab", "dynamic"] | None = None
     min_count: int | None = None
     max_length: int | None = None
     keep: Literal["first", "last"] = "first"
@@ -62,6 +62,9 @@ class SparseFeature(EmbeddingTable):
     cross: tuple[str, ...] | None = None
     bucketize: DenseFeature | None = None
     table: str | None = None
+    admit_after: int | None = None  # ids dynamic: sightings before an ID gets a row
+    ttl: int | None = None  # ids dynamic: training steps unseen before its row is freed
+    evict_every: int | None = None  # ids dynamic: steps between evictions (None: 1000)
 
     @property
     def table_name(self) -> str:
@@ -84,8 +87,9 @@ class SparseFeature(EmbeddingTable):
         return self.cross is None and self.bucketize is None and self.weights is None
 
     def mapping(self, default: str) -> str:
-        """How this feature's IDs become rows: ``hash``, ``vocab``, or ``bucket`` (the
-        bucket index is the row); ``default`` is the run's ``features.ids``."""
+        """How this feature's IDs become rows: ``hash``, ``vocab``, ``dynamic`` (the
+        trainer's map) or ``bucket`` (the bucket index is the row); ``default`` is the
+        run's ``features.ids``."""
         if self.bucketize is not None:
             return "bucket"
         if self.cross is not None:
@@ -277,6 +281,9 @@ class FeatureSpec:
                     keep=feature.keep,
                     weights=feature.weights,
                     table=feature.table if feature.table_name != name else None,
+                    admit_after=table.get("admit_after"),
+                    ttl=table.get("ttl"),
+                    evict_every=table.get("evict_every"),
                 )
             )
         dense, transforms = [], []
@@ -309,6 +316,13 @@ class FeatureSpec:
             )
         _check_pooling(sparse)
         _check_dims(sparse, model)
+        for f in sparse:
+            settings = (f.admit_after, f.ttl, f.evict_every)
+            if any(v is not None for v in settings) and f.ids != "dynamic":
+                raise SchemaError(
+                    f"sparse feature {f.name}: admit_after, ttl and evict_every are for "
+                    "ids: dynamic"
+                )
         plain = all(d.plain_log for d in transforms)
         return cls(
             dense=tuple(dense),

@@ -163,6 +163,11 @@ class BatchTransform:
         self._checks: Checks | None = None
         # Per-ID weights travel as the KeyedJaggedTensor's: one a value, 1 where unweighted.
         self._weighted = any(f.weights is not None for f in spec.sparse)
+        # Raw IDs for the trainer's dynamic maps travel jagged and int64: -1 is an ID there,
+        # so the one-hot form's empty-bag sentinel cannot carry them.
+        self._raw = any(f.ids == "dynamic" for f in spec.sparse)
+        if self._raw:
+            self._row_dtype = np.int64
 
     def validate(self, table: pa.Table) -> None:
         """Raise ``ValueError`` naming the column if ``table`` cannot be transformed.
@@ -384,10 +389,14 @@ class BatchTransform:
         dense = tuple(schema.get_field_index(name) for name in spec.dense)
         sources = tuple(tuple(schema.get_field_index(c) for c in f.columns) for f in spec.sparse)
         sparse = tuple(s[0] for s in sources)
-        one_hot = not self._weighted and not any(
-            is_list(schema.field(s[0]).type)
-            for f, s in zip(spec.sparse, sources, strict=True)
-            if f.cross is None and f.bucketize is None
+        one_hot = (
+            not self._weighted
+            and not self._raw
+            and not any(
+                is_list(schema.field(s[0]).type)
+                for f, s in zip(spec.sparse, sources, strict=True)
+                if f.cross is None and f.bucketize is None
+            )
         )
         dense_types = {schema.field(i).type for i in dense}
         used = [label] if weight is None else [label, weight]

@@ -24,10 +24,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from dlrmflow.errors import DlrmflowError
+from dlrmflow.features.spec import FeatureSpec, dataset_schema
+from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.kernels.bag import EmbeddingBagBase
 from dlrmflow.kernels.id_map import DynamicIdMap, IdMapStats
 from dlrmflow.kernels.row_cache import CacheStats
 from dlrmflow.kernels.tbe import initial_rows
+from dlrmflow.schema import SchemaError
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.embeddings import StartedInput
 
@@ -47,6 +51,7 @@ class DynamicTable:
     dim: int
     admit_after: int = 1
     ttl: int | None = None
+    evict_every: int | None = None  # training batches between evictions (None: never)
 
     def new_map(self) -> DynamicIdMap:
         return DynamicIdMap(self.capacity, admit_after=self.admit_after, ttl=self.ttl)
@@ -64,20 +69,20 @@ class DynamicIdEmbeddings(nn.Module):
         tables: list[DynamicTable],
         *,
         seed: int,
-        evict_every: int | None,
     ) -> None:
         super().__init__()
-        if evict_every is not None and evict_every < 1:
-            raise ValueError(f"evict_every must be at least 1 (or None), got {evict_every}")
         for t in tables:
             if t.name not in bag.names:
                 raise ValueError(f"dynamic table {t.name!r} is not among the bag's {bag.names}")
+            if t.evict_every is not None and t.evict_every < 1:
+                raise ValueError(f"table {t.name!r}: evict_every must be at least 1 (or None)")
         self.inner = inner
-        self.bag = bag
+        # The bag holding the dynamic tables' rows, inside ``inner``: kept beside it, not
+        # registered again (its parameters and buffers are ``inner``'s).
+        object.__setattr__(self, "bag", bag)
         self.dynamic = tables
         self.maps = {t.name: t.new_map() for t in tables}
         self.seed = seed
-        self.evict_every = evict_every
         self.rows_on_disk = inner.rows_on_disk
         self.begins_ahead = False  # a batch is mapped when it is current, never ahead
         # Training batches mapped so far: the maps' clock (``now``), saved with them.
@@ -144,8 +149,7 @@ class DynamicIdEmbeddings(nn.Module):
         admit = self.training and torch.is_grad_enabled()
         if admit:
             self.step += 1
-            if self.evict_every is not None and int(self.step) % self.evict_every == 0:
-                self.evict()
+            self.evict(due_only=True)
         now = int(self.step)
         if kjt.one_hot_rows is not None:
             # -1 marks an empty bag there, and is a raw ID like any other.
@@ -161,10 +165,13 @@ class DynamicIdEmbeddings(nn.Module):
                 segment.copy_(torch.from_numpy(out))
         return KeyedJaggedTensor(keys, values, kjt.lengths, kjt.weights)
 
-    def evict(self) -> None:
-        """Evict from every map now, resetting the freed rows before any ID reads them."""
+    def evict(self, *, due_only: bool = False) -> None:
+        """Evict from every map (``due_only``: those whose ``evict_every`` divides the
+        clock), resetting the freed rows before any ID reads them."""
         now = int(self.step)
         for table in self.dynamic:
+            if due_only and (table.evict_every is None or now % table.evict_every):
+                continue
             freed = self.maps[table.name].evict(now)
             if len(freed):
                 rows = torch.from_numpy(freed)
@@ -172,3 +179,55 @@ class DynamicIdEmbeddings(nn.Module):
                     table.name, self.seed, rows, table_rows=table.capacity, dim=table.dim
                 )
                 self.bag.reset_rows(table.name, rows, fresh)
+
+
+# Steps between a dynamic table's evictions when its schema names none.
+EVICT_EVERY = 1000
+
+
+def with_dynamic_ids(embeddings: nn.Module, spec: FeatureSpec, *, seed: int) -> nn.Module:
+    """``embeddings`` (one process's) behind the maps of ``spec``'s dynamic tables; itself
+    when it has none. The tables' settings are their features' (``ids: dynamic``)."""
+    tables = []
+    for table in spec.tables:
+        features = [f for f in spec.sparse if f.table_name == table.name]
+        first = features[0]
+        if first.ids != "dynamic":
+            continue
+        tables.append(
+            DynamicTable(
+                table.name,
+                tuple(f.name for f in features),
+                table.num_embeddings,
+                table.embedding_dim,
+                admit_after=first.admit_after or 1,
+                ttl=first.ttl,
+                evict_every=first.evict_every or EVICT_EVERY,
+            )
+        )
+    if not tables:
+        return embeddings
+    bag = embeddings
+    while not isinstance(bag, EmbeddingBagBase):
+        bag = bag.inner  # shared tables' wrapper: the bag behind it
+    return DynamicIdEmbeddings(embeddings, bag, tables, seed=seed)
+
+
+def refuse_dynamic_ids(spec: FeatureSpec, what: str) -> None:
+    """Refuse ``what`` (a job, an export: not built for dynamic tables yet) in one line
+    naming the first dynamic feature."""
+    for f in spec.sparse:
+        if f.ids == "dynamic":
+            raise SchemaError(f"sparse feature {f.name}: ids dynamic: {what} is not built yet")
+
+
+def refuse_dynamic_dataset(url: str, what: str) -> None:
+    """``refuse_dynamic_ids`` for the dataset at ``url``'s declared schema, before any
+    model exists; a dataset that cannot be read is left to the run to report."""
+    try:
+        schema = dataset_schema(read_manifest(url))
+    except (DlrmflowError, OSError, ValueError):
+        return
+    for f in schema.sparse:
+        if schema.table_settings(f.table_name).get("ids") == "dynamic":
+            raise SchemaError(f"sparse feature {f.column}: ids dynamic: {what} is not built yet")

@@ -31,6 +31,7 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer
 from dlrmflow.train.model.comms import CommStats, dense_comm_hook
 from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer, hand_pooled_in
+from dlrmflow.train.model.dynamic_ids import refuse_dynamic_ids, with_dynamic_ids
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings, UnplacedEmbeddings
 from dlrmflow.train.model.memory_budget import tiered_embeddings
 from dlrmflow.train.model.plan import ShardingPlan
@@ -105,6 +106,7 @@ def apply_local_embeddings(
         ),
         spec,
     )
+    model.embeddings = with_dynamic_ids(model.embeddings, spec, seed=config.train.seed)
 
 
 def apply_sharded_embeddings(
@@ -119,6 +121,7 @@ def apply_sharded_embeddings(
     stats: CommStats | None,
 ) -> ShardedEmbeddingCollection:
     """This rank's shards of ``plan``, on ``device`` (and on disk as ``tiers`` says)."""
+    refuse_dynamic_ids(spec, "a job of several ranks (distributed.nproc > 1)")
     # Separate groups (with the default group's backends): the pipelined input exchange
     # runs in the background and must not interleave with the output exchange or DDP's
     # allreduce on the same group. With the job's collective timeout: a group takes

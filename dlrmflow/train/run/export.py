@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from dlrmflow.atomic_writes import atomic_path, output_target
+from dlrmflow.train.model.dynamic_ids import refuse_dynamic_ids
 from dlrmflow.train.run.checkpoint import load_checkpoint
 
 
@@ -27,6 +28,7 @@ def export_model(checkpoint: str | Path, out: str | Path) -> dict[str, object]:
     """
     output_target(out)
     ckpt = load_checkpoint(checkpoint)
+    refuse_dynamic_ids(ckpt.spec, "an export (the map of raw IDs to rows)")
     bag = ckpt.model.embeddings
     tensors = {f"embeddings.{name}": bag.table(name).contiguous() for name in bag.names}
     tensors.update(

@@ -81,6 +81,7 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.runtime.async_assert import assert_async
 from dlrmflow.supervise import interrupt_on_signals, signals_deferred
+from dlrmflow.train.model.dynamic_ids import refuse_dynamic_ids
 from dlrmflow.train.run.recipe import program_inputs, raw_recipe
 
 if TYPE_CHECKING:
@@ -215,6 +216,7 @@ class ServableDLRM(nn.Module):
         The dense arch's modules are deep copies (plain ``nn.Linear``/``nn.ReLU`` stacks and
         the cross network), run in float32 whatever precision trained them.
         """
+        refuse_dynamic_ids(spec, "an export (the map of raw IDs to rows)")
         bag = model.embeddings
         if list(bag.names) != [t.name for t in spec.tables]:
             raise ValueError(f"the model's tables {bag.names} differ from the spec's")

@@ -24,8 +24,8 @@ BIG = 2**62 + 12345  # raw IDs take any bit pattern
 
 def collection(evict_every: int | None = None, ttl: int | None = None) -> DynamicIdEmbeddings:
     bag = InMemoryEmbeddings(TABLES, RowWiseAdagrad(lr=0.1), seed=SEED)
-    dynamic = [DynamicTable("d", ("d",), CAPACITY, DIM, ttl=ttl)]
-    return DynamicIdEmbeddings(bag, bag, dynamic, seed=SEED, evict_every=evict_every)
+    dynamic = [DynamicTable("d", ("d",), CAPACITY, DIM, ttl=ttl, evict_every=evict_every)]
+    return DynamicIdEmbeddings(bag, bag, dynamic, seed=SEED)
 
 
 def batch(d: list[list[int]], p: list[int]) -> KeyedJaggedTensor:

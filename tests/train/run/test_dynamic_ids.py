@@ -1,0 +1,123 @@
+"""Dynamic ID tables from a schema, end to end in one process: ``ids: dynamic`` trains
+with raw IDs mapped by the trainer, evaluates without admitting, resumes bitwise with its
+map, and what is not built yet for them (a job, an export) is one line naming the
+feature."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dlrmflow.cli import app
+from dlrmflow.schema import SchemaError, parse_schema
+from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings
+from dlrmflow.train.run.checkpoint import load_checkpoint
+from tests.train.run.test_own_data_ops import write_days
+
+runner = CliRunner()
+
+SCHEMA_YAML = """\
+label: click
+dense:
+  - column: price
+sparse:
+  - column: user_id
+  - column: item_id
+    ids: dynamic
+    rows: 64
+    admit_after: 2
+    ttl: 3
+    evict_every: 2
+  - column: tags
+"""
+TRAIN = (
+    "--set", "train.batch_size=200", "--set", "train.num_workers=0", "--set", "train.epochs=3",
+)  # fmt: skip
+MODEL = ("--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16,8]")
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dynamic")
+    data = root / "data"
+    write_days(data, days=2, rows=800)
+    (root / "schema.yaml").write_text(SCHEMA_YAML)
+    result = runner.invoke(
+        app, ["register", "--data", str(data), "--schema", str(root / "schema.yaml")]
+    )
+    assert result.exit_code == 0, result.output
+    return data
+
+
+def train(run_dir: Path, data: Path, steps: int, *extra: str):
+    return runner.invoke(
+        app,
+        ["train", "--run-dir", str(run_dir), "--data", str(data), *TRAIN, *MODEL,
+         "--set", f"train.max_steps={steps}", *extra],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_dynamic_table_trains_admits_evicts_and_evaluates(registered, tmp_path, where):
+    run_dir = tmp_path / "run"
+    disk = ("--set", "train.embedding_memory_bytes=20000") if where == "disk" else ()
+    result = train(run_dir, registered, 6, *disk)
+    assert result.exit_code == 0, result.output
+    assert bool(json.loads(result.output)["embedding_cache"]) == (where == "disk")
+    embeddings = load_checkpoint(run_dir).model.embeddings
+    assert isinstance(embeddings, DynamicIdEmbeddings)
+    item_map = embeddings.maps["item_id"]
+    # item_id holds 100 distinct IDs, seen in the 1,200 rows of six steps: with 63 rows,
+    # the table filled and eviction (every 2 steps, the least seen) freed some.
+    assert 0 < item_map.rows_in_use <= 63 and int(embeddings.step) == 6
+    raw = np.arange(100, dtype=np.int64)
+    assert (item_map.rows_of(raw) > 0).sum() == item_map.rows_in_use
+    evaluated = runner.invoke(app, ["evaluate", "--run-dir", str(run_dir)])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert 0.0 < json.loads(evaluated.output)["auc"] < 1.0
+    # Evaluation looked up without admitting: the checkpoint's map is as it was.
+    again = load_checkpoint(run_dir).model.embeddings.maps["item_id"]
+    assert np.array_equal(again.rows_of(raw), item_map.rows_of(raw))
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(registered, tmp_path):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert train(whole, registered, 8).exit_code == 0
+    assert train(halves, registered, 4).exit_code == 0
+    result = train(halves, registered, 8)
+    assert result.exit_code == 0, result.output
+    a, b = (load_checkpoint(d).model.embeddings for d in (whole, halves))
+    assert a.bag.table("item_id").equal(b.bag.table("item_id"))
+    for key, array in a.maps["item_id"].arrays().items():
+        assert np.array_equal(array, b.maps["item_id"].arrays()[key]), key
+
+
+def test_a_job_and_an_export_are_refused_naming_the_feature(registered, tmp_path):
+    result = train(tmp_path / "job", registered, 2, "--set", "distributed.nproc=2")
+    assert result.exit_code == 1 and isinstance(result.exception, SchemaError)
+    assert str(result.exception).startswith(
+        "sparse feature item_id: ids dynamic: a job of several ranks"
+    )
+    assert not (tmp_path / "job" / "checkpoints").exists()  # no rank trained
+    run_dir = tmp_path / "run"
+    assert train(run_dir, registered, 2).exit_code == 0
+    for fmt in ("safetensors", "torch-export"):
+        exported = runner.invoke(
+            app,
+            ["export", "--run-dir", str(run_dir), "--out", str(tmp_path / f"m.{fmt}"),
+             "--format", fmt],
+        )  # fmt: skip
+        assert exported.exit_code == 1
+        assert isinstance(exported.exception, SchemaError)
+        assert str(exported.exception).startswith("sparse feature item_id: ids dynamic: an export")
+
+
+def test_dynamic_settings_on_another_mapping_are_refused():
+    with pytest.raises(SchemaError, match="item_id: ttl is for ids: dynamic"):
+        parse_schema(
+            {"label": "y", "sparse": [{"column": "item_id", "ids": "hash", "ttl": 3}]}, "s.yaml"
+        )
