@@ -29,11 +29,10 @@ from dlrmflow.features.spec import FeatureSpec, dataset_schema
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.kernels.bag import EmbeddingBagBase
 from dlrmflow.kernels.id_map import DynamicIdMap, IdMapStats
-from dlrmflow.kernels.row_cache import CacheStats
 from dlrmflow.kernels.tbe import initial_rows
 from dlrmflow.schema import SchemaError
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.embeddings import StartedInput
+from dlrmflow.train.model.embeddings import InFrontOf, StartedInput
 
 __all__ = ["DynamicIdEmbeddings", "DynamicTable"]
 
@@ -57,7 +56,7 @@ class DynamicTable:
         return DynamicIdMap(self.capacity, admit_after=self.admit_after, ttl=self.ttl)
 
 
-class DynamicIdEmbeddings(nn.Module):
+class DynamicIdEmbeddings(InFrontOf):
     """An ``EmbeddingCollection`` (``inner``) whose dynamic features' raw IDs are mapped
     to rows first; ``bag`` is the one holding the dynamic tables' rows, ``seed`` the one
     its rows were drawn from (a reset row gets its birth values back)."""
@@ -70,20 +69,18 @@ class DynamicIdEmbeddings(nn.Module):
         *,
         seed: int,
     ) -> None:
-        super().__init__()
+        super().__init__(inner)
         for t in tables:
             if t.name not in bag.names:
                 raise ValueError(f"dynamic table {t.name!r} is not among the bag's {bag.names}")
             if t.evict_every is not None and t.evict_every < 1:
                 raise ValueError(f"table {t.name!r}: evict_every must be at least 1 (or None)")
-        self.inner = inner
         # The bag holding the dynamic tables' rows, inside ``inner``: kept beside it, not
         # registered again (its parameters and buffers are ``inner``'s).
         object.__setattr__(self, "bag", bag)
         self.dynamic = tables
         self.maps = {t.name: t.new_map() for t in tables}
         self.seed = seed
-        self.rows_on_disk = inner.rows_on_disk
         self.begins_ahead = False  # a batch is mapped when it is current, never ahead
         # Training batches mapped so far: the maps' clock (``now``), saved with them.
         self.step = torch.zeros((), dtype=torch.int64, device="cpu")
@@ -98,21 +95,6 @@ class DynamicIdEmbeddings(nn.Module):
             return None  # mapped when current: the maps see batches in training order
         return self.inner.start_input(self.remap(kjt))
 
-    def look_up(self, received: Any) -> torch.Tensor:
-        return self.inner.look_up(received)
-
-    def input_rows(self, received: Any) -> int:
-        return self.inner.input_rows(received)
-
-    def prefetch_next(self, started: StartedInput | None) -> None:
-        self.inner.prefetch_next(started)
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def cache_stats(self) -> CacheStats | None:
-        return self.inner.cache_stats()
-
     def checkpoint_state(self) -> dict[str, Any]:
         state = self.inner.checkpoint_state()
         for name, m in self.maps.items():
@@ -120,21 +102,6 @@ class DynamicIdEmbeddings(nn.Module):
                 state[f"{name}.id_map.{key}"] = torch.from_numpy(array)  # loaded in place
         state[STEP_KEY] = self.step
         return state
-
-    def after_checkpoint_load(self, loaded: dict[str, Any]) -> None:
-        self.inner.after_checkpoint_load(loaded)
-
-    def drop_file_pages(self) -> None:
-        self.inner.drop_file_pages()
-
-    def lookup_modules(self) -> list[nn.Module]:
-        return self.inner.lookup_modules()
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("inner"), name)
 
     # -- the maps ------------------------------------------------------------------------
 

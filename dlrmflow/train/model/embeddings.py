@@ -190,6 +190,57 @@ class TieredEmbeddings(TieredEmbeddingBag):
         return [self]
 
 
+class InFrontOf(nn.Module):
+    """A collection in front of another (``inner``) that changes what goes in or comes out
+    of a lookup (shared tables' batches, dynamic IDs' rows) and hands everything else on:
+    whatever it does not override, attributes included, is ``inner``'s."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.rows_on_disk = inner.rows_on_disk
+        self.begins_ahead = inner.begins_ahead
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.inner(kjt)
+
+    def start_input(self, kjt: KeyedJaggedTensor, *, ahead: bool = False) -> StartedInput | None:
+        return self.inner.start_input(kjt, ahead=ahead)
+
+    def look_up(self, received: Any) -> torch.Tensor:
+        return self.inner.look_up(received)
+
+    def input_rows(self, received: Any) -> int:
+        return self.inner.input_rows(received)
+
+    def prefetch_next(self, started: StartedInput | None) -> None:
+        self.inner.prefetch_next(started)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def cache_stats(self) -> CacheStats | None:
+        return self.inner.cache_stats()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.inner.checkpoint_state()
+
+    def after_checkpoint_load(self, loaded: dict[str, Any]) -> None:
+        self.inner.after_checkpoint_load(loaded)
+
+    def drop_file_pages(self) -> None:
+        self.inner.drop_file_pages()
+
+    def lookup_modules(self) -> list[nn.Module]:
+        return self.inner.lookup_modules()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+
 class UnplacedEmbeddings(nn.Module):
     """The tables of a DLRM not yet placed anywhere: the plain model's embeddings before
     ``parallelize`` chooses where they live, so that building the model allocates none of

@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.kernels.row_cache import CacheStats
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.embeddings import StartedInput
+from dlrmflow.train.model.embeddings import InFrontOf, StartedInput
 
 __all__ = ["SharedTableEmbeddings", "TableSharing"]
 
@@ -122,17 +121,14 @@ class TableSharing:
         return torch.tensor(columns, dtype=torch.int64, device=device)
 
 
-class SharedTableEmbeddings(nn.Module):
+class SharedTableEmbeddings(InFrontOf):
     """An embedding collection keyed by table, taking batches keyed by feature
     (``TableSharing``): the ``EmbeddingCollection`` of a model with shared tables. Whatever
     else is asked of it (tables, state, statistics) is its collection's."""
 
     def __init__(self, inner: nn.Module, sharing: TableSharing) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.sharing = sharing
-        self.rows_on_disk = inner.rows_on_disk
-        self.begins_ahead = inner.begins_ahead
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         return self.sharing.unstack(self.inner(self.sharing.stack(kjt)))
@@ -145,33 +141,6 @@ class SharedTableEmbeddings(nn.Module):
 
     def input_rows(self, received: Any) -> int:
         return self.inner.input_rows(received) // self.sharing.slots
-
-    def prefetch_next(self, started: StartedInput | None) -> None:
-        self.inner.prefetch_next(started)
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def cache_stats(self) -> CacheStats | None:
-        return self.inner.cache_stats()
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return self.inner.checkpoint_state()
-
-    def after_checkpoint_load(self, loaded: dict[str, Any]) -> None:
-        self.inner.after_checkpoint_load(loaded)
-
-    def drop_file_pages(self) -> None:
-        self.inner.drop_file_pages()
-
-    def lookup_modules(self) -> list[nn.Module]:
-        return self.inner.lookup_modules()
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("inner"), name)
 
 
 def share_tables(embeddings: nn.Module, spec: FeatureSpec) -> nn.Module:
