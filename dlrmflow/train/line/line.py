@@ -36,7 +36,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,8 @@ class Version:
     config_digest: str
     day_digests: list[str]  # each day's files, as its checkpoint records them
     validation: dict[str, Any] | None  # the parent scored on ``day`` before training on it
+    # Dynamic tables: the IDs its training admitted and evicted, and its rows in use.
+    id_maps: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -420,7 +422,12 @@ def _score(line: RunConfig, day: int, checkpoint: Path | None = None) -> dict[st
         eval_days=[day],
     )
     assert metrics is not None  # this host is node 0: the line runs there
-    return {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
+    scored = {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
+    if "id_maps" in metrics:
+        scored["id_maps"] = {
+            name: {"default_share": c["default_share"]} for name, c in metrics["id_maps"].items()
+        }
+    return scored
 
 
 def day_digest(manifest: Manifest, day: int) -> str:
@@ -488,6 +495,13 @@ def _validate(
     unseen = unseen_ids(line_dir, line.data.url, day, version.days)
     checkpoint = line_dir / VERSIONS_DIR / version.name / "checkpoint"
     record = {**_score(line, day, checkpoint), "unseen_ids": unseen, "day_digest": digest}
+    if version.id_maps:
+        # Dynamic tables: what the version's training admitted and evicted, and how many
+        # of the next day's lookups found no row of their own.
+        record["id_maps"] = {
+            name: {**counts, **record.get("id_maps", {}).get(name, {})}
+            for name, counts in version.id_maps.items()
+        }
     kept = [r for r in records if r["day"] != day]
     text = "".join(json.dumps(r) + "\n" for r in sorted([*kept, record], key=lambda r: r["day"]))
     # Rewritten whole and renamed: a kill leaves the old history or the new, never half.
@@ -522,6 +536,7 @@ def _train_day(
         config_digest=_config_digest(config),
         day_digests=list(manifest["train_day_digests"]),
         validation=validation,
+        id_maps=result.id_maps,
     )
     target = line_dir / VERSIONS_DIR / version.name
     partial = target.with_name(f".partial-{version.name}")

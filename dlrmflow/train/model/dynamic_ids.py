@@ -198,3 +198,21 @@ def refuse_dynamic_dataset(url: str, what: str) -> None:
     for f in schema.sparse:
         if schema.table_settings(f.table_name).get("ids") == "dynamic":
             raise SchemaError(f"sparse feature {f.column}: ids dynamic: {what} is not built yet")
+
+
+def id_map_counts(embeddings: nn.Module, keys: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """``keys`` of each dynamic table's ``IdMapStats`` since they were last taken (then
+    reset), by table: what a run or an evaluation reports; {} without dynamic tables."""
+    if not isinstance(embeddings, DynamicIdEmbeddings):
+        return {}
+    return {
+        name: {key: getattr(stats, key) for key in keys}
+        for name, stats in embeddings.take_stats().items()
+    }
+
+
+def id_map_arrays(embeddings: nn.Module) -> dict[str, dict[str, np.ndarray]]:
+    """Each dynamic table's map state by table (``DynamicIdMap.arrays``); {} without."""
+    if not isinstance(embeddings, DynamicIdEmbeddings):
+        return {}
+    return {name: m.arrays() for name, m in embeddings.maps.items()}

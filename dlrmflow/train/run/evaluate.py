@@ -48,6 +48,7 @@ from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.memory import reset_peak_rss
 from dlrmflow.train.model.device import resolve_device, use_device
 from dlrmflow.train.model.dlrm import DLRM
+from dlrmflow.train.model.dynamic_ids import id_map_counts
 from dlrmflow.train.model.memory_budget import scratch_directory, scratch_tier_storage
 from dlrmflow.train.model.parallelize import build_model, parallelize
 from dlrmflow.train.planner.jobs import plan_for_job
@@ -485,6 +486,13 @@ def _evaluate(
             "peak_rss_bytes": peaks,
         }
     )
+    looked_up = id_map_counts(model.embeddings, ("lookups", "default_lookups", "rows_in_use"))
+    if looked_up:
+        # Dynamic tables: how many of the day's lookups found no row of their own.
+        metrics["id_maps"] = {
+            name: {**c, "default_share": c["default_lookups"] / max(c["lookups"], 1)}
+            for name, c in looked_up.items()
+        }
     write_atomic(run_dir / EVAL_FILE, json.dumps(metrics, indent=2) + "\n")
     plot_reliability(table, run_dir / RELIABILITY_FILE)
     return metrics

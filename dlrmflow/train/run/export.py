@@ -2,7 +2,9 @@
 
 For serving and for comparing runs: every embedding table whole (``embeddings.<table>``,
 ``[rows, dim]``) whatever the sharding and world size that trained it, and every dense
-parameter (``dense_arch.<name>``). The optimizer state stays in the checkpoint. The
+parameter (``dense_arch.<name>``); a dynamic table's map of raw IDs to its rows too
+(``id_maps.<table>.<array>``, int64, ``DynamicIdMap.arrays``), without which its rows mean
+nothing. The optimizer state stays in the checkpoint. The
 file's metadata carries the configuration, the feature spec and the step, so the model
 can be rebuilt from the file alone.
 """
@@ -12,10 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from dlrmflow.atomic_writes import atomic_path, output_target
-from dlrmflow.train.model.dynamic_ids import refuse_dynamic_ids
+from dlrmflow.train.model.dynamic_ids import id_map_arrays
 from dlrmflow.train.run.checkpoint import load_checkpoint
 
 
@@ -28,9 +31,13 @@ def export_model(checkpoint: str | Path, out: str | Path) -> dict[str, object]:
     """
     output_target(out)
     ckpt = load_checkpoint(checkpoint)
-    refuse_dynamic_ids(ckpt.spec, "an export (the map of raw IDs to rows)")
     bag = ckpt.model.embeddings
     tensors = {f"embeddings.{name}": bag.table(name).contiguous() for name in bag.names}
+    # Dynamic tables: the map of raw IDs to those rows, without which they mean nothing
+    # (``DynamicIdMap.arrays``: int64, IDs as their bit patterns).
+    for name, arrays in id_map_arrays(bag).items():
+        for key, array in arrays.items():
+            tensors[f"id_maps.{name}.{key}"] = torch.from_numpy(array.copy())
     tensors.update(
         {f"dense_arch.{k}": v.contiguous() for k, v in ckpt.model.dense_arch.state_dict().items()}
     )

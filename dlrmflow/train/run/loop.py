@@ -25,6 +25,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels import backends
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
+from dlrmflow.train.model.dynamic_ids import id_map_counts
 from dlrmflow.train.run.checkpoint import (
     DataIdentity,
     prune_checkpoints,
@@ -406,6 +407,7 @@ class TrainLoop:
             kernels=kernels_used(self.runner, config),
             kernels_reason=kernels_reason(self.runner, config),
             peak_rss_bytes=peaks,
+            id_maps=id_map_counts(self.model.embeddings, ("admitted", "evicted", "rows_in_use")),
         )
         if self.rank0:
             write_atomic(self.run_dir / RESULT_FILE, json.dumps(result.to_dict(), indent=1))

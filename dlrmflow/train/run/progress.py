@@ -148,6 +148,9 @@ class TrainResult:
     kernels_reason: str = ""  # why: how model.kernels resolved, and any bag that could not
     # Each rank's peak resident set (VmHWM) over its whole process, in bytes, by rank.
     peak_rss_bytes: list[int] = field(default_factory=list)
+    # Dynamic tables (``ids: dynamic``): each map's IDs admitted and evicted by this
+    # invocation, and its rows in use at its end.
+    id_maps: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

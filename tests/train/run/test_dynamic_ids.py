@@ -1,7 +1,7 @@
 """Dynamic ID tables from a schema, end to end in one process: ``ids: dynamic`` trains
 with raw IDs mapped by the trainer, evaluates without admitting, resumes bitwise with its
-map, and what is not built yet for them (a job, an export) is one line naming the
-feature."""
+map, exports its weights with the map, records each day's counts in a model line, and
+what is not built yet for them (a job, a torch-export) is one line naming the feature."""
 
 from __future__ import annotations
 
@@ -10,12 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from dlrmflow.cli import app
+from dlrmflow.ingest.register import register_dataset
 from dlrmflow.schema import SchemaError, parse_schema
+from dlrmflow.train.line.line import history, versions
 from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings
 from dlrmflow.train.run.checkpoint import load_checkpoint
+from tests.conftest import run_cli, tiny_run_config
+from tests.ingest.own_data import SCHEMA, write_own_dataset
 from tests.train.run.test_own_data_ops import write_days
 
 runner = CliRunner()
@@ -96,7 +101,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(registered, tmp_pat
         assert np.array_equal(array, b.maps["item_id"].arrays()[key]), key
 
 
-def test_a_job_and_an_export_are_refused_naming_the_feature(registered, tmp_path):
+def test_a_job_and_a_torch_export_are_refused_naming_the_feature(registered, tmp_path):
     result = train(tmp_path / "job", registered, 2, "--set", "distributed.nproc=2")
     assert result.exit_code == 1 and isinstance(result.exception, SchemaError)
     assert str(result.exception).startswith(
@@ -105,15 +110,21 @@ def test_a_job_and_an_export_are_refused_naming_the_feature(registered, tmp_path
     assert not (tmp_path / "job" / "checkpoints").exists()  # no rank trained
     run_dir = tmp_path / "run"
     assert train(run_dir, registered, 2).exit_code == 0
-    for fmt in ("safetensors", "torch-export"):
-        exported = runner.invoke(
-            app,
-            ["export", "--run-dir", str(run_dir), "--out", str(tmp_path / f"m.{fmt}"),
-             "--format", fmt],
-        )  # fmt: skip
-        assert exported.exit_code == 1
-        assert isinstance(exported.exception, SchemaError)
-        assert str(exported.exception).startswith("sparse feature item_id: ids dynamic: an export")
+    exported = runner.invoke(
+        app,
+        ["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "m.pt2"),
+         "--format", "torch-export"],
+    )  # fmt: skip
+    assert exported.exit_code == 1 and isinstance(exported.exception, SchemaError)
+    assert str(exported.exception).startswith("sparse feature item_id: ids dynamic: an export")
+    # The weights' export carries the map beside the rows it indexes.
+    out = tmp_path / "m.safetensors"
+    result = runner.invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(str(out))
+    saved = load_checkpoint(run_dir).model.embeddings.maps["item_id"].arrays()
+    for key, array in saved.items():
+        assert np.array_equal(tensors[f"id_maps.item_id.{key}"].numpy(), array), key
 
 
 def test_dynamic_settings_on_another_mapping_are_refused():
@@ -121,3 +132,32 @@ def test_dynamic_settings_on_another_mapping_are_refused():
         parse_schema(
             {"label": "y", "sparse": [{"column": "item_id", "ids": "hash", "ttl": 3}]}, "s.yaml"
         )
+
+
+def test_a_line_records_what_each_days_map_admitted_evicted_and_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    data = write_own_dataset(tmp_path / "data", days=3, rows=400)
+    dynamic = {"ids": "dynamic", "rows": 256, "ttl": 4, "evict_every": 2}
+    sparse = tuple(
+        f.model_copy(update=dynamic) if f.column == "item_id" else f for f in SCHEMA.sparse
+    )
+    register_dataset(str(data), SCHEMA.model_copy(update={"sparse": sparse}))
+    line = tmp_path / "line"
+    start = tmp_path / "line.json"
+    start.write_text(
+        tiny_run_config(str(data), tmp_path / "unused", batch_size=100).model_dump_json()
+    )
+    code, _, err = run_cli(monkeypatch, capsys, "line", "--line", str(line), "--config", str(start))
+    assert code == 0, err
+    made = versions(line)
+    # Day 0 admitted its items; later days admit only items new to the map.
+    assert made[0].id_maps["item_id"]["admitted"] == made[0].id_maps["item_id"]["rows_in_use"] > 0
+    assert all(set(v.id_maps["item_id"]) == {"admitted", "evicted", "rows_in_use"} for v in made)
+    records = history(line)
+    assert [r["day"] for r in records] == [1, 2]
+    for record in records:
+        counts = record["id_maps"]["item_id"]
+        assert {"admitted", "evicted", "rows_in_use", "default_share"} <= set(counts)
+        # The next day's items are the same 100: nearly all were admitted the day before.
+        assert 0.0 <= counts["default_share"] < 0.5
