@@ -144,7 +144,9 @@ class SparseFeature(_Strict):
       a shared default row until then or while the table is full, and gives its row up
       when unseen for ``ttl`` training steps or when it is among the least seen of a full
       table, checked every ``evict_every`` steps (default 1000); see
-      ``dlrmflow.kernels.id_map``. One process for now);
+      ``dlrmflow.kernels.id_map``. ``rows`` must hold one batch's IDs
+      (``train.batch_size`` times the table's features, and the default row). One
+      process for now);
     * ``max_length``: a list longer than this keeps its first (``keep: first``) or last
       (``keep: last``) ``max_length`` IDs, nulls dropped first (ListSlice; a no-op on a
       one-hot column);

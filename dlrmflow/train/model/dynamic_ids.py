@@ -152,15 +152,27 @@ class DynamicIdEmbeddings(InFrontOf):
 EVICT_EVERY = 1000
 
 
-def with_dynamic_ids(embeddings: nn.Module, spec: FeatureSpec, *, seed: int) -> nn.Module:
+def with_dynamic_ids(
+    embeddings: nn.Module, spec: FeatureSpec, *, seed: int, batch_size: int
+) -> nn.Module:
     """``embeddings`` (one process's) behind the maps of ``spec``'s dynamic tables; itself
-    when it has none. The tables' settings are their features' (``ids: dynamic``)."""
+    when it has none. The tables' settings are their features' (``ids: dynamic``). A table
+    whose rows cannot hold one batch's IDs (``batch_size`` samples, one ID each of each of
+    its features at least) is refused naming the feature: it would send most IDs of every
+    batch to the default row."""
     tables = []
     for table in spec.tables:
         features = [f for f in spec.sparse if f.table_name == table.name]
         first = features[0]
         if first.ids != "dynamic":
             continue
+        needed = batch_size * len(features) + 1  # and the default row
+        if table.num_embeddings < needed:
+            raise SchemaError(
+                f"sparse feature {first.name}: ids dynamic with rows {table.num_embeddings} "
+                f"cannot hold one batch's IDs (train.batch_size {batch_size} x "
+                f"{len(features)} feature(s), and the default row); give it rows >= {needed}"
+            )
         tables.append(
             DynamicTable(
                 table.name,

@@ -106,7 +106,9 @@ def apply_local_embeddings(
         ),
         spec,
     )
-    model.embeddings = with_dynamic_ids(model.embeddings, spec, seed=config.train.seed)
+    model.embeddings = with_dynamic_ids(
+        model.embeddings, spec, seed=config.train.seed, batch_size=config.train.batch_size
+    )
 
 
 def apply_sharded_embeddings(

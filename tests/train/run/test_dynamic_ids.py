@@ -21,6 +21,7 @@ from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from tests.conftest import run_cli, tiny_run_config
 from tests.ingest.own_data import SCHEMA, write_own_dataset
+from tests.train.run.test_own_data import _with_features
 from tests.train.run.test_own_data_ops import write_days
 
 runner = CliRunner()
@@ -33,7 +34,7 @@ sparse:
   - column: user_id
   - column: item_id
     ids: dynamic
-    rows: 64
+    rows: 232
     admit_after: 2
     ttl: 3
     evict_every: 2
@@ -42,6 +43,7 @@ sparse:
 TRAIN = (
     "--set", "train.batch_size=200", "--set", "train.num_workers=0", "--set", "train.epochs=3",
 )  # fmt: skip
+# Rows for 200 samples' IDs and the default row, and a few more: the table's limit.
 MODEL = ("--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16,8]")
 
 
@@ -76,9 +78,8 @@ def test_a_dynamic_table_trains_admits_evicts_and_evaluates(registered, tmp_path
     embeddings = load_checkpoint(run_dir).model.embeddings
     assert isinstance(embeddings, DynamicIdEmbeddings)
     item_map = embeddings.maps["item_id"]
-    # item_id holds 100 distinct IDs, seen in the 1,200 rows of six steps: with 63 rows,
-    # the table filled and eviction (every 2 steps, the least seen) freed some.
-    assert 0 < item_map.rows_in_use <= 63 and int(embeddings.step) == 6
+    # item_id holds 100 distinct IDs, each seen about twice a batch: admitted on the second.
+    assert 0 < item_map.rows_in_use <= 100 and int(embeddings.step) == 6
     raw = np.arange(100, dtype=np.int64)
     assert (item_map.rows_of(raw) > 0).sum() == item_map.rows_in_use
     evaluated = runner.invoke(app, ["evaluate", "--run-dir", str(run_dir)])
@@ -161,3 +162,17 @@ def test_a_line_records_what_each_days_map_admitted_evicted_and_missed(
         assert {"admitted", "evicted", "rows_in_use", "default_share"} <= set(counts)
         # The next day's items are the same 100: nearly all were admitted the day before.
         assert 0.0 <= counts["default_share"] < 0.5
+
+
+def test_a_table_too_small_for_one_batch_is_refused_before_training(registered, tmp_path):
+    def smaller(features: dict) -> dict:
+        sparse = [{**f, "rows": 64} if f["column"] == "item_id" else f for f in features["sparse"]]
+        return {**features, "sparse": sparse}
+
+    data = Path(_with_features(str(registered), tmp_path / "small", smaller))
+    result = train(tmp_path / "run", data, 2)
+    assert result.exit_code == 1 and isinstance(result.exception, SchemaError)
+    assert str(result.exception) == (
+        "sparse feature item_id: ids dynamic with rows 64 cannot hold one batch's IDs "
+        "(train.batch_size 200 x 1 feature(s), and the default row); give it rows >= 201"
+    )
