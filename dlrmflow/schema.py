@@ -185,8 +185,11 @@ class SparseFeature(_Strict):
     def _options(self) -> SparseFeature:
         if self.min_count is not None and self.ids in ("hash", "dynamic"):
             raise ValueError(f"{self.column}: min_count is for ids: vocab")
-        dynamic = {"admit_after": self.admit_after, "ttl": self.ttl}
-        dynamic["evict_every"] = self.evict_every
+        dynamic = {
+            "admit_after": self.admit_after,
+            "ttl": self.ttl,
+            "evict_every": self.evict_every,
+        }
         for name, value in dynamic.items():
             if value is not None and self.ids not in ("dynamic", None):
                 raise ValueError(f"{self.column}: {name} is for ids: dynamic")
@@ -288,7 +291,7 @@ class FeatureSchema(_Strict):
         features agree on its settings (``table_settings``)."""
         for f in self.sparse:
             table = f.table_name
-            members = [g.column for g in self.sparse if g.table_name == table]
+            members = [g.column for g in self.table_members(table)]
             if table in names and table not in members:
                 raise ValueError(
                     f"sparse feature {f.column}: table {table} is the name of another column "

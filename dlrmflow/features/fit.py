@@ -87,29 +87,26 @@ def feature_ids(
     Features of ``ids: dynamic`` are handed on raw (``RawIds``) for the trainer's maps."""
     looked_up = [f.name for f in spec.sparse if f.mapping(default) == "vocab"]
     dynamic = {f.name: f.num_embeddings for f in spec.sparse if f.mapping(default) == "dynamic"}
-    tables = shared(spec)
-    if dynamic:
-        # Raw IDs for the trainer's maps; the other features as they would be without.
-        rest = [f for f in spec.sparse if f.name not in dynamic]
-        hashed = {f.name: f.num_embeddings for f in rest if f.name not in looked_up}
-        if looked_up and vocabulary is None:
+    hashed = {
+        f.name: f.num_embeddings
+        for f in spec.sparse
+        if f.name not in looked_up and f.name not in dynamic
+    }
+    hashing = HashIds(hashed, seed=seed, tables=shared(spec))
+    if not looked_up and not dynamic:
+        return hashing
+    if looked_up:
+        if vocabulary is None:
             raise SchemaError(f"sparse feature {looked_up[0]}: ids vocab, but no vocabulary given")
-        return FeatureIds(
-            vocabulary if looked_up else None,
-            HashIds(hashed, seed=seed, tables=tables),
-            RawIds(dynamic),
-        )
-    if not looked_up:
-        return HashIds({f.name: f.num_embeddings for f in spec.sparse}, seed=seed, tables=tables)
-    if vocabulary is None:
-        raise SchemaError(f"sparse feature {looked_up[0]}: ids vocab, but no vocabulary given")
-    missing = [name for name in looked_up if name not in vocabulary.ids]
-    if missing:
-        raise SchemaError(f"sparse feature {missing[0]}: ids vocab, not in the vocabulary")
-    hashed = {f.name: f.num_embeddings for f in spec.sparse if f.name not in looked_up}
-    if not hashed and set(vocabulary.names) == set(looked_up):
-        return vocabulary
-    return FeatureIds(vocabulary, HashIds(hashed, seed=seed, tables=tables))
+        missing = [name for name in looked_up if name not in vocabulary.ids]
+        if missing:
+            raise SchemaError(f"sparse feature {missing[0]}: ids vocab, not in the vocabulary")
+        if not hashed and not dynamic and set(vocabulary.names) == set(looked_up):
+            return vocabulary
+    # Raw IDs for the trainer's dynamic maps (``RawIds``); the others as without them.
+    return FeatureIds(
+        vocabulary if looked_up else None, hashing, RawIds(dynamic) if dynamic else None
+    )
 
 
 def fit_features(

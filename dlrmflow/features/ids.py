@@ -238,10 +238,6 @@ class HashIds(_OneHotMapper):
             raise KeyError(f"feature {name}: no hash table size given (have {sorted(self._rows)})")
         return name
 
-    def salt(self, name: str) -> int:
-        """Feature ``name``'s salt: its table's ``feature_salt``."""
-        return int(self._salts[self._known(name)])
-
     def __repr__(self) -> str:
         return f"HashIds(seed={self.seed}, tables={self._rows})"
 
@@ -468,12 +464,7 @@ class RawIds:
 
     def map_keyed(self, names: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
         parts = [_as_bits(part, f"feature {name}") for name, part in zip(names, ids, strict=True)]
-        out = np.empty(sum(len(bits) for bits in parts), np.int64)
-        start = 0
-        for bits in parts:
-            out[start : start + len(bits)] = bits.view(np.int64)
-            start += len(bits)
-        return out
+        return np.concatenate([np.zeros(0, np.uint64), *parts]).view(np.int64)
 
     def __repr__(self) -> str:
         return f"RawIds(tables={self._rows})"

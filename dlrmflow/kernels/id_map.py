@@ -94,7 +94,6 @@ def _map(
     admit_after: int,
     keys: np.ndarray,
     rows: np.ndarray,
-    spare: np.ndarray,
     shift: np.uint64,
     candidate_keys: np.ndarray,
     candidate_counts: np.ndarray,
@@ -273,7 +272,6 @@ class DynamicIdMap:
             self.admit_after,
             self._keys,
             self._rows,
-            self._spare,
             self._shift,
             self._candidate_keys,
             self._candidate_counts,
@@ -312,8 +310,8 @@ class DynamicIdMap:
         self._hits[evicted] = 0
         self._id_of_row[evicted] = 0
         self._hits[:] = 0  # frequency is counted per period between evictions
-        free = np.concatenate([evicted[::-1], self._free[: self._sizes[0]]])
-        free = np.sort(free)[::-1].copy()  # lowest on top, whatever was freed when
+        # Lowest on top, whatever was freed when.
+        free = np.sort(np.concatenate([evicted, self._free[: self._sizes[0]]]))[::-1]
         self._free[: len(free)] = free
         self._sizes[0] = len(free)
         if self.ttl is not None and self.candidate_limit:
@@ -364,15 +362,9 @@ class DynamicIdMap:
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids`` as they stand, counting nothing (0: no row of its own)."""
-        bits = np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64)
-        out = np.empty(len(bits), np.int64)
         counters = self._counters.copy()
-        _map(
-            bits, 0, False, self.admit_after, self._keys, self._rows, self._spare,
-            self._shift, self._candidate_keys, self._candidate_counts, self._candidate_seen,
-            self._candidate_shift, self.candidate_limit, self._id_of_row, self._last_seen,
-            self._hits, self._free, self._sizes, counters, out,
-        )  # fmt: skip
+        out = self.map(ids, 0, admit=False)
+        self._counters[:] = counters
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -386,25 +378,21 @@ class DynamicIdMap:
         """The map's whole state as arrays (a checkpoint's); ``load_state_dict`` of a map
         made with the same settings restores it exactly."""
         return {
-            "settings": np.array(
-                [self.capacity, self.admit_after, self.ttl or 0, self.candidate_limit], np.int64
-            ),
-            "keys": self._keys.copy(),
-            "rows": self._rows.copy(),
-            "candidate_keys": self._candidate_keys.copy(),
-            "candidate_counts": self._candidate_counts.copy(),
-            "candidate_seen": self._candidate_seen.copy(),
-            "id_of_row": self._id_of_row.copy(),
-            "last_seen": self._last_seen.copy(),
-            "hits": self._hits.copy(),
-            "free": self._free.copy(),
-            "sizes": self._sizes.copy(),
+            "settings": self._settings(),
+            **{name: getattr(self, f"_{name}").copy() for name in _STATE[1:]},
         }
+
+    def _settings(self) -> np.ndarray:
+        """What a saved state must have been made with: capacity, admit_after, ttl (0:
+        None) and the candidate limit."""
+        return np.array(
+            [self.capacity, self.admit_after, self.ttl or 0, self.candidate_limit], np.int64
+        )
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Restore a ``state_dict``; a map of other settings (capacity, admission, TTL,
         candidates) is refused, naming the first that differs."""
-        mine = self.state_dict()["settings"]
+        mine = self._settings()
         names = ("capacity", "admit_after", "ttl", "candidates")
         for name, have, got in zip(names, mine, state["settings"], strict=True):
             if int(have) != int(got):
