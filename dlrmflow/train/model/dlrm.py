@@ -20,7 +20,7 @@ from dlrmflow.kernels.optimizers import SGD, EmbeddingOptimizer, RowWiseAdagrad
 from dlrmflow.kernels.row_cache import CacheTooSmall
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.embeddings import InMemoryEmbeddings
+from dlrmflow.train.model.embeddings import InMemoryEmbeddings, behind
 from dlrmflow.train.model.sharded.tiers import cache_budget_error
 from dlrmflow.train.model.shared_tables import share_tables
 
@@ -130,7 +130,7 @@ def hand_pooled_in(model: DLRM, precision: str) -> None:
     """Embeddings in one bag hand the dense arch its pooled rows in the dtype it computes
     in (bf16: bfloat16, gathered straight into it; see ``TableBatchedEmbeddingBag``).
     Other collections hand on float32, which the dense arch casts."""
-    bag = getattr(model.embeddings, "inner", model.embeddings)  # shared tables: its bag
+    bag = behind(model.embeddings)
     if isinstance(bag, TableBatchedEmbeddingBag):
         bag.pooled_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 

@@ -32,7 +32,7 @@ from dlrmflow.kernels.id_map import DynamicIdMap, IdMapStats
 from dlrmflow.kernels.tbe import initial_rows
 from dlrmflow.schema import SchemaError
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.embeddings import InFrontOf, StartedInput
+from dlrmflow.train.model.embeddings import InFrontOf, StartedInput, behind
 
 __all__ = ["DynamicIdEmbeddings", "DynamicTable"]
 
@@ -186,9 +186,8 @@ def with_dynamic_ids(
         )
     if not tables:
         return embeddings
-    bag = embeddings
-    while not isinstance(bag, EmbeddingBagBase):
-        bag = bag.inner  # shared tables' wrapper: the bag behind it
+    bag = behind(embeddings)
+    assert isinstance(bag, EmbeddingBagBase)  # one process's: in memory or on disk
     return DynamicIdEmbeddings(embeddings, bag, tables, seed=seed)
 
 
@@ -197,7 +196,7 @@ def refuse_dynamic_ids(spec: FeatureSpec, what: str) -> None:
     naming the first dynamic feature."""
     for f in spec.sparse:
         if f.ids == "dynamic":
-            raise SchemaError(f"sparse feature {f.name}: ids dynamic: {what} is not built yet")
+            raise _not_built(f.name, what)
 
 
 def refuse_dynamic_dataset(url: str, what: str) -> None:
@@ -209,7 +208,11 @@ def refuse_dynamic_dataset(url: str, what: str) -> None:
         return
     for f in schema.sparse:
         if schema.table_settings(f.table_name).get("ids") == "dynamic":
-            raise SchemaError(f"sparse feature {f.column}: ids dynamic: {what} is not built yet")
+            raise _not_built(f.column, what)
+
+
+def _not_built(feature: str, what: str) -> SchemaError:
+    return SchemaError(f"sparse feature {feature}: ids dynamic: {what} is not built yet")
 
 
 def id_map_counts(embeddings: nn.Module, keys: tuple[str, ...]) -> dict[str, dict[str, int]]:

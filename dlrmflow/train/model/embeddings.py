@@ -241,6 +241,13 @@ class InFrontOf(nn.Module):
             return getattr(super().__getattr__("inner"), name)
 
 
+def behind(embeddings: nn.Module) -> nn.Module:
+    """The collection behind every ``InFrontOf`` in front of it: the one that looks up."""
+    while isinstance(embeddings, InFrontOf):
+        embeddings = embeddings.inner
+    return embeddings
+
+
 class UnplacedEmbeddings(nn.Module):
     """The tables of a DLRM not yet placed anywhere: the plain model's embeddings before
     ``parallelize`` chooses where they live, so that building the model allocates none of
