@@ -22,7 +22,8 @@ from dlrmflow.train.run.checkpoint import load_checkpoint
 from tests.conftest import run_cli, tiny_run_config
 from tests.ingest.own_data import SCHEMA, write_own_dataset
 from tests.train.run.test_own_data import _with_features
-from tests.train.run.test_own_data_ops import write_days
+from tests.train.run.test_own_data_ops import MODEL, register_days
+from tests.train.run.test_own_data_ops import TRAIN as OWN_TRAIN
 
 runner = CliRunner()
 
@@ -40,24 +41,13 @@ sparse:
     evict_every: 2
   - column: tags
 """
-TRAIN = (
-    "--set", "train.batch_size=200", "--set", "train.num_workers=0", "--set", "train.epochs=3",
-)  # fmt: skip
-# Rows for 200 samples' IDs and the default row, and a few more: the table's limit.
-MODEL = ("--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16,8]")
+# Three passes of 4 steps; the table's 232 rows hold 200 samples' IDs and the default row.
+TRAIN = (*OWN_TRAIN, "--set", "train.epochs=3")
 
 
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dynamic")
-    data = root / "data"
-    write_days(data, days=2, rows=800)
-    (root / "schema.yaml").write_text(SCHEMA_YAML)
-    result = runner.invoke(
-        app, ["register", "--data", str(data), "--schema", str(root / "schema.yaml")]
-    )
-    assert result.exit_code == 0, result.output
-    return data
+    return register_days(tmp_path_factory.mktemp("dynamic"), SCHEMA_YAML)
 
 
 def train(run_dir: Path, data: Path, steps: int, *extra: str):

@@ -70,6 +70,17 @@ def write_days(root: Path, days: int = 3, rows: int = 1200, bad: bool = False) -
         pq.write_table(table, folder / "part-0.parquet", row_group_size=400)
 
 
+def register_days(root: Path, schema_yaml: str, days: int = 2, rows: int = 800) -> Path:
+    """``write_days`` under ``root/data``, registered with ``schema_yaml``; the data's path."""
+    data = root / "data"
+    write_days(data, days=days, rows=rows)
+    schema = root / "schema.yaml"
+    schema.write_text(schema_yaml)
+    result = runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)])
+    assert result.exit_code == 0, result.output
+    return data
+
+
 def invoke(*args: str) -> dict:
     result = runner.invoke(app, list(args))
     assert result.exit_code == 0, result.output

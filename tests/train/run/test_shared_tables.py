@@ -20,7 +20,7 @@ from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.schema import SchemaError, read_schema
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from tests.train.run.test_own_data import _with_features
-from tests.train.run.test_own_data_ops import write_days
+from tests.train.run.test_own_data_ops import MODEL, TRAIN, register_days
 
 runner = CliRunner()
 
@@ -36,23 +36,11 @@ sparse:
     table: things
     rows: 4096
 """
-TRAIN = ("--set", "train.batch_size=200", "--set", "train.num_workers=0")
-MODEL = ("--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16,8]")
-
-
-def register(root: Path, schema_yaml: str = SCHEMA_YAML) -> Path:
-    data = root / "data"
-    write_days(data, days=2, rows=800)
-    schema = root / "schema.yaml"
-    schema.write_text(schema_yaml)
-    result = runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)])
-    assert result.exit_code == 0, result.output
-    return data
 
 
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory) -> Path:
-    return register(tmp_path_factory.mktemp("shared"))
+    return register_days(tmp_path_factory.mktemp("shared"), SCHEMA_YAML)
 
 
 def train(run_dir: Path, data: Path, *extra: str) -> dict:

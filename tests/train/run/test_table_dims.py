@@ -17,7 +17,7 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.schema import SchemaError
 from dlrmflow.train.run.checkpoint import load_checkpoint
-from tests.train.run.test_own_data_ops import write_days
+from tests.train.run.test_own_data_ops import TRAIN, register_days
 
 runner = CliRunner()
 
@@ -38,19 +38,11 @@ crosses:
     dim: 2
 """
 DCN = ("--set", "model.arch=dcnv2", "--set", "model.embedding_dim=8")
-TRAIN = ("--set", "train.batch_size=200", "--set", "train.num_workers=0")
 
 
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dims")
-    data = root / "data"
-    write_days(data, days=2, rows=800)
-    schema = root / "schema.yaml"
-    schema.write_text(SCHEMA_YAML)
-    result = runner.invoke(app, ["register", "--data", str(data), "--schema", str(schema)])
-    assert result.exit_code == 0, result.output
-    return data
+    return register_days(tmp_path_factory.mktemp("dims"), SCHEMA_YAML)
 
 
 def test_each_table_takes_its_declared_dim(registered):
