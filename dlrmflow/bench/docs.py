@@ -29,10 +29,12 @@ LOGS_HOW = (
     "tag IDs with a weight per tag, a logged and a clipped "
     "float with nulls. Its batches are jagged (lists and per-ID weights): each row group "
     "is transformed as it is read and its rows placed in the shuffled window, each batch "
-    "then gathered by one compiled pass. Ours reads the string IDs a file stores as "
-    "dictionaries as dictionaries (each distinct string decoded and hashed once) where the "
-    'baseline decodes every string, so the fair figure is "plain strings": ours with every '
-    "string decoded plain too."
+    "then gathered by one compiled pass. Ours reads the strings a file stores as "
+    "dictionaries (the IDs and the list of recent items) as dictionaries, each distinct "
+    "string decoded and hashed once, and so does the baseline the ratios are against "
+    '(pyarrow with read_dictionary: the faster of its two decodes here). "Plain strings" '
+    "is ours with every string decoded and hashed, against the plain decode: what ours "
+    "reaches on files whose strings are not dictionary-encoded."
 )
 
 
@@ -50,10 +52,14 @@ def _kernels_headline(bench: dict, key: str) -> bool:
 
 
 def _ingest_headline(bench: dict, key: str) -> bool:
-    """Reader + transform against the decode; where strings are read as dictionaries on
-    our side only, the fairer figure with every string decoded plain on both."""
+    """Reader + transform against the decode. Where ours reads strings as dictionaries,
+    the decode that does too (records since it was measured); an older record's fairer
+    figure was ours with every string decoded plain."""
     fair = "reader_transform_plain_strings_vs_"
-    if any(k.startswith(fair) for k in bench["ratios"]):
+    same_decode = any(
+        "pyarrow_decode_dictionaries_rows_per_s" in r for r in bench["results"].values()
+    )
+    if not same_decode and any(k.startswith(fair) for k in bench["ratios"]):
         return key.startswith(fair)
     return key.startswith("reader_transform_vs_")
 
@@ -71,7 +77,7 @@ def _tiered_headline(bench: dict, key: str) -> bool:
 # The README's one-line name of each benchmark's baseline (docs/benchmarks.md has it whole).
 BASELINES = {
     "ingest": "pyarrow decode, same threads",
-    "ingest_logs": "pyarrow decode, same threads",
+    "ingest_logs": "pyarrow decode, dictionaries as ours, same threads",
     "kernels": "the same algorithm in plain torch",
     "train": "one process, same cores",
     "readers": "one local reader",

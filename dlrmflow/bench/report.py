@@ -241,6 +241,8 @@ def ingest_section(record: dict) -> str:
                 n,
                 r["pyarrow_decode_threads"],
                 r["pyarrow_decode_rows_per_s"],
+                # Strings read as dictionaries, as ours does; absent where there are none.
+                r.get("pyarrow_decode_dictionaries_rows_per_s", ""),
                 r["reader_transform_rows_per_s"],
                 r["reader_only_rows_per_s"],
                 r["reader_transform_no_shuffle_rows_per_s"],
@@ -270,13 +272,14 @@ def ingest_section(record: dict) -> str:
             f"Baseline: {record['baseline']}. {record['rows']:,} rows in {record['splits']} "
             "splits; both sides in one process under the same allocator setting "
             f'({_threshold(record["machine"]["malloc_mmap_threshold"])}). "Decode + '
-            "transform\" is the baseline's decode and our transform with no reader: the "
-            f"ratio reader + transform would reach were the reader free.{bytes_line}{apart}",
+            'transform" is our decode and transform with no reader: the ratio reader + '
+            f"transform would reach were the reader free.{bytes_line}{apart}",
             markdown_table(
                 [
                     "workers",
                     "threads (each side)",
                     "pyarrow decode rows/s",
+                    "pyarrow decode, dictionaries rows/s",
                     "reader + transform rows/s",
                     "reader only rows/s",
                     "no shuffle rows/s",

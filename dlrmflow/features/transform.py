@@ -86,7 +86,7 @@ from dlrmflow.features.dense import (
 from dlrmflow.features.ids import IdMapper
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.window import PlacedWindow, destinations, shuffled
-from dlrmflow.ingest.strings import is_string
+from dlrmflow.ingest.strings import holds_strings
 from dlrmflow.sparse import KeyedJaggedTensor
 
 # Rows of a row group whose dense values are clamped, logged and placed at a time: 8192
@@ -293,7 +293,7 @@ class BatchTransform:
         if layout.compiled:
             return []
         ids = [c for f in self.spec.sparse if f.bucketize is None for c in f.cross or (f.name,)]
-        return [name for name in dict.fromkeys(ids) if is_string(schema.field(name).type)]
+        return [name for name in dict.fromkeys(ids) if holds_strings(schema.field(name).type)]
 
     def _read(
         self, data: pa.Table | pa.RecordBatch

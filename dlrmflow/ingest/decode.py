@@ -27,7 +27,7 @@ from dlrmflow.ingest.dayfile import (
 )
 from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.splits import Split
-from dlrmflow.ingest.strings import is_string
+from dlrmflow.ingest.strings import holds_strings
 
 
 def row_group_of(split: Split) -> str:
@@ -65,8 +65,38 @@ def _open_for_arrow(split: Split) -> tuple[Any, Stamp]:
 class _Footer:
     metadata: pq.FileMetaData
     stamp: Stamp
-    # The file's string ID columns the transform takes as dictionaries (see SplitDecoder).
+    # The file's string ID columns the transform takes as dictionaries (see SplitDecoder),
+    # each with its Parquet leaf path (a list's strings: ``name.list.element`` or as its
+    # writer named them), which ``read_dictionary`` takes.
     dictionaries: tuple[str, ...] = ()
+    leaves: tuple[str, ...] = ()
+
+    def leaves_of(self, names: list[str]) -> list[str]:
+        paths = dict(zip(self.dictionaries, self.leaves, strict=True))
+        return [paths[name] for name in names]
+
+
+def _declared(t: pa.DataType) -> pa.DataType:
+    """The type a file declares for a column decoded as ``t`` with its strings read as
+    dictionaries: the dictionary's values, alone or in the same kind of list."""
+    if pa.types.is_dictionary(t):
+        return t.value_type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        field = t.value_field.with_type(_declared(t.value_type))
+        return pa.list_(field) if pa.types.is_list(t) else pa.large_list(field)
+    return t
+
+
+def leaf_paths(parquet: pq.ParquetFile, names: Sequence[str]) -> tuple[str, ...]:
+    """Each column's Parquet leaf path, as ``read_dictionary`` takes it: a top-level
+    column's is its name, a list's strings' ``name.list.element`` (or as its writer named
+    them)."""
+    paths = [parquet.schema.column(i).path for i in range(len(parquet.schema))]
+    leaves = []
+    for name in names:
+        under = [p for p in paths if p == name or p.startswith(name + ".")]
+        leaves.append(under[0])
+    return tuple(leaves)
 
 
 class SplitDecoder:
@@ -79,13 +109,13 @@ class SplitDecoder:
     instead of feeding it rows of another dataset.
 
     A transform with ``dictionary_columns(schema)`` (``BatchTransform``) names the string
-    ID columns of a file it takes as dictionaries: those are decoded as Parquet stores them
-    when a writer dictionary-encodes strings (each distinct string once, and an index a
-    row), so that neither the decode nor the transform goes over every row's string. A
-    column whose dictionary turns out as large as half its rows (a writer that gave up
-    dictionary-encoding it, where Arrow builds one at a cost) is decoded plain from then
-    on. Either way the transform gives the same rows; the schema a file declares is what
-    drift is checked against.
+    ID columns (strings, or lists of them) of a file it takes as dictionaries: those are
+    decoded as Parquet stores them when a writer dictionary-encodes strings (each distinct
+    string once, and an index an ID), so that neither the decode nor the transform goes
+    over every string. A column whose dictionary turns out as large as half its strings
+    (a writer that gave up dictionary-encoding it, where Arrow builds one at a cost) is
+    decoded plain from then on. Either way the transform gives the same rows; the schema a
+    file declares is what drift is checked against.
     """
 
     def __init__(
@@ -138,11 +168,12 @@ class SplitDecoder:
                     f,
                     metadata=None if footer is None else footer.metadata,
                     pre_buffer=True,
-                    read_dictionary=dictionaries or None,
+                    read_dictionary=footer.leaves_of(dictionaries) if dictionaries else None,
                 )
                 if footer is None:
                     self._check_identity(split, parquet.metadata)
-                    footer = _Footer(parquet.metadata, stamp, self._dictionaries_of(parquet))
+                    names = self._dictionaries_of(parquet)
+                    footer = _Footer(parquet.metadata, stamp, names, leaf_paths(parquet, names))
                     self._footers[split.path] = footer
                     dictionaries = self._dictionaries(footer)
                     if dictionaries:
@@ -150,7 +181,7 @@ class SplitDecoder:
                             f,
                             metadata=footer.metadata,
                             pre_buffer=True,
-                            read_dictionary=dictionaries,
+                            read_dictionary=footer.leaves_of(dictionaries),
                         )
                 names = parquet.schema_arrow.names
                 missing = [c for c in self.columns if c not in names]
@@ -172,7 +203,8 @@ class SplitDecoder:
             )
         for name in dictionaries:
             for chunk in table.column(name).chunks:
-                if 2 * len(chunk.dictionary) > len(chunk):
+                strings = chunk if pa.types.is_dictionary(chunk.type) else chunk.values
+                if 2 * len(strings.dictionary) > len(strings):
                     self._plain.add(name)
         return table, dictionaries
 
@@ -182,14 +214,14 @@ class SplitDecoder:
             return ()
         schema = parquet.schema_arrow
         wanted = self._dictionary_columns(schema)
-        # Only top-level plain strings: read_dictionary names leaf columns, and a column
-        # the file declares a dictionary already is read as one.
+        # Only strings and lists of strings: a column the file declares a dictionary
+        # already is read as one.
         return tuple(
             name
             for name in wanted
             if name in self.columns
             and schema.get_field_index(name) >= 0
-            and is_string(schema.field(name).type)
+            and holds_strings(schema.field(name).type)
         )
 
     def _dictionaries(self, footer: _Footer) -> list[str]:
@@ -219,7 +251,7 @@ class SplitDecoder:
         schema = table.schema
         if dictionaries:
             declared = pa.schema(
-                [f.with_type(f.type.value_type) if f.name in dictionaries else f for f in schema]
+                [f.with_type(_declared(f.type)) if f.name in dictionaries else f for f in schema]
             )
         else:
             declared = schema

@@ -39,6 +39,13 @@ def is_string(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
+def holds_strings(t: pa.DataType) -> bool:
+    """Whether a column of type ``t`` holds strings, alone or in lists."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        t = t.value_type
+    return is_string(t)
+
+
 @numba.njit(nogil=True, cache=True, inline="always")
 def _finish(h: np.uint64) -> np.uint64:
     """splitmix64's finalizer."""

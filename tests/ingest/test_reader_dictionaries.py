@@ -1,5 +1,6 @@
-"""String IDs read as the dictionaries Parquet stores them in: the same batches, fewer
-strings decoded and hashed, and drift still checked against what each file declares."""
+"""String IDs, alone or in lists, read as the dictionaries Parquet stores them in: the
+same batches, fewer strings decoded and hashed, and drift still checked against what each
+file declares."""
 
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ ROWS = 600  # a row group
 
 
 def table(seed: int, users: int) -> pa.Table:
-    """A row group of logs: ``users`` distinct user strings (some null), a list of tags."""
+    """A row group of logs: ``users`` distinct user strings (some null), a list of tags, a
+    list of recent item strings drawn from as many (some lists null)."""
     rng = np.random.default_rng(seed)
     user = [None if v == 0 else f"user-{v}" for v in rng.integers(0, users, ROWS)]
     tags = [list(rng.integers(0, 50, rng.integers(0, 4))) for _ in range(ROWS)]
+    recent = [
+        None if rng.random() < 0.1 else [f"item-{v}" for v in rng.integers(0, users, size)]
+        for size in rng.integers(0, 5, ROWS)
+    ]
     return pa.table(
         {
             "click": pa.array(rng.integers(0, 2, ROWS), pa.int8()),
@@ -34,6 +40,7 @@ def table(seed: int, users: int) -> pa.Table:
             "user": pa.array(user, pa.string()),
             "item": pa.array([f"item-{v}" for v in rng.integers(0, 40, ROWS)], pa.string()),
             "tags": pa.array(tags, pa.list_(pa.int64())),
+            "recent": pa.array(recent, pa.list_(pa.string())),
         }
     )
 
@@ -51,6 +58,7 @@ SPEC = FeatureSpec(
         SparseFeature("user", 64, 4),
         SparseFeature("item", 64, 4),
         SparseFeature("tags", 97, 4),
+        SparseFeature("recent", 64, 4),
     ),
     label="click",
     dense_transforms=(DenseFeature(column="price", transform="log"),),
@@ -58,16 +66,19 @@ SPEC = FeatureSpec(
 
 
 class Seen:
-    """The transform, recording the type of ``user`` in every table it validates."""
+    """The transform, recording the types of ``user`` and ``recent`` in every table it
+    validates."""
 
     def __init__(self, transform: BatchTransform, dictionaries: bool = True) -> None:
         self.transform = transform
         self.types: list[pa.DataType] = []
+        self.list_types: list[pa.DataType] = []
         if dictionaries:
             self.dictionary_columns = transform.dictionary_columns
 
     def validate(self, t: pa.Table) -> None:
         self.types.append(t.schema.field("user").type)
+        self.list_types.append(t.schema.field("recent").type)
         self.transform.validate(t)
 
     def __call__(self, t: pa.Table) -> Batch:
@@ -96,6 +107,7 @@ def read_both(paths: list[str]) -> tuple[Seen, list[Batch], list[Batch]]:
     seen, plain = Seen(transform), Seen(transform, dictionaries=False)
     with_dictionaries, without = batches(paths, seen), batches(paths, plain)
     assert plain.types and all(t == pa.string() for t in plain.types)
+    assert all(t == pa.list_(pa.string()) for t in plain.list_types)
     return seen, with_dictionaries, without
 
 
@@ -112,6 +124,7 @@ def test_dictionary_encoded_strings_are_read_as_dictionaries_to_the_same_batches
     ]
     seen, with_dictionaries, without = read_both(paths)
     assert seen.types and all(pa.types.is_dictionary(t) for t in seen.types)
+    assert all(pa.types.is_dictionary(t.value_type) for t in seen.list_types)
     assert_all_equal(with_dictionaries, without)
 
 
@@ -121,6 +134,8 @@ def test_a_column_whose_dictionary_is_as_large_as_its_rows_is_read_plain_after(t
     seen, with_dictionaries, without = read_both([path])
     assert pa.types.is_dictionary(seen.types[0])
     assert pa.string() in seen.types[1:]
+    assert pa.types.is_dictionary(seen.list_types[0].value_type)
+    assert pa.list_(pa.string()) in seen.list_types[1:]
     assert_all_equal(with_dictionaries, without)
 
 
@@ -139,7 +154,7 @@ def test_the_compiled_path_reads_strings_plain(tmp_path):
     assert transform.dictionary_columns(table(0, 30).schema) == []
     assert BatchTransform(SPEC, HashIds.from_spec(SPEC)).dictionary_columns(
         table(0, 30).schema
-    ) == ["user", "item"]
+    ) == ["user", "item", "recent"]
 
 
 def test_drift_is_what_the_files_declare(tmp_path):
@@ -152,6 +167,17 @@ def test_drift_is_what_the_files_declare(tmp_path):
     transform = Seen(BatchTransform(SPEC, HashIds.from_spec(SPEC)))
     message = r"b\.parquet, row group 0: column user is int64, but .*a\.parquet, row group 0 "
     with pytest.raises(DataError, match=message + r"has string \(schema drift\)"):
+        batches([first, second], transform, shuffle=False)
+
+
+def test_drift_of_a_list_of_strings_is_what_the_files_declare(tmp_path):
+    first = write(str(tmp_path / "a.parquet"), [table(0, 30)])
+    later = table(1, 30)
+    ints = later.set_column(5, "recent", pa.array([[1, 2]] * ROWS, pa.list_(pa.int64())))
+    second = write(str(tmp_path / "b.parquet"), [ints])
+    transform = Seen(BatchTransform(SPEC, HashIds.from_spec(SPEC)))
+    message = r"b\.parquet, row group 0: column recent is list<element: int64>, but "
+    with pytest.raises(DataError, match=message + r".*has list<element: string> \(schema drift"):
         batches([first, second], transform, shuffle=False)
 
 
