@@ -153,9 +153,13 @@ class DataConfig(_Section):
 class FeaturesConfig(_Section):
     """How raw IDs become embedding rows."""
 
-    ids: Literal["hash", "vocab"] = "hash"
+    ids: Literal["hash", "vocab", "dynamic"] = Field(
+        "hash",
+        description="for every ID column whose schema sets no ids: hash, vocab (of the "
+        "training days) or dynamic (a row per live ID, kept by the trainer)",
+    )
     max_rows_per_table: Int = Field(
-        100_000, ge=2, description="hash buckets (or vocabulary cap) per table"
+        100_000, ge=2, description="hash buckets (or vocabulary cap, or dynamic rows) per table"
     )
     hash_size_factor: Float = Field(
         4.0, ge=1, description="hash: buckets per distinct ID when the cardinality is known"
@@ -163,6 +167,15 @@ class FeaturesConfig(_Section):
     min_count: Int = Field(2, ge=1, description="vocab: IDs seen fewer times share the OOV row")
     pooling: Literal["sum", "mean"] = Field(
         "sum", description="how a bag of IDs is pooled (mean suits long multi-hot lists)"
+    )
+    admit_after: Int | None = Field(
+        None, ge=1, description="dynamic: sightings before an ID gets a row (None: 1)"
+    )
+    ttl: Int | None = Field(
+        None, ge=1, description="dynamic: training steps unseen before an ID's row is freed"
+    )
+    evict_every: Int | None = Field(
+        None, ge=1, description="dynamic: steps between evictions (None: 1000)"
     )
 
 

@@ -258,6 +258,19 @@ class FeatureSpec:
             name = feature.column
             table = schema.table_settings(feature.table_name)
             ids = table.get("ids")
+            if ids is None and features.ids == "dynamic":
+                # The trainer's maps need to know their tables: the run's default is
+                # written into the spec, as a schema's ``ids: dynamic`` is.
+                ids = "dynamic"
+            dynamic = ids == "dynamic"
+            admit_after, ttl, evict_every = (
+                table.get(key) if table.get(key) is not None or not dynamic else default
+                for key, default in (
+                    ("admit_after", features.admit_after),
+                    ("ttl", features.ttl),
+                    ("evict_every", features.evict_every),
+                )
+            )
             # A feature declared hashed never takes a vocabulary's size.
             if ids != "hash" and table_rows is not None and name in table_rows:
                 rows = table_rows[name]
@@ -281,9 +294,9 @@ class FeatureSpec:
                     keep=feature.keep,
                     weights=feature.weights,
                     table=feature.table if feature.table_name != name else None,
-                    admit_after=table.get("admit_after"),
-                    ttl=table.get("ttl"),
-                    evict_every=table.get("evict_every"),
+                    admit_after=admit_after,
+                    ttl=ttl,
+                    evict_every=evict_every,
                 )
             )
         dense, transforms = [], []

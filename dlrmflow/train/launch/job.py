@@ -249,7 +249,9 @@ def launch_training(
         with interrupt_on_signals("training"):
             return train(config, progress=on_record)
     # Refused here, before a rank starts, rather than by each rank as it builds its model.
-    refuse_dynamic_dataset(config.data.url, "a job of several ranks (distributed.nproc > 1)")
+    refuse_dynamic_dataset(
+        config.data.url, config.features.ids, "a job of several ranks (distributed.nproc > 1)"
+    )
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     what = _job_name("training", nproc, hosts)

@@ -152,27 +152,43 @@ class DynamicIdEmbeddings(InFrontOf):
 EVICT_EVERY = 1000
 
 
-def with_dynamic_ids(
-    embeddings: nn.Module, spec: FeatureSpec, *, seed: int, batch_size: int
-) -> nn.Module:
+def check_capacity(
+    spec: FeatureSpec, batch_size: int, cardinalities: dict[str, int] | None
+) -> None:
+    """Refuse, naming the feature, a dynamic table whose rows cannot hold one batch's IDs:
+    ``batch_size`` samples with one ID of each of its features each, or, where the dataset
+    knows its columns' distinct IDs (``cardinalities``), those IDs if fewer, and the
+    default row. Such a table would send IDs of every batch to the default row."""
+    for table in spec.tables:
+        features = [f for f in spec.sparse if f.table_name == table.name]
+        first = features[0]
+        if first.ids != "dynamic":
+            continue
+        ids = batch_size * len(features)
+        why = f"train.batch_size {batch_size} x {len(features)} feature(s)"
+        known = [(cardinalities or {}).get(f.name) for f in features]
+        if None not in known and sum(known) < ids:  # type: ignore[arg-type]
+            ids = sum(known)  # type: ignore[arg-type]
+            why = f"the dataset's {ids} distinct IDs"
+        needed = ids + 1
+        if table.num_embeddings < needed:
+            raise SchemaError(
+                f"sparse feature {first.name}: ids dynamic with rows {table.num_embeddings} "
+                f"cannot hold one batch's IDs ({why}, and the default row); give it rows "
+                f">= {needed}"
+            )
+
+
+def with_dynamic_ids(embeddings: nn.Module, spec: FeatureSpec, *, seed: int) -> nn.Module:
     """``embeddings`` (one process's) behind the maps of ``spec``'s dynamic tables; itself
-    when it has none. The tables' settings are their features' (``ids: dynamic``). A table
-    whose rows cannot hold one batch's IDs (``batch_size`` samples, one ID each of each of
-    its features at least) is refused naming the feature: it would send most IDs of every
-    batch to the default row."""
+    when it has none. The tables' settings are their features' (``ids: dynamic``, or the
+    run's ``features`` defaults)."""
     tables = []
     for table in spec.tables:
         features = [f for f in spec.sparse if f.table_name == table.name]
         first = features[0]
         if first.ids != "dynamic":
             continue
-        needed = batch_size * len(features) + 1  # and the default row
-        if table.num_embeddings < needed:
-            raise SchemaError(
-                f"sparse feature {first.name}: ids dynamic with rows {table.num_embeddings} "
-                f"cannot hold one batch's IDs (train.batch_size {batch_size} x "
-                f"{len(features)} feature(s), and the default row); give it rows >= {needed}"
-            )
         tables.append(
             DynamicTable(
                 table.name,
@@ -199,15 +215,16 @@ def refuse_dynamic_ids(spec: FeatureSpec, what: str) -> None:
             raise _not_built(f.name, what)
 
 
-def refuse_dynamic_dataset(url: str, what: str) -> None:
-    """``refuse_dynamic_ids`` for the dataset at ``url``'s declared schema, before any
-    model exists; a dataset that cannot be read is left to the run to report."""
+def refuse_dynamic_dataset(url: str, default_ids: str, what: str) -> None:
+    """``refuse_dynamic_ids`` for the dataset at ``url``'s declared schema (its features
+    without ``ids`` take ``default_ids``, the run's ``features.ids``), before any model
+    exists; a dataset that cannot be read is left to the run to report."""
     try:
         schema = dataset_schema(read_manifest(url))
     except (DlrmflowError, OSError, ValueError):
         return
     for f in schema.sparse:
-        if schema.table_settings(f.table_name).get("ids") == "dynamic":
+        if (schema.table_settings(f.table_name).get("ids") or default_ids) == "dynamic":
             raise _not_built(f.column, what)
 
 

@@ -106,9 +106,7 @@ def apply_local_embeddings(
         ),
         spec,
     )
-    model.embeddings = with_dynamic_ids(
-        model.embeddings, spec, seed=config.train.seed, batch_size=config.train.batch_size
-    )
+    model.embeddings = with_dynamic_ids(model.embeddings, spec, seed=config.train.seed)
 
 
 def apply_sharded_embeddings(

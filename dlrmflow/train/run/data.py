@@ -30,6 +30,7 @@ from dlrmflow.ingest.reader import ParquetBatchDataset, pass_steps
 from dlrmflow.ingest.splits import list_splits
 from dlrmflow.ingest.stats.results import read_stats
 from dlrmflow.supervise import beat
+from dlrmflow.train.model.dynamic_ids import check_capacity
 
 if TYPE_CHECKING:
     from dlrmflow.ingest.service.client import RemoteBatchSource
@@ -95,6 +96,7 @@ def fit_features(
     )
     if vocab is not None and kept is not None and not reuse:
         vocab.save(str(kept))
+    check_capacity(spec, config.train.batch_size, manifest.cardinalities)
     return spec, ids
 
 

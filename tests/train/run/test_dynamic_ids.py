@@ -6,6 +6,7 @@ what is not built yet for them (a job, a torch-export) is one line naming the fe
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +163,57 @@ def test_a_table_too_small_for_one_batch_is_refused_before_training(registered, 
     data = Path(_with_features(str(registered), tmp_path / "small", smaller))
     result = train(tmp_path / "run", data, 2)
     assert result.exit_code == 1 and isinstance(result.exception, SchemaError)
+    # item_id holds 100 distinct IDs (registration's sketch counts 99): fewer than a
+    # batch's 200 samples, so they bound what one batch can hold.
     assert str(result.exception) == (
         "sparse feature item_id: ids dynamic with rows 64 cannot hold one batch's IDs "
-        "(train.batch_size 200 x 1 feature(s), and the default row); give it rows >= 201"
+        "(the dataset's 99 distinct IDs, and the default row); give it rows >= 100"
+    )
+
+
+def test_features_ids_dynamic_gives_every_id_column_of_the_preset_a_map(tiny_dataset, tmp_path):
+    """Criteo's layout has no schema to declare ``ids: dynamic`` in: the run's
+    ``features.ids`` does it for every ID column, with the run's dynamic settings."""
+    dynamic = ("--set", "features.ids=dynamic", "--set", "features.ttl=5",
+               "--set", "features.admit_after=2")  # fmt: skip
+    tiny = ("--set", "train.batch_size=256", "--set", "train.num_workers=0",
+            "--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16,8]",
+            "--set", "model.top_mlp=[16]")  # fmt: skip
+    run_dir = tmp_path / "run"
+    result = runner.invoke(
+        app,
+        ["train", "--run-dir", str(run_dir), "--data", tiny_dataset, *tiny, *dynamic,
+         "--set", "train.max_steps=4"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    checkpoint = load_checkpoint(run_dir)
+    embeddings = checkpoint.model.embeddings
+    assert isinstance(embeddings, DynamicIdEmbeddings)
+    assert sorted(embeddings.maps) == sorted(f"C{i}" for i in range(1, 27))
+    assert {(f.ids, f.ttl, f.admit_after, f.evict_every) for f in checkpoint.spec.sparse} == {
+        ("dynamic", 5, 2, None)
+    }
+    assert all(m.rows_in_use > 0 for m in embeddings.maps.values())
+    # A job is refused before any rank starts, naming the first ID column.
+    job = runner.invoke(
+        app,
+        ["train", "--run-dir", str(tmp_path / "job"), "--data", tiny_dataset, *tiny, *dynamic,
+         "--set", "distributed.nproc=2"],
+    )  # fmt: skip
+    assert job.exit_code == 1 and isinstance(job.exception, SchemaError)
+    assert str(job.exception).startswith("sparse feature C1: ids dynamic: a job of several ranks")
+
+
+def test_a_table_capped_below_one_batch_is_refused_naming_the_batch(tiny_dataset, tmp_path):
+    result = runner.invoke(
+        app,
+        ["train", "--run-dir", str(tmp_path / "run"), "--data", tiny_dataset,
+         "--set", "features.ids=dynamic", "--set", "features.max_rows_per_table=300",
+         "--set", "train.batch_size=512", "--set", "train.max_steps=1"],
+    )  # fmt: skip
+    assert result.exit_code == 1 and isinstance(result.exception, SchemaError)
+    assert re.fullmatch(
+        r"sparse feature C\d+: ids dynamic with rows 300 cannot hold one batch's IDs "
+        r"\(train\.batch_size 512 x 1 feature\(s\), and the default row\); give it rows >= 513",
+        str(result.exception),
     )
