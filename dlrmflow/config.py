@@ -119,6 +119,14 @@ class DataConfig(_Section):
         "the next (each ID's effects decorrelate and this share of IDs is replaced by new "
         "ones each day); 0 keeps the days i.i.d.",
     )
+    churn: Float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="synthetic: the share of each feature's IDs born each day, at random "
+        "popularity ranks, pushing older IDs down (their popularity decays); as many of the "
+        "least popular stop appearing. 0: no churn",
+    )
     landing: str | None = Field(
         None,
         description="a directory raw Criteo day files land in, a file a day: a model line "

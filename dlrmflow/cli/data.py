@@ -21,6 +21,10 @@ def generate(
     drift: Annotated[
         float | None, typer.Option(help="Day-to-day change of the click model and IDs (0-1).")
     ] = None,
+    churn: Annotated[
+        float | None,
+        typer.Option(help="Share of each feature's IDs born each day, as many dying (0-1)."),
+    ] = None,
     shape: Annotated[
         str,
         typer.Option(
@@ -57,6 +61,7 @@ def generate(
             "data.seed": seed,
             "data.multi_hot": multi_hot,
             "data.drift": drift,
+            "data.churn": churn,
         },
     )
     before = listed_paths(cfg.data.url) or set()

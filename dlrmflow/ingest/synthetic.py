@@ -21,6 +21,13 @@ popularity ranks of every feature is taken over by new IDs with fresh effects. A
 trained on earlier days goes stale, and continued training has something to catch up on.
 Day 0 is the i.i.d. data's day 0, and the tables keep their size: the manifest's
 cardinalities are day 0's, the number of IDs live on any day.
+
+With ``data.churn`` > 0 the ID space turns over as a catalogue or a user base does: each
+day a ``churn`` share of every feature's IDs is born, each new ID placed at a random
+popularity rank with an effect and latent vector of its own; the IDs below each newcomer
+move one rank down, so an ID's popularity decays as newer ones arrive, and the IDs
+pushed past the last rank stop appearing for good. An ID keeps its effects as it moves.
+Churn and drift compose (drift's step first); each day's Bayes metrics are its own.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ GENERATOR_FORMAT = 1
 
 # First word of every SeedSequence key, so the streams can never collide.
 _STREAM_ROWS, _STREAM_TABLES, _STREAM_DENSE, _STREAM_CALIBRATION, _STREAM_DRIFT = range(5)
+_STREAM_CHURN = 5
 
 
 @dataclass(frozen=True)
@@ -123,9 +131,10 @@ class _SparseTruth:
     missing_rate: float
     mean_length: float  # mean list length when multi-hot
     scale: np.ndarray  # float64 [n]: the std of each rank's effect, relative to EFFECT_STD
-    # The ID number (before hashing) at each rank: the rank itself until drift replaces it.
+    # The ID number (before hashing) at each rank: the rank itself until drift or churn
+    # replaces it.
     id_number: np.ndarray | None = None
-    next_id: int = 0  # the first ID number not used yet (drift's new IDs)
+    next_id: int = 0  # the first ID number not used yet (drift's and churn's new IDs)
 
     @property
     def cardinality(self) -> int:
@@ -192,6 +201,8 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
             drifting["day"] += 1
             if config.drift > 0:
                 drifting["truth"] = _drifted(drifting["truth"], config, drifting["day"])
+            if config.churn > 0:
+                drifting["truth"] = _churned(drifting["truth"], config, drifting["day"])
         return drifting["truth"]
 
     def write_day(day: int) -> DayFile:
@@ -245,6 +256,8 @@ def day_file_name(config: DataConfig, day: int) -> str:
     )
     if config.drift == 0:
         del parameters["drift"]  # the i.i.d. days keep the names they had before drift
+    if config.churn == 0:
+        del parameters["churn"]  # and days without churn those they had before it
     versions = (GENERATOR_FORMAT, np.__version__, pa.__version__)
     return file_name("synthetic", *versions, sorted(parameters.items()), day)
 
@@ -444,6 +457,47 @@ def _drifted(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
     return _GroundTruth(tuple(sparse), truth.dense_weights, truth.bias)
 
 
+def _churned(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
+    """The click model of ``day`` after one day of ``config.churn``: ``churn`` of each
+    feature's IDs are born at random ranks (each with an effect and latent vector drawn
+    at its rank's scale), the IDs below move down, and as many at the bottom are dropped.
+    """
+    sparse = []
+    for index, feature in enumerate(truth.sparse):
+        rng = seeded_rng(_STREAM_CHURN, config.seed, index, day)
+        n = feature.cardinality
+        born = min(int(round(config.churn * n)), n)
+        numbers = np.arange(n) if feature.id_number is None else feature.id_number
+        if born == 0:
+            sparse.append(feature)
+            continue
+        # Where the newcomers end up: ``born`` distinct ranks of the n, each newcomer's
+        # rank its final one; the n - born survivors fill the others in their old order.
+        ranks = np.sort(rng.choice(n, born, replace=False))
+        new = np.zeros(n, np.bool_)
+        new[ranks] = True
+        scale = feature.scale[ranks]
+        effect = np.empty(n)
+        effect[~new] = feature.effect[: n - born]
+        effect[new] = rng.normal(0.0, EFFECT_STD, born) * scale
+        latent = np.empty((LATENT_DIM, n))
+        latent[:, ~new] = feature.latent[:, : n - born]
+        latent[:, new] = rng.normal(0.0, LATENT_STD, (LATENT_DIM, born)) * scale
+        churned = np.empty(n, np.int64)
+        churned[~new] = numbers[: n - born]
+        churned[new] = feature.next_id + np.arange(born)
+        sparse.append(
+            replace(
+                feature,
+                effect=effect,
+                latent=latent,
+                id_number=churned,
+                next_id=feature.next_id + born,
+            )
+        )
+    return _GroundTruth(tuple(sparse), truth.dense_weights, truth.bias)
+
+
 def hashed_ids(ranks: np.ndarray, key: np.uint32) -> np.ndarray:
     """Scatter 0-based popularity ranks over [0, 2**32) like Criteo's hashed hex IDs.
 
@@ -484,6 +538,7 @@ def _generator_record(config: DataConfig, truth: _GroundTruth) -> dict[str, obje
         "numpy": np.__version__,
         "rows_per_day": config.rows_per_day,
         "drift": config.drift,
+        **({"churn": config.churn} if config.churn else {}),
         "row_group_size": config.row_group_size,
         "cardinality_scale": config.cardinality_scale,
         "max_cardinality": config.max_cardinality,

@@ -209,6 +209,8 @@ def generate_logs_dataset(
         raise ConfigError("data.multi_hot: the logs shape's tags are always a list; unset it")
     if config.drift:
         raise ConfigError(f"data.drift: the logs shape has no drift (got {config.drift}); use 0")
+    if config.churn:
+        raise ConfigError(f"data.churn: the logs shape has no churn (got {config.churn}); use 0")
     with dataset_lock(root, "generate"):
         return _generate(config, root, progress)
 
