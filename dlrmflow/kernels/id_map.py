@@ -367,6 +367,16 @@ class DynamicIdMap:
         self._counters[:] = counters
         return out
 
+    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
+        """The map as a sorted lookup that admits nothing: (the raw IDs with a row of their
+        own, ascending as int64; their rows). Any other ID reads row 0, as ``rows_of``
+        says: an export searches the IDs instead of carrying the hash table."""
+        rows = np.flatnonzero(self._last_seen >= 0)
+        rows = rows[rows > 0]
+        keys = self._id_of_row[rows].view(np.int64)
+        order = np.argsort(keys, kind="stable")
+        return keys[order], rows[order].astype(np.int64)
+
     def arrays(self) -> dict[str, np.ndarray]:
         """The map's live state arrays by name, as int64 views (IDs' bit patterns kept):
         a checkpoint saves from them and loads into them in place."""

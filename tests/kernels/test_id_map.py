@@ -180,3 +180,18 @@ def test_a_state_of_other_settings_is_refused_naming_the_setting():
 def test_settings_it_cannot_run_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicIdMap(**kwargs)
+
+
+def test_the_frozen_map_looks_every_id_up_as_rows_of_does():
+    m = DynamicIdMap(64, admit_after=2, ttl=3)
+    rng = np.random.default_rng(5)
+    for now in range(1, 12):
+        m.map(rng.integers(-(2**62), 2**62, 20) // 2**56 * 2**56, now)
+        if now % 4 == 0:
+            m.evict(now)
+    keys, rows = m.frozen()
+    assert np.all(np.diff(keys) > 0) and len(keys) == m.rows_in_use
+    probe = np.concatenate([keys, rng.integers(-(2**62), 2**62, 50), np.array([0, -1])])
+    at = np.searchsorted(keys, probe).clip(max=len(keys) - 1)
+    looked_up = np.where(keys[at] == probe, rows[at], 0)
+    assert np.array_equal(looked_up, m.rows_of(probe))

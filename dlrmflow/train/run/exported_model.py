@@ -7,7 +7,11 @@ dlrmflow, no training code. The program takes plain tensors in the project's
 
 * ``dense``: float32 ``[B, n_dense]``, already transformed (as ``Batch.dense`` holds them);
 * ``values``: int64 ``[N]``, the embedding rows, key-major (every sample's IDs of feature
-  0, then of feature 1, ...), each a row of its own feature's table;
+  0, then of feature 1, ...), each a row of its own feature's table; a dynamic table's
+  features (``ids: dynamic``) take their raw int64 IDs instead, which the program maps by
+  the table's map frozen at export (its live IDs sorted, searched with
+  ``torch.searchsorted``; an ID without a row reads the default row 0, as evaluation
+  does);
 * ``offsets``: int64 ``[T * B + 1]``, where bag ``k * B + i`` (feature ``k``, sample
   ``i``) holds ``values[offsets[k * B + i]:offsets[k * B + i + 1]]``; an empty bag is a
   missing ID;
@@ -81,7 +85,8 @@ from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.runtime.async_assert import assert_async
 from dlrmflow.supervise import interrupt_on_signals, signals_deferred
-from dlrmflow.train.model.dynamic_ids import refuse_dynamic_ids
+from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings
+from dlrmflow.train.model.embeddings import behind
 from dlrmflow.train.run.recipe import program_inputs, raw_recipe
 
 if TYPE_CHECKING:
@@ -138,6 +143,7 @@ class ServableDLRM(nn.Module):
         arch: str,
         cross: nn.Module | None = None,
         quantize: str = "none",
+        maps: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         super().__init__()
         if quantize not in QUANTIZATIONS:
@@ -204,6 +210,19 @@ class ServableDLRM(nn.Module):
             n = self.n_tables + 1
             rows_i, cols_j = torch.tril_indices(n, n, offset=-1)
             self.register_buffer("pairs", rows_i * n + cols_j)
+        # Dynamic tables: each one's frozen map (raw IDs ascending, their rows) and which
+        # features' IDs go through it; the program takes those features' raw IDs.
+        self.n_maps = 0
+        for name, (keys, rows) in (maps or {}).items():
+            if name not in index:
+                raise ValueError(f"a map for {name!r}, which is not among the spec's tables")
+            if len(keys) == 0:  # nothing admitted: every ID reads the default row
+                keys, rows = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+            through = [f.table_name == name for f in spec.sparse]
+            self.register_buffer(f"map_keys_{self.n_maps}", keys.to("cpu", torch.int64))
+            self.register_buffer(f"map_rows_{self.n_maps}", rows.to("cpu", torch.int64))
+            self.register_buffer(f"map_features_{self.n_maps}", torch.tensor(through, device="cpu"))
+            self.n_maps += 1
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -216,8 +235,12 @@ class ServableDLRM(nn.Module):
         The dense arch's modules are deep copies (plain ``nn.Linear``/``nn.ReLU`` stacks and
         the cross network), run in float32 whatever precision trained them.
         """
-        refuse_dynamic_ids(spec, "an export (the map of raw IDs to rows)")
-        bag = model.embeddings
+        maps = {}
+        if isinstance(model.embeddings, DynamicIdEmbeddings):
+            for name, id_map in model.embeddings.maps.items():
+                keys, rows = id_map.frozen()
+                maps[name] = (torch.from_numpy(keys), torch.from_numpy(rows))
+        bag = behind(model.embeddings)
         if list(bag.names) != [t.name for t in spec.tables]:
             raise ValueError(f"the model's tables {bag.names} differ from the spec's")
         arch = model.dense_arch
@@ -231,6 +254,7 @@ class ServableDLRM(nn.Module):
             arch=arch.arch,
             cross=copy.deepcopy(arch.interaction).float().cpu() if arch.arch == "dcnv2" else None,
             quantize=quantize,
+            maps=maps,
         )
 
     @property
@@ -259,6 +283,7 @@ class ServableDLRM(nn.Module):
         # Past the last table only when the offsets are malformed (the check below fails);
         # clamped so that the check itself indexes in range.
         table = table.clamp(max=n_tables - 1)
+        values = self._mapped(values, table)
         well_formed = (
             (offsets[0] == 0)
             & (offsets[-1] == n_ids)
@@ -296,6 +321,19 @@ class ServableDLRM(nn.Module):
         else:
             features = self.cross(torch.cat([dense_out, pooled], dim=1))
         return torch.sigmoid(self.top(features).squeeze(1))
+
+    def _mapped(self, values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``values`` with the raw IDs of dynamic features (``table``: each ID's feature)
+        replaced by their rows: an ID found in its table's frozen map reads its row, any
+        other the default row 0, as evaluation looks IDs up. Every ID is searched in every
+        map and the feature picks (no data-dependent shape)."""
+        for i in range(self.n_maps):
+            keys = getattr(self, f"map_keys_{i}")
+            rows = getattr(self, f"map_rows_{i}")
+            at = torch.searchsorted(keys, values).clamp(max=keys.shape[0] - 1)
+            row = torch.where(keys[at] == values, rows[at], torch.zeros_like(values))
+            values = torch.where(getattr(self, f"map_features_{i}")[table], row, values)
+        return values
 
     def _pool(
         self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None

@@ -176,6 +176,11 @@ def raw_recipe(spec: FeatureSpec, config: RunConfig, run_dir: Path | None = None
         "hash: the row by 'row' with the feature's salt; vocab: the row by 'vocab'; "
         "bucket: the row by 'bucketize'"
     )
+    if "dynamic" in mappings:
+        recipe["dynamic"] = (
+            "the raw int64 ID itself (a string hashed by 'string_ids'): the program maps it "
+            "by the map it carries, frozen at export; an ID without a row reads row 0"
+        )
     if "hash" in mappings:
         recipe["hash"] = MIX
         recipe["row"] = HASH_ROW

@@ -1,22 +1,28 @@
 """Dynamic ID tables from a schema, end to end in one process: ``ids: dynamic`` trains
 with raw IDs mapped by the trainer, evaluates without admitting, resumes bitwise with its
-map, exports its weights with the map, records each day's counts in a model line, and
-what is not built yet for them (a job, a torch-export) is one line naming the feature."""
+map, exports its weights with the map and a program that maps raw IDs itself, records
+each day's counts in a model line, and what is not built yet for them (a job of several
+ranks) is one line naming the feature."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from dlrmflow.cli import app
 from dlrmflow.ingest.register import register_dataset
 from dlrmflow.schema import SchemaError, parse_schema
+from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.line.line import history, versions
 from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings
 from dlrmflow.train.run.checkpoint import load_checkpoint
@@ -93,29 +99,76 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(registered, tmp_pat
         assert np.array_equal(array, b.maps["item_id"].arrays()[key]), key
 
 
-def test_a_job_and_a_torch_export_are_refused_naming_the_feature(registered, tmp_path):
+def test_a_job_is_refused_naming_the_feature(registered, tmp_path):
     result = train(tmp_path / "job", registered, 2, "--set", "distributed.nproc=2")
     assert result.exit_code == 1 and isinstance(result.exception, SchemaError)
     assert str(result.exception).startswith(
         "sparse feature item_id: ids dynamic: a job of several ranks"
     )
     assert not (tmp_path / "job" / "checkpoints").exists()  # no rank trained
+
+
+def test_exports_carry_the_map_and_the_program_maps_raw_ids_without_dlrmflow(registered, tmp_path):
     run_dir = tmp_path / "run"
-    assert train(run_dir, registered, 2).exit_code == 0
+    assert train(run_dir, registered, 6).exit_code == 0
+    program = tmp_path / "m.pt2"
     exported = runner.invoke(
         app,
-        ["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "m.pt2"),
-         "--format", "torch-export"],
+        ["export", "--run-dir", str(run_dir), "--out", str(program), "--format",
+         "torch-export"],
     )  # fmt: skip
-    assert exported.exit_code == 1 and isinstance(exported.exception, SchemaError)
-    assert str(exported.exception).startswith("sparse feature item_id: ids dynamic: an export")
+    assert exported.exit_code == 0, exported.output
+    # The export's own check: the program scored the held-out day as the checkpoint does.
+    check = json.loads(exported.output)["verify"]
+    assert check["max_abs_diff"] < 1e-6, check
+    ckpt = load_checkpoint(run_dir)
+    item_map = ckpt.model.embeddings.maps["item_id"]
+    assert item_map.rows_in_use > 0
+    # Raw item IDs: every admitted one, some never seen (the default row), in 40 samples.
+    keys, _ = item_map.frozen()
+    unseen = np.array([10**12, -5, 2**62], np.int64)
+    raw = np.concatenate([keys, unseen])[:40]
+    samples = len(raw)
+    features = [f.name for f in ckpt.spec.sparse]
+    bags = {name: np.arange(samples) % 7 for name in features}  # hashed features: any row
+    bags["item_id"] = raw
+    values = torch.from_numpy(np.concatenate([bags[name] for name in features]))
+    offsets = torch.arange(len(features) * samples + 1, dtype=torch.int64)
+    weighted = any(f.weights is not None for f in ckpt.spec.sparse)
+    weights = torch.ones(len(values)) if weighted else None
+    dense = torch.linspace(0, 1, samples * len(ckpt.spec.dense)).view(samples, -1)
+    inputs = (dense, values, offsets) + (() if weights is None else (weights,))
+    torch.save(inputs, tmp_path / "inputs.pt")
+    script = (
+        "import sys, torch\n"
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
+        "inputs = torch.load(sys.argv[1])\n"
+        "with torch.no_grad():\n"
+        "    torch.save(torch.export.load(sys.argv[2]).module()(*inputs), sys.argv[3])\n"
+        "assert 'dlrmflow' not in sys.modules, sorted(sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "inputs.pt"), str(program),
+         str(tmp_path / "out.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    served = torch.load(tmp_path / "out.pt")
+    # The checkpoint's model on the same raw IDs: its map looks them up (evaluation's
+    # way, admitting nothing), unseen ones on the default row.
+    ckpt.model.eval()
+    kjt = KeyedJaggedTensor(features, values, torch.ones(len(values), dtype=torch.int32), weights)
+    with torch.no_grad():
+        expected = torch.sigmoid(ckpt.model(dense, kjt))
+    assert torch.allclose(served, expected, atol=1e-6, rtol=0)
+    assert np.array_equal(item_map.rows_of(unseen), np.zeros(3, np.int64))
     # The weights' export carries the map beside the rows it indexes.
     out = tmp_path / "m.safetensors"
     result = runner.invoke(app, ["export", "--run-dir", str(run_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
     tensors = load_file(str(out))
-    saved = load_checkpoint(run_dir).model.embeddings.maps["item_id"].arrays()
-    for key, array in saved.items():
+    for key, array in item_map.arrays().items():
         assert np.array_equal(tensors[f"id_maps.item_id.{key}"].numpy(), array), key
 
 
