@@ -260,6 +260,20 @@ class DynamicIdMap:
         self._counters = np.zeros(5, np.int64)
         self._evicted = 0
 
+    @staticmethod
+    def bytes_for(capacity: int, *, admit_after: int = 1, candidates: int | None = None) -> int:
+        """The memory a map of these settings holds (``nbytes``), before it is made."""
+        limit = (capacity if candidates is None else candidates) if admit_after > 1 else 0
+        slots, candidate_slots = _slots_for(capacity)[0], _slots_for(limit)[0]
+        # keys, rows, spare; candidate keys, counts, seen; a row's ID, last sighting,
+        # hits; the free rows; sizes and counters.
+        return 8 * (3 * slots + 3 * candidate_slots + 3 * capacity + capacity - 1 + 2 + 5)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the map's arrays hold."""
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+
     def map(self, ids: np.ndarray, now: int, *, admit: bool = True) -> np.ndarray:
         """The rows of ``ids`` (int64, in order), counting and admitting as it goes when
         ``admit`` (training); evaluation and scoring look up without admitting."""

@@ -195,3 +195,15 @@ def test_the_frozen_map_looks_every_id_up_as_rows_of_does():
     at = np.searchsorted(keys, probe).clip(max=len(keys) - 1)
     looked_up = np.where(keys[at] == probe, rows[at], 0)
     assert np.array_equal(looked_up, m.rows_of(probe))
+
+
+@pytest.mark.parametrize(
+    ("capacity", "admit_after", "candidates"), [(2, 1, None), (1000, 1, None), (1000, 3, None),
+                                                (4097, 2, 100)]
+)  # fmt: skip
+def test_a_maps_memory_is_known_before_it_is_made(capacity, admit_after, candidates):
+    made = DynamicIdMap(capacity, admit_after=admit_after, candidates=candidates)
+    wanted = DynamicIdMap.bytes_for(capacity, admit_after=admit_after, candidates=candidates)
+    assert made.nbytes == wanted
+    # A row costs more than its ID alone: the hash table keeps 2-4 slots a row.
+    assert wanted > 8 * 5 * capacity

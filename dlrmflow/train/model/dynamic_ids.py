@@ -152,13 +152,41 @@ class DynamicIdEmbeddings(InFrontOf):
 EVICT_EVERY = 1000
 
 
+def map_bytes(spec: FeatureSpec) -> dict[str, int]:
+    """The memory each dynamic table's map will hold, by table (``DynamicIdMap.bytes_for``
+    of its capacity and admission)."""
+    sizes = {}
+    for table in spec.tables:
+        first = next(f for f in spec.sparse if f.table_name == table.name)
+        if first.ids == "dynamic":
+            sizes[table.name] = DynamicIdMap.bytes_for(
+                table.num_embeddings, admit_after=first.admit_after or 1
+            )
+    return sizes
+
+
 def check_capacity(
-    spec: FeatureSpec, batch_size: int, cardinalities: dict[str, int] | None
+    spec: FeatureSpec,
+    batch_size: int,
+    cardinalities: dict[str, int] | None,
+    memory_bytes: int | None = None,
 ) -> None:
     """Refuse, naming the feature, a dynamic table whose rows cannot hold one batch's IDs:
     ``batch_size`` samples with one ID of each of its features each, or, where the dataset
     knows its columns' distinct IDs (``cardinalities``), those IDs if fewer, and the
-    default row. Such a table would send IDs of every batch to the default row."""
+    default row. Such a table would send IDs of every batch to the default row. Maps that
+    do not fit ``memory_bytes`` (``train.embedding_memory_bytes``: the maps stay in memory,
+    the rows' cache gets what they leave) are refused naming the largest."""
+    sizes = map_bytes(spec)
+    if memory_bytes is not None and sizes and sum(sizes.values()) >= memory_bytes:
+        largest = max(sizes, key=lambda name: sizes[name])
+        first = next(f for f in spec.sparse if f.table_name == largest)
+        raise SchemaError(
+            f"sparse feature {first.name}: ids dynamic: its map takes {sizes[largest]} bytes "
+            f"({sum(sizes.values())} for every dynamic table), which leaves nothing of "
+            f"train.embedding_memory_bytes {memory_bytes} for the rows; raise it or give "
+            "the table fewer rows"
+        )
     for table in spec.tables:
         features = [f for f in spec.sparse if f.table_name == table.name]
         first = features[0]

@@ -30,6 +30,7 @@ from dlrmflow.kernels.row_cache import ROW_MAP_BYTES, SLOT_BOOKKEEPING_BYTES, ca
 from dlrmflow.kernels.row_file import FILE_SUFFIX, record_width
 from dlrmflow.memory import Available, available_memory, format_bytes
 from dlrmflow.train.model.dlrm import embedding_optimizer
+from dlrmflow.train.model.dynamic_ids import map_bytes
 from dlrmflow.train.model.embeddings import TieredEmbeddings
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded.tiers import TierBudgetError, TierStorage
@@ -101,6 +102,8 @@ def tiered_embeddings(
     """
     check_memory(config, spec, alone=True)
     budget = config.train.embedding_memory_bytes
+    if budget is not None:
+        budget -= sum(map_bytes(spec).values())  # dynamic tables' maps stay in memory
     if budget is None or _table_bytes(spec.tables, optimizer) <= budget:
         return None
     rows = cache_rows_for(budget, spec.tables, optimizer)

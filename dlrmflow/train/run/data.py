@@ -96,7 +96,12 @@ def fit_features(
     )
     if vocab is not None and kept is not None and not reuse:
         vocab.save(str(kept))
-    check_capacity(spec, config.train.batch_size, manifest.cardinalities)
+    check_capacity(
+        spec,
+        config.train.batch_size,
+        manifest.cardinalities,
+        config.train.embedding_memory_bytes,
+    )
     return spec, ids
 
 
