@@ -18,7 +18,7 @@ TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 FBGEMM_VERSION ?= 1.8.0
 RECBOLE_VERSION ?= 1.2.1
 
-.PHONY: demo test test-across-cpus lint bench-movielens gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-schedule bench-step clean
+.PHONY: demo test test-across-cpus lint bench-movielens gpu-check bench-ingest bench-report bench-docs bench-scale bench-recurring bench-dynamic bench-schedule bench-step clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -86,6 +86,12 @@ bench-scale: $(VENV)/.installed
 # bench-results/recurring/recurring.json` puts it in the docs.
 bench-recurring: $(VENV)/.installed
 	$(VENV)/bin/dlrmflow bench recurring --json bench-results/recurring/recurring.json
+
+# Model lines with dynamic ID tables against hashing and a day-0 vocabulary on 15 churning
+# days; `dlrmflow bench docs --report docs/benchmarks.json --dynamic
+# bench-results/dynamic.json` puts it in the docs.
+bench-dynamic: $(VENV)/.installed
+	$(VENV)/bin/dlrmflow bench dynamic --json bench-results/dynamic.json
 
 # MovieLens-100k registered by week and trained as a model line, against each movie's past
 # click rate; `dlrmflow bench docs --report docs/benchmarks.json --movielens

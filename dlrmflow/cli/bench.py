@@ -202,6 +202,9 @@ def bench_docs(
             "logs-shape ingest run."
         ),
     ] = None,
+    dynamic: Annotated[
+        Path | None, typer.Option(help="A `dlrmflow bench dynamic` JSON to add.")
+    ] = None,
 ) -> None:
     """Regenerate docs/benchmarks.md and the README's results table from a report's JSON."""
     from dlrmflow.bench.docs import write_docs
@@ -219,8 +222,26 @@ def bench_docs(
             ingest,
             movielens,
             ingest_logs,
+            dynamic,
         )
     )
+
+
+@app.command("dynamic")
+def bench_dynamic(
+    json_out: JsonOpt = None,
+    quick: QuickOpt = False,
+    days: Annotated[int | None, typer.Option(min=3, help="Churning days generated.")] = None,
+    rows_per_day: Annotated[int | None, typer.Option(min=1, help="Rows in each day.")] = None,
+    churn: Annotated[float | None, typer.Option(help="data.churn of the days (0-1).")] = None,
+) -> None:
+    """Model lines with dynamic ID tables against hashing (the same rows and four times
+    as many) and a day-0 vocabulary on churning days: next-day AUC, rows, memory, and the
+    maps' cost in a training step."""
+    from dlrmflow.bench.dynamic import run_dynamic_benchmark
+
+    result = run_dynamic_benchmark(quick, days=days, rows_per_day=rows_per_day, churn=churn)
+    emit_benchmark(result, json_out)
 
 
 @app.command("movielens")
