@@ -119,6 +119,21 @@ class DataConfig(_Section):
         "the next (each ID's effects decorrelate and this share of IDs is replaced by new "
         "ones each day); 0 keeps the days i.i.d.",
     )
+    base_rate_step: Float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="synthetic: the daily step (standard deviation, in log-odds) of the "
+        "click rate's random walk; None: 0.03 on days that move (drift or churn > 0), "
+        "else 0. Each day's bias is set to its rate, so the click model's drift no longer "
+        "moves it",
+    )
+    weekly: Float = Field(
+        0.0,
+        ge=0,
+        le=2,
+        description="synthetic: the amplitude (log-odds) of the click rate's weekly cycle",
+    )
     churn: Float = Field(
         0.0,
         ge=0,

@@ -1,9 +1,10 @@
 """Recurring training benchmark: a model line continued daily against retraining from scratch
 every day and against a model trained once and frozen, on drifting data.
 
-The synthetic generator writes ``days`` days with ``data.drift`` > 0: each day the click
-model moves (each ID's effects take an AR(1) step) and a share of IDs is replaced by new
-ones, as a live service's logs change. Every day d from 1 on, three models that have seen
+The synthetic generator writes ``days`` days with ``data.drift`` and ``data.churn`` > 0:
+each day the click model moves (each ID's effects take an AR(1) step), a share of IDs is
+born and as many fade out, and the click rate walks a few percent, as a live service's
+logs change. Every day d from 1 on, three models that have seen
 only days before d are scored on day d (next-day AUC, log loss and calibration):
 
 - ``continued``: a model line (``dlrmflow line``): on day d its newest version is scored
@@ -46,8 +47,20 @@ BASELINE = (
 )
 WAYS = ("continued", "retrained", "frozen")
 METRICS = ("auc", "logloss", "calibration")
-DATA = {"days": 12, "rows_per_day": 200_000, "row_group_size": 50_000, "drift": 0.1}
-QUICK_DATA = {"days": 4, "rows_per_day": 3_000, "row_group_size": 1_500, "drift": 0.1}
+DATA = {
+    "days": 12,
+    "rows_per_day": 200_000,
+    "row_group_size": 50_000,
+    "drift": 0.1,
+    "churn": 0.05,
+}
+QUICK_DATA = {
+    "days": 4,
+    "rows_per_day": 3_000,
+    "row_group_size": 1_500,
+    "drift": 0.1,
+    "churn": 0.05,
+}
 MODEL = {"embedding_dim": 16, "bottom_mlp": [64, 16], "top_mlp": [64]}
 QUICK_MODEL = {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16]}
 
@@ -177,6 +190,12 @@ def run_recurring_benchmark(
     }
 
 
+def _churn(data: dict[str, Any]) -> str:
+    """The churn of a record's days (records from before it had none)."""
+    churn = data.get("churn")
+    return f", {churn} of the IDs born (and as many gone)" if churn else ""
+
+
 def plot_recurring(record: dict[str, Any], path: Path) -> Path:
     """Next-day AUC against the day for the three ways, with each day's Bayes AUC."""
     from matplotlib.figure import Figure
@@ -221,7 +240,7 @@ def recurring_section(record: dict[str, Any]) -> str:
         [
             "## Recurring training",
             f"Baseline: {record['baseline']}. {data['days']} days of {data['rows_per_day']:,} "
-            f"rows drifting by {data['drift']} a day; model {record['model']}, batch "
+            f"rows drifting by {data['drift']} a day{_churn(data)}; model {record['model']}, batch "
             f"{record['batch_size']}. Day 0 trains the line's first version "
             f"({record['first_day_cpu_s']:.1f} CPU-s) and the frozen model "
             f"({record['frozen_train_cpu_s']:.1f} CPU-s). Ratios: {ratios}. Run apart from "

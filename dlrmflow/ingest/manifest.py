@@ -63,11 +63,23 @@ class DayFile(BaseModel):
     # Synthetic data: the AUC and log loss of the true click probabilities on this day.
     bayes_auc: float | None = None
     bayes_logloss: float | None = None
+    # Synthetic days that move: the click rate the generator aimed the day at, and the
+    # calibration on this day of the day before's click model (today's click model with
+    # yesterday's intercept): the part of a next-day miscalibration no model avoids.
+    target_rate: float | None = None
+    reference_calibration: float | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unknown_identity(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for key in ("digest", "bytes", "bayes_auc", "bayes_logloss"):
+        for key in (
+            "digest",
+            "bytes",
+            "bayes_auc",
+            "bayes_logloss",
+            "target_rate",
+            "reference_calibration",
+        ):
             if data.get(key) is None:
                 data.pop(key, None)
         return data

@@ -16,11 +16,13 @@ ground-truth tables (about 56 bytes per ID of every feature), whatever the numbe
 
 With ``data.drift`` > 0 the days are no longer i.i.d., as logs of a live service are not:
 from each day to the next every ID's effect and latent vector move (an AR(1) step with
-correlation ``1 - drift``, keeping their variance), and a ``drift`` share of the
-popularity ranks of every feature is taken over by new IDs with fresh effects. A model
-trained on earlier days goes stale, and continued training has something to catch up on.
-Day 0 is the i.i.d. data's day 0, and the tables keep their size: the manifest's
-cardinalities are day 0's, the number of IDs live on any day.
+correlation ``1 - drift``, keeping their variance). A model trained on earlier days goes
+stale, and continued training has something to catch up on. Day 0 is the i.i.d. data's
+day 0, and the tables keep their size: the manifest's cardinalities are day 0's, the
+number of IDs live on any day. (Until drift and churn were apart, ``drift`` also handed a
+``drift`` share of the popularity ranks, the top ones included, to new IDs each day, which
+moved a day's click rate by up to half; ``churn`` now brings IDs in and out, and an old
+``drift: x`` reads as ``drift: x`` with ``churn: x`` near enough.)
 
 With ``data.churn`` > 0 the ID space turns over as a catalogue or a user base does: each
 day a ``churn`` share of every feature's IDs is born, each new ID placed at a random
@@ -28,6 +30,17 @@ popularity rank with an effect and latent vector of its own; the IDs below each 
 move one rank down, so an ID's popularity decays as newer ones arrive, and the IDs
 pushed past the last rank stop appearing for good. An ID keeps its effects as it moves.
 Churn and drift compose (drift's step first); each day's Bayes metrics are its own.
+
+On days that move, the click rate moves as a live service's does rather than as the
+effects' drift would drag it (a day's rate can otherwise jump by half overnight): it
+follows a random walk in log-odds from ``data.positive_rate``, a ``data.base_rate_step``
+step a day (0.03 unless set: a few percent), plus a weekly cycle of amplitude
+``data.weekly``, and each day's bias is set so that its click model has that rate. Day 0
+keeps its bias. The manifest records each such day's ``target_rate`` and its
+``reference_calibration``: the day before's click model (its effects, latent vectors and
+bias; nothing for an ID born since) scored on the day's rows, its predicted clicks over
+the day's clicks: the miscalibration that even the best model of the day before has on
+the day, which next-day validation of a trained model can be held against.
 """
 
 from __future__ import annotations
@@ -117,6 +130,9 @@ GENERATOR_FORMAT = 1
 # First word of every SeedSequence key, so the streams can never collide.
 _STREAM_ROWS, _STREAM_TABLES, _STREAM_DENSE, _STREAM_CALIBRATION, _STREAM_DRIFT = range(5)
 _STREAM_CHURN = 5
+_STREAM_BASE_RATE = 6
+# The click rate's daily log-odds step on days that move, unless data.base_rate_step says.
+BASE_RATE_STEP = 0.03
 
 
 @dataclass(frozen=True)
@@ -131,10 +147,9 @@ class _SparseTruth:
     missing_rate: float
     mean_length: float  # mean list length when multi-hot
     scale: np.ndarray  # float64 [n]: the std of each rank's effect, relative to EFFECT_STD
-    # The ID number (before hashing) at each rank: the rank itself until drift or churn
-    # replaces it.
+    # The ID number (before hashing) at each rank: the rank itself until churn moves it.
     id_number: np.ndarray | None = None
-    next_id: int = 0  # the first ID number not used yet (drift's and churn's new IDs)
+    next_id: int = 0  # the first ID number not used yet (churn's new IDs)
 
     @property
     def cardinality(self) -> int:
@@ -194,6 +209,8 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
     test_day = config.days - 1
     schema = criteo_schema(config.multi_hot)
     drifting = {"day": 0, "truth": truth}  # the click model of the last day reached
+    reached = {0: truth}  # the click models of the last two days reached
+    steered = steers_rate(config)
 
     def truth_of(day: int) -> _GroundTruth:
         """Day ``day``'s click model: each day's is the day before's moved by one step."""
@@ -203,14 +220,25 @@ def _generate(config: DataConfig, root: str, progress: Callable[[int], None] | N
                 drifting["truth"] = _drifted(drifting["truth"], config, drifting["day"])
             if config.churn > 0:
                 drifting["truth"] = _churned(drifting["truth"], config, drifting["day"])
+            if steered:
+                drifting["truth"] = _steered(drifting["truth"], config, drifting["day"])
+            reached[drifting["day"]] = drifting["truth"]
+            reached.pop(drifting["day"] - 2, None)
         return drifting["truth"]
 
     def write_day(day: int) -> DayFile:
+        today = truth_of(day)
+        before = _judged_by(today, reached[day - 1]) if steered and day > 0 else None
         with day_file_writer(root, day, day_file_name(config, day), schema) as writer:
             # The one per-day buffer: the exact Bayes AUC needs the whole day at once.
-            probs, labels = _write_day(writer, truth_of(day), config, day, progress)
+            probs, labels, reference = _write_day(writer, today, config, day, progress, before)
             written = writer.finish()
-        return day_record(day, written, probs, labels, bayes_metrics)
+        record = day_record(day, written, probs, labels, bayes_metrics)
+        if not steered:
+            return record
+        return record.model_copy(
+            update={"target_rate": target_rate(config, day), "reference_calibration": reference}
+        )
 
     def manifest_of(files: list[DayFile], positives: int) -> Manifest:
         total_rows = config.rows_per_day * config.days
@@ -256,8 +284,14 @@ def day_file_name(config: DataConfig, day: int) -> str:
     )
     if config.drift == 0:
         del parameters["drift"]  # the i.i.d. days keep the names they had before drift
+    else:  # drifting days changed when drift stopped replacing IDs: other bytes, names
+        parameters["drift_replaces_ids"] = False
     if config.churn == 0:
         del parameters["churn"]  # and days without churn those they had before it
+    if steers_rate(config):
+        parameters["base_rate_step"] = base_rate_step(config)
+    else:  # days whose rate is not steered keep the names they had before it was
+        del parameters["base_rate_step"], parameters["weekly"]
     versions = (GENERATOR_FORMAT, np.__version__, pa.__version__)
     return file_name("synthetic", *versions, sorted(parameters.items()), day)
 
@@ -268,11 +302,14 @@ def _write_day(
     config: DataConfig,
     day: int,
     progress: Callable[[int], None] | None,
-) -> tuple[np.ndarray, np.ndarray]:
+    before: _GroundTruth | None = None,
+) -> tuple[np.ndarray, np.ndarray, float | None]:
     """Write one day file, a row group at a time: its true probabilities and labels (kept
-    for the day's Bayes metrics: 9 bytes a row)."""
+    for the day's Bayes metrics: 9 bytes a row), and, given the day before's click model
+    as it sees the day's IDs (``_judged_by``), its calibration on the day."""
     probs_kept: list[np.ndarray] = []
     labels_kept: list[np.ndarray] = []
+    predicted_before = 0.0
     schema = criteo_schema(config.multi_hot)
     for chunk, start in enumerate(range(0, config.rows_per_day, config.row_group_size)):
         n = min(config.row_group_size, config.rows_per_day - start)
@@ -284,9 +321,17 @@ def _write_day(
         writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
         probs_kept.append(probs)
         labels_kept.append(labels)
+        if before is not None:
+            # The same draws (ranks, counts, nulls) under the day before's parameters.
+            seen = _sample_rows(before, seeded_rng(_STREAM_ROWS, config.seed, day, chunk), n,
+                                config.multi_hot)  # fmt: skip
+            predicted_before += float(sigmoid(seen.logit + before.bias).sum())
         if progress is not None:
             progress(n)
-    return np.concatenate(probs_kept), np.concatenate(labels_kept)
+    labels = np.concatenate(labels_kept)
+    clicks = int(labels.sum())
+    reference = predicted_before / clicks if before is not None and clicks else None
+    return np.concatenate(probs_kept), labels, reference
 
 
 def seeded_rng(*key: int) -> np.random.Generator:
@@ -421,14 +466,13 @@ def _multi_hot_feature(
 
 
 def _numbers(feature: _SparseTruth, ranks: np.ndarray) -> np.ndarray:
-    """The ID numbers at ``ranks`` today (the ranks themselves without drift)."""
+    """The ID numbers at ``ranks`` today (the ranks themselves without churn)."""
     return ranks if feature.id_number is None else feature.id_number[ranks]
 
 
 def _drifted(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
     """The click model of ``day``, one day of ``config.drift`` after ``truth`` (the day
-    before's): each rank's effect and latent vector take an AR(1) step, and a ``drift``
-    share of the ranks, drawn anew each day, goes to new IDs with fresh values."""
+    before's): each ID's effect and latent vector take an AR(1) step."""
     rho = 1.0 - config.drift
     keep, fresh = rho, math.sqrt(1.0 - rho * rho)
     sparse = []
@@ -438,23 +482,65 @@ def _drifted(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
         effect = keep * feature.effect + fresh * rng.normal(0.0, EFFECT_STD, n) * feature.scale
         noise = rng.normal(0.0, LATENT_STD, (LATENT_DIM, n)) * feature.scale
         latent = keep * feature.latent + fresh * noise
-        numbers = np.arange(n) if feature.id_number is None else feature.id_number.copy()
-        replaced = np.flatnonzero(rng.random(n) < config.drift)
-        numbers[replaced] = feature.next_id + np.arange(replaced.size)
-        effect[replaced] = rng.normal(0.0, EFFECT_STD, replaced.size) * feature.scale[replaced]
-        latent[:, replaced] = (
-            rng.normal(0.0, LATENT_STD, (LATENT_DIM, replaced.size)) * feature.scale[replaced]
-        )
+        sparse.append(replace(feature, effect=effect, latent=latent))
+    return _GroundTruth(tuple(sparse), truth.dense_weights, truth.bias)
+
+
+def base_rate_step(config: DataConfig) -> float:
+    """The click rate's daily log-odds step: ``data.base_rate_step``, else
+    ``BASE_RATE_STEP`` on days that move (drift or churn) and 0 on i.i.d. days."""
+    if config.base_rate_step is not None:
+        return config.base_rate_step
+    return BASE_RATE_STEP if config.drift > 0 or config.churn > 0 else 0.0
+
+
+def steers_rate(config: DataConfig) -> bool:
+    """Whether each day's bias is set to the day's own click rate (``target_rate``)."""
+    return base_rate_step(config) > 0 or config.weekly > 0
+
+
+def target_rate(config: DataConfig, day: int) -> float:
+    """Day ``day``'s click rate: ``data.positive_rate`` moved by a random walk in log-odds
+    (``base_rate_step`` a day, each step from its own stream) and a weekly cycle."""
+    step = base_rate_step(config)
+    walk = sum(
+        step * float(seeded_rng(_STREAM_BASE_RATE, config.seed, d).standard_normal())
+        for d in range(1, day + 1)
+    )
+    p = config.positive_rate
+    logit = math.log(p / (1.0 - p)) + walk + config.weekly * math.sin(2.0 * math.pi * day / 7.0)
+    return 1.0 / (1.0 + math.exp(-logit))
+
+
+def _steered(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
+    """``truth`` with the bias that gives it day ``day``'s click rate (``target_rate``),
+    calibrated on the rows that set day 0's."""
+    calibration = _sample_rows(
+        truth, seeded_rng(_STREAM_CALIBRATION, config.seed), CALIBRATION_ROWS, config.multi_hot
+    )
+    bias = calibrate_bias(calibration.logit, target_rate(config, day))
+    return replace(truth, bias=bias)
+
+
+def _judged_by(today: _GroundTruth, before: _GroundTruth) -> _GroundTruth:
+    """Today's click model with the day before's parameters: today's popularity (so rows
+    drawn from it are today's rows), each ID's effect and latent vector as they were the
+    day before (none for an ID born since), the day before's dense weights and bias."""
+    sparse = []
+    for now, then in zip(today.sparse, before.sparse, strict=True):
+        ranks = np.arange(now.cardinality)
+        ids, earlier = _numbers(now, ranks), _numbers(then, ranks)
+        order = np.argsort(earlier)
+        at = order[np.searchsorted(earlier[order], ids).clip(max=len(order) - 1)]
+        known = earlier[at] == ids
         sparse.append(
             replace(
-                feature,
-                effect=effect,
-                latent=latent,
-                id_number=numbers,
-                next_id=feature.next_id + replaced.size,
+                now,
+                effect=np.where(known, then.effect[at], 0.0),
+                latent=np.where(known, then.latent[:, at], 0.0),
             )
         )
-    return _GroundTruth(tuple(sparse), truth.dense_weights, truth.bias)
+    return _GroundTruth(tuple(sparse), before.dense_weights, before.bias)
 
 
 def _churned(truth: _GroundTruth, config: DataConfig, day: int) -> _GroundTruth:
@@ -539,6 +625,11 @@ def _generator_record(config: DataConfig, truth: _GroundTruth) -> dict[str, obje
         "rows_per_day": config.rows_per_day,
         "drift": config.drift,
         **({"churn": config.churn} if config.churn else {}),
+        **(
+            {"base_rate_step": base_rate_step(config), "weekly": config.weekly}
+            if steers_rate(config)
+            else {}
+        ),
         "row_group_size": config.row_group_size,
         "cardinality_scale": config.cardinality_scale,
         "max_cardinality": config.max_cardinality,

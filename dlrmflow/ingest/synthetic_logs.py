@@ -211,6 +211,11 @@ def generate_logs_dataset(
         raise ConfigError(f"data.drift: the logs shape has no drift (got {config.drift}); use 0")
     if config.churn:
         raise ConfigError(f"data.churn: the logs shape has no churn (got {config.churn}); use 0")
+    if config.base_rate_step or config.weekly:
+        raise ConfigError(
+            "data.base_rate_step, data.weekly: the logs shape's click rate does not move; "
+            "unset them"
+        )
     with dataset_lock(root, "generate"):
         return _generate(config, root, progress)
 
@@ -280,7 +285,19 @@ def day_file_name(config: DataConfig, day: int) -> str:
     files never share a name."""
     parameters = config.model_dump(
         mode="json",
-        exclude={"url", "days", "train_days", "eval_days", "landing", "multi_hot", "drift"},
+        # The Criteo shape's settings (refused here) leave the names as they were.
+        exclude={
+            "url",
+            "days",
+            "train_days",
+            "eval_days",
+            "landing",
+            "multi_hot",
+            "drift",
+            "churn",
+            "base_rate_step",
+            "weekly",
+        },
     )
     versions = (SHAPE, GENERATOR_FORMAT, np.__version__, pa.__version__)
     return file_name("synthetic", *versions, sorted(parameters.items()), day)

@@ -142,10 +142,10 @@ def test_a_failed_generate_leaves_the_previous_dataset_and_removes_its_files(
     before = snapshot(data)
     write_day = synthetic._write_day
 
-    def fail_after_day_0(writer, truth, config, day, progress):  # noqa: ANN001, ANN202
+    def fail_after_day_0(writer, truth, config, day, *rest):  # noqa: ANN001, ANN002, ANN202
         if day == 1:
             raise OSError(28, "No space left on device")
-        return write_day(writer, truth, config, day, progress)
+        return write_day(writer, truth, config, day, *rest)
 
     monkeypatch.setattr(synthetic, "_write_day", fail_after_day_0)
     with pytest.raises(OSError, match="No space left on device"):

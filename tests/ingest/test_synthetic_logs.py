@@ -165,7 +165,12 @@ def test_one_day_more_writes_only_that_day(tmp_path):
 
 @pytest.mark.parametrize(
     ("sets", "key"),
-    [({"multi_hot": True}, "data.multi_hot"), ({"drift": 0.1}, "data.drift")],
+    [
+        ({"multi_hot": True}, "data.multi_hot"),
+        ({"drift": 0.1}, "data.drift"),
+        ({"churn": 0.1}, "data.churn"),
+        ({"weekly": 0.2}, "data.base_rate_step, data.weekly"),
+    ],
 )
 def test_the_criteo_shapes_options_are_refused_naming_the_key(tmp_path, sets, key):
     with pytest.raises(ConfigError, match=rf"^{key}: "):
