@@ -68,7 +68,7 @@ GATE_FILE = "gate.json"
 HISTORY_FILE = "history.jsonl"
 HISTORY_PLOT = "history.png"
 # What next-day validation records of each evaluation.
-METRICS = ("auc", "logloss", "ne", "calibration", "positive_rate", "rows")
+METRICS = ("auc", "logloss", "ne", "ne_recalibrated", "calibration", "positive_rate", "rows")
 
 
 class LineError(DlrmflowError):
@@ -487,7 +487,14 @@ def _validate(
     """The newest ``version`` (its own checkpoint, whatever the run directory holds)
     scored on ``day``, with the share of the day's IDs it never saw (``unseen``), once: a
     day already in the history keeps its record, unless it was scored on other files of
-    the day (``digest``, the record's ``day_digest``), which it then replaces."""
+    the day (``digest``, the record's ``day_digest``), which it then replaces.
+
+    Beside the scores, what says whose fault a miscalibration is: the day's click rate
+    over the rate of the days the version trained on (``base_rate_ratio``: a model
+    calibrated on those days scores about its inverse), the NE that miscalibration does
+    not count (``ne_recalibrated``, among the scores) and, on synthetic days that record
+    it, the calibration the day before's Bayes model gets on the day
+    (``reference_calibration``)."""
     records = history(line_dir)
     for record in records:
         if record["day"] == day and record.get("day_digest") == digest:
@@ -495,6 +502,7 @@ def _validate(
     unseen = unseen_ids(line_dir, line.data.url, day, version.days)
     checkpoint = line_dir / VERSIONS_DIR / version.name / "checkpoint"
     record = {**_score(line, day, checkpoint), "unseen_ids": unseen, "day_digest": digest}
+    record.update(_rate_change(read_manifest(line.data.url), day, version.days))
     if version.id_maps:
         # Dynamic tables: what the version's training admitted and evicted, and how many
         # of the next day's lookups found no row of their own.
@@ -507,6 +515,24 @@ def _validate(
     # Rewritten whole and renamed: a kill leaves the old history or the new, never half.
     write_atomic(line_dir / HISTORY_FILE, text)
     return record
+
+
+def _rate_change(manifest: Manifest, day: int, trained: list[int]) -> dict[str, float]:
+    """``day``'s click rate over that of the days ``trained`` (rows weighted), and the
+    day's reference calibration where the generator recorded one."""
+    files = [f for f in manifest.files if f.day in trained]
+    rows = sum(f.rows for f in files)
+    scored = [f for f in manifest.files if f.day == day]
+    if not rows or not scored:
+        return {}
+    rate = sum(f.rows * f.positive_rate for f in files) / rows
+    day_rows = sum(f.rows for f in scored)
+    day_rate = sum(f.rows * f.positive_rate for f in scored) / day_rows
+    change = {"base_rate_ratio": day_rate / rate} if rate > 0 else {}
+    references = [f.reference_calibration for f in scored if f.reference_calibration is not None]
+    if len(references) == len(scored) == 1:
+        change["reference_calibration"] = references[0]
+    return change
 
 
 def _train_day(
@@ -555,6 +581,13 @@ def _config_digest(config: RunConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _plotted(record: dict[str, Any], name: str) -> float | None:
+    if name == "inverse_base_rate_ratio":  # a calibrated model's calibration after the move
+        ratio = record.get("base_rate_ratio")
+        return None if not ratio else 1.0 / ratio
+    return record.get(name)
+
+
 def plot_history(line_dir: Path) -> Path | None:
     """Each next-day metric against the day, to ``history.png`` (None without history)."""
     records = history(line_dir)
@@ -563,12 +596,27 @@ def plot_history(line_dir: Path) -> Path | None:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 5), layout="constrained")
-    for i, key in enumerate(("auc", "logloss", "unseen_ids", "ne", "calibration")):
+    # Each panel's metric, and those drawn beside it: the NE that miscalibration does not
+    # count, and what the day's rate change alone would do to a model's calibration.
+    panels = {
+        "auc": (),
+        "logloss": (),
+        "unseen_ids": (),
+        "ne": ("ne_recalibrated",),
+        "calibration": ("reference_calibration", "inverse_base_rate_ratio"),
+    }
+    for i, (key, beside) in enumerate(panels.items()):
         axes = figure.add_subplot(2, 3, i + 1)
-        shown = [r for r in records if r.get(key) is not None]
-        axes.plot([r["day"] for r in shown], [r[key] for r in shown], marker="o")
+        for name in (key, *beside):
+            shown = [(r["day"], _plotted(r, name)) for r in records]
+            shown = [(day, value) for day, value in shown if value is not None]
+            if shown:
+                days, values = zip(*shown, strict=True)
+                axes.plot(days, values, marker="o" if name == key else ".", label=name)
         axes.set_xlabel("day")
         axes.set_ylabel(f"next-day {key}")
+        if beside:
+            axes.legend(fontsize="small")
         axes.grid(alpha=0.3)
     path = line_dir / HISTORY_PLOT
     figure.savefig(path, dpi=100, format="png")

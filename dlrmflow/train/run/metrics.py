@@ -1,4 +1,5 @@
-"""Click-prediction metrics: AUC, log loss, normalized entropy and calibration.
+"""Click-prediction metrics: AUC, log loss, normalized entropy (also after recalibration)
+and calibration.
 
 AUC comes from torchmetrics (exact, no threshold histogram) rather than being written here.
 It is imported when a metric is first computed: torchmetrics brings matplotlib and sympy
@@ -22,7 +23,7 @@ import torch
 _EPS = 1e-7
 
 # The metrics that a weighted evaluation weights (listed under "weighted" in its result).
-WEIGHTED_METRICS = ("auc", "logloss", "ne", "calibration", "positive_rate")
+WEIGHTED_METRICS = ("auc", "logloss", "ne", "ne_recalibrated", "calibration", "positive_rate")
 
 
 def log_loss(
@@ -43,6 +44,30 @@ def binary_entropy(rate: float) -> float:
     """Entropy (nats) of a Bernoulli with this rate: the log loss of always predicting it."""
     r = min(max(rate, _EPS), 1 - _EPS)
     return -(r * math.log(r) + (1 - r) * math.log(1 - r))
+
+
+def recalibrated_ne(
+    probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+) -> float:
+    """NE after the one shift of the logit that makes the mean prediction the positive rate
+    of these rows (weighted where ``weights``): what miscalibration does not count, so that
+    a model's ranking and sharpness are judged apart from its calibration (TorchRec's NE
+    with recalibration fixes the shift beforehand instead). The shift is fitted on the rows
+    scored, so it is a diagnosis, not a deployable correction."""
+    p = probs.double().clamp(_EPS, 1 - _EPS)
+    logit = (p / (1 - p)).log()
+    y = labels.double()
+    w = torch.ones_like(y) if weights is None else weights.double()
+    rate = float((w * y).sum() / w.sum())
+    low, high = -40.0, 40.0
+    for _ in range(50):  # halves an 80-wide bracket to below 1e-13
+        mid = 0.5 * (low + high)
+        if float((w * torch.sigmoid(logit + mid)).sum() / w.sum()) < rate:
+            low = mid
+        else:
+            high = mid
+    shifted = torch.sigmoid(logit + 0.5 * (low + high))
+    return log_loss(shifted, y, weights) / binary_entropy(rate)
 
 
 def weighted_auc(probs: torch.Tensor, clicks: torch.Tensor, weights: torch.Tensor) -> float:
@@ -70,7 +95,9 @@ def weighted_auc(probs: torch.Tensor, clicks: torch.Tensor, weights: torch.Tenso
 def click_metrics(
     probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
 ) -> dict[str, Any]:
-    """AUC, log loss, NE (log loss over the entropy of the positive rate), calibration.
+    """AUC, log loss, NE (log loss over the entropy of the positive rate), NE after the
+    intercept shift that calibrates the predictions on these rows (``recalibrated_ne``),
+    calibration.
 
     Calibration is mean prediction over positive rate: 1.0 is perfect, above 1 over-predicts.
     With ``weights`` (one per row, from the dataset's weight column) every metric but
@@ -94,6 +121,7 @@ def click_metrics(
         "auc": float(binary_auroc(probs.float(), (labels >= 0.5).long())),
         "logloss": loss,
         "ne": loss / binary_entropy(positive_rate),
+        "ne_recalibrated": recalibrated_ne(probs, labels),
         "calibration": float(probs.double().mean()) / positive_rate,
         "positive_rate": positive_rate,
         "rows": int(labels.numel()),
@@ -118,6 +146,7 @@ def _weighted_click_metrics(
         "auc": weighted_auc(probs, labels >= 0.5, weights),
         "logloss": loss,
         "ne": loss / binary_entropy(positive_rate),
+        "ne_recalibrated": recalibrated_ne(probs, labels, weights),
         "calibration": float((w * probs.double()).sum()) / weight_sum / positive_rate,
         "positive_rate": positive_rate,
         "rows": int(labels.numel()),

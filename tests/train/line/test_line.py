@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dlrmflow.config import DataConfig, RunConfig
+from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.line.line import LineError, history, train_line, verdicts, versions
 from dlrmflow.train.run.checkpoint import list_checkpoints, read_checkpoint
@@ -49,9 +50,20 @@ def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -
     assert (third.number, third.day, third.parent, third.days) == (2, 2, 1, [0, 1, 2])
     assert [r["day"] for r in history(line)] == [1, 2]
     assert (line / "history.png").is_file()
-    # Drift replaces a share of IDs a day: some of each day's IDs are new to the line.
+    # The Zipf tail (and churn, where there is some) brings IDs new to the line each day.
     unseen = [r["unseen_ids"] for r in history(line)]
     assert all(0.02 < share < 0.6 for share in unseen), unseen
+    # Whose fault a miscalibration is: the day's rate against the days trained on, the NE
+    # miscalibration does not count, and the day before's Bayes model's calibration.
+    manifest = read_manifest(data)
+    rates = {f.day: f.positive_rate for f in manifest.files}
+    for record in history(line):
+        trained = range(record["day"])
+        before = sum(rates[d] for d in trained) / len(trained)  # days of equal rows
+        assert record["base_rate_ratio"] == pytest.approx(rates[record["day"]] / before)
+        assert record["ne_recalibrated"] <= record["ne"] + 1e-12
+        reference = manifest.files[record["day"]].reference_calibration
+        assert record["reference_calibration"] == reference and 0.5 < reference < 2
     assert sorted(p.name for p in (line / "ids").iterdir()) == [f"day={d}.npz" for d in range(3)]
 
     # One run over days 0-2 in day order ends where the line's versions end.

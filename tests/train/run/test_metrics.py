@@ -25,6 +25,26 @@ def test_constant_prediction_at_base_rate_has_ne_one_and_calibration_one():
     assert m["positive_rate"] == 0.25 and m["rows"] == 100
 
 
+def test_recalibrated_ne_forgives_a_shifted_intercept_and_nothing_else():
+    """A well calibrated model's predictions, then the same predictions with the logit
+    shifted by 1: NE worsens, the recalibrated NE is the calibrated model's, the AUC is
+    the same; a constant prediction stays at NE 1 either way."""
+    generator = torch.Generator().manual_seed(0)
+    logit = torch.randn(20_000, generator=generator, dtype=torch.float64)
+    labels = torch.rand(20_000, generator=generator, dtype=torch.float64) < torch.sigmoid(logit)
+    calibrated = click_metrics(torch.sigmoid(logit), labels)
+    shifted = click_metrics(torch.sigmoid(logit + 1.0), labels)
+    assert shifted["ne"] > calibrated["ne"] + 0.05 and shifted["calibration"] > 1.3
+    assert shifted["ne_recalibrated"] == pytest.approx(calibrated["ne_recalibrated"], rel=1e-9)
+    # Already calibrated: recalibrating changes NE by the sample's own miscalibration only.
+    assert calibrated["ne_recalibrated"] == pytest.approx(calibrated["ne"], abs=1e-3)
+    assert calibrated["ne_recalibrated"] <= calibrated["ne"]
+    # A monotone shift: the same ranking, up to the float32 rounding of the probabilities.
+    assert shifted["auc"] == pytest.approx(calibrated["auc"], abs=1e-6)
+    constant = click_metrics(torch.full((100,), 0.6), torch.tensor([1, 0, 0, 0] * 25))
+    assert constant["ne"] > 1.2 and constant["ne_recalibrated"] == pytest.approx(1.0)
+
+
 def test_log_loss_is_clipped_and_exact():
     assert log_loss(torch.tensor([0.9]), torch.tensor([1.0])) == pytest.approx(-math.log(0.9))
     assert math.isfinite(log_loss(torch.tensor([0.0]), torch.tensor([1.0])))
@@ -87,10 +107,17 @@ def test_integer_weights_score_as_that_many_copies_of_each_row():
     assert got["logloss"] == pytest.approx(want["logloss"], rel=1e-12, abs=0)
     # The copies' AUC (torchmetrics') and positive rate (which NE and calibration divide
     # by) are float32s; the weighted ones float64s.
-    for name in ("auc", "ne", "calibration", "positive_rate"):
+    for name in ("auc", "ne", "ne_recalibrated", "calibration", "positive_rate"):
         assert got[name] == pytest.approx(want[name], rel=1e-6, abs=0), name
     assert got["rows"] == 400 and got["weight_sum"] == float(weights.sum())
-    assert got["weighted"] == ["auc", "logloss", "ne", "calibration", "positive_rate"]
+    assert got["weighted"] == [
+        "auc",
+        "logloss",
+        "ne",
+        "ne_recalibrated",
+        "calibration",
+        "positive_rate",
+    ]
     plain = click_metrics(probs, labels)
     assert "weighted" not in plain and "weight_sum" not in plain
     assert abs(plain["auc"] - got["auc"]) > 1e-3  # the weights do change the AUC here

@@ -180,6 +180,7 @@ def test_dlrmflow_trains_and_evaluates_a_registered_dataset_with_a_weight_column
         "auc",
         "logloss",
         "ne",
+        "ne_recalibrated",
         "calibration",
         "positive_rate",
         "calibration_error",
