@@ -217,7 +217,7 @@ class ServableDLRM(nn.Module):
             if name not in index:
                 raise ValueError(f"a map for {name!r}, which is not among the spec's tables")
             if len(keys) == 0:  # nothing admitted: every ID reads the default row
-                keys, rows = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+                keys = rows = torch.zeros(1, dtype=torch.int64, device="cpu")
             through = [f.table_name == name for f in spec.sparse]
             self.register_buffer(f"map_keys_{self.n_maps}", keys.to("cpu", torch.int64))
             self.register_buffer(f"map_rows_{self.n_maps}", rows.to("cpu", torch.int64))
