@@ -115,9 +115,9 @@ class DataConfig(_Section):
         0.0,
         ge=0,
         le=1,
-        description="synthetic: how far the click model and the IDs move from one day to "
-        "the next (each ID's effects decorrelate and this share of IDs is replaced by new "
-        "ones each day); 0 keeps the days i.i.d.",
+        description="synthetic: how far the click model's effects move from one day to the "
+        "next (an AR(1) step of correlation 1 - drift; data.churn turns the IDs over); 0 "
+        "keeps the days i.i.d.",
     )
     base_rate_step: Float | None = Field(
         None,
