@@ -441,6 +441,18 @@ class GateConfig(_Section):
         0.8, gt=0, description="and its calibration (mean prediction / click rate) at least this"
     )
     calibration_max: Float = Field(1.25, gt=0, description="and at most this")
+    ne: Literal["ne", "ne_recalibrated"] = Field(
+        "ne",
+        description="which NE the margin compares: ne, or ne_recalibrated (NE once each "
+        "model's predictions are shifted to the day's click rate: sharpness and ranking, "
+        "not calibration)",
+    )
+    calibration_follows_rate: bool = Field(
+        False,
+        description="judge the calibration against the click rate of the days the version "
+        "trained on rather than the day's (calibration x the day's rate / theirs): a day "
+        "whose rate moved then holds no version back for that alone",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> GateConfig:

@@ -6,7 +6,11 @@ arrives, before the line trains on it: both are scored on it, and the version re
 the champion only if its normalized entropy is no worse than the champion's by more than
 ``gate.ne_margin`` (relative) and its calibration lies within ``gate.calibration_min`` and
 ``gate.calibration_max``. The first version, with no champion, needs the calibration
-bounds alone.
+bounds alone. ``gate.ne: ne_recalibrated`` compares the NE that miscalibration does not
+count instead; ``gate.calibration_follows_rate`` judges the calibration against the click
+rate of the days the version trained on (the day's calibration times its
+``base_rate_ratio``), so that a day whose rate moved holds no version back for that
+alone.
 
 A published version is ``LINE/models/NNNN/``: ``model.safetensors`` (the whole model by
 parameter name, as ``dlrmflow export`` writes it) and ``model.json`` (its days, parent,
@@ -63,17 +67,27 @@ def judge(
     """The gate's verdict on ``candidate`` (a version's metrics on ``day``) against the
     ``champion`` (its number and metrics on the same day), if there is one."""
     reasons = []
-    calibration = candidate["calibration"]
+    calibration, judged = candidate["calibration"], "calibration"
+    ratio = candidate.get("base_rate_ratio")
+    if gate.calibration_follows_rate and ratio:
+        calibration *= ratio
+        judged = f"calibration against the trained days' click rate ({ratio:.4f} x the day's)"
     if not gate.calibration_min <= calibration <= gate.calibration_max:
         reasons.append(
-            f"calibration {calibration:.4f} outside [{gate.calibration_min}, "
+            f"{judged} {calibration:.4f} outside [{gate.calibration_min}, "
             f"{gate.calibration_max}] (gate.calibration_min, gate.calibration_max)"
         )
     if champion is not None:
-        limit = champion[1]["ne"] * (1 + gate.ne_margin)
-        if candidate["ne"] > limit:
+        key, name = gate.ne, "NE" if gate.ne == "ne" else "recalibrated NE"
+        if key not in candidate or key not in champion[1]:
+            raise DlrmflowError(
+                f"gate.ne {key}: day {day} was scored before {key} was recorded; set "
+                "gate.ne: ne to judge it"
+            )
+        limit = champion[1][key] * (1 + gate.ne_margin)
+        if candidate[key] > limit:
             reasons.append(
-                f"NE {candidate['ne']:.6f} above the champion's {champion[1]['ne']:.6f} "
+                f"{name} {candidate[key]:.6f} above the champion's {champion[1][key]:.6f} "
                 f"x (1 + gate.ne_margin={gate.ne_margin}) = {limit:.6f}"
             )
     return Verdict(

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from dlrmflow.config import ConfigError, DataConfig, GateConfig, load_config
+from dlrmflow.errors import DlrmflowError
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.train.line.gate import champion, judge
 from dlrmflow.train.line.line import train_line, verdicts
@@ -47,6 +48,26 @@ def test_the_gate_names_each_reason_a_version_is_held_back(
     assert len(verdict.reasons) == len(reasons)
     for got, want in zip(verdict.reasons, reasons, strict=True):
         assert got.startswith(want)
+
+
+def test_the_gate_can_judge_recalibrated_ne_and_calibration_against_the_trained_rate() -> None:
+    """A day whose click rate rose 30%: a version calibrated on the days it trained on
+    scores 1/1.3 there, and loses NE to its miscalibration alone."""
+    moved = {"ne": 0.95, "ne_recalibrated": 0.90, "calibration": 0.77, "base_rate_ratio": 1.3}
+    against = (3, {"ne": 0.93, "ne_recalibrated": 0.91, "calibration": 0.8})
+    plain = judge(4, 9, moved, against, GateConfig())
+    assert not plain.promoted and len(plain.reasons) == 2
+    assert plain.reasons[0].startswith("calibration 0.7700 outside [0.8, 1.25]")
+    follows = GateConfig(ne="ne_recalibrated", calibration_follows_rate=True)
+    assert judge(4, 9, moved, against, follows).promoted  # 0.77 x 1.3 = 1.001; 0.90 <= 0.91
+    worse = {**moved, "ne_recalibrated": 0.92, "calibration": 1.0}  # 1.0 x 1.3 = 1.3
+    reasons = judge(4, 9, worse, against, follows).reasons
+    assert reasons[0].startswith(
+        "calibration against the trained days' click rate (1.3000 x the day's) 1.3000 outside"
+    )
+    assert reasons[1].startswith("recalibrated NE 0.920000 above the champion's 0.910000")
+    with pytest.raises(DlrmflowError, match="gate.ne ne_recalibrated: day 9 was scored before"):
+        judge(4, 9, {"ne": 0.9, "calibration": 1.0}, against, follows)
 
 
 def test_calibration_bounds_must_be_ordered() -> None:
