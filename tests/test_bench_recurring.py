@@ -83,3 +83,18 @@ def test_the_plot_and_the_docs_show_every_way(run, tmp_path: Path):
     assert (docs / PLOT).read_bytes() == (folder / PLOT).read_bytes()
     assert json.loads((docs / "benchmarks.json").read_text())["recurring"] == record
     assert f"| Recurring training | `{next(iter(record['ratios']))}` |" in readme.read_text()
+
+
+def test_the_lines_verdicts_are_judged_again_by_each_gate(run):
+    record, _ = run
+    judged = len(record["days"]["continued"]) + 1  # day 0's version too, with no champion
+    for name in ("default", "model"):
+        gate = record["gate"][name]
+        held = gate["held_back"]
+        assert gate["promoted_share"] == (judged - len(held)) / judged
+        assert all(r["reasons"] for r in held)  # a version held back says why
+    assert "would promote" in benchmarks_markdown({**_committed(), "recurring": record})
+
+
+def _committed() -> dict:
+    return json.loads((DOCS / "benchmarks.json").read_text())

@@ -20,6 +20,12 @@ version), for ``retrained`` its training on all history and the scoring, for ``f
 the scoring alone (its one training on day 0 is reported apart). The ratios (higher is
 better for the line): mean next-day AUC of the line ÷ that of each other way, and
 ``retrained`` CPU-seconds per day ÷ the line's.
+
+The line's own gate publishes every version (its work is part of each day). Its verdicts,
+which hold both models' scores on the day, are then judged again by the default gate and
+by one that judges the model rather than the day's click rate (``gate.ne:
+ne_recalibrated``, ``gate.calibration_follows_rate``): the share of versions each would
+promote, each against its parent, and why it holds the others back.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from dlrmflow.bench.machine import describe_machine
-from dlrmflow.config import RunConfig
+from dlrmflow.config import GateConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.runtime.glibc_malloc import tune_allocator
-from dlrmflow.train.line.line import open_line
+from dlrmflow.train.line.gate import judge
+from dlrmflow.train.line.line import open_line, verdicts
 from dlrmflow.train.run.evaluate import evaluate
 from dlrmflow.train.run.trainer import train
 
@@ -128,6 +135,7 @@ def run_recurring_benchmark(
                     per_day["continued"].append({"day": day, **scores, "cpu_s": _cpu() - cpu})
                 else:
                     first_day_cpu = _cpu() - cpu
+        gate = _gate_record(root / "line")
 
         # frozen: day 0 alone, then scored each day.
         frozen = base.model_copy(deep=True)
@@ -185,9 +193,60 @@ def run_recurring_benchmark(
         "frozen_train_cpu_s": frozen_train_cpu,
         "days": per_day,
         "summary": summary,
+        "gate": gate,
         "ratios": ratios,
         "machine": describe_machine(),
     }
+
+
+# Gates the line's verdicts are judged again by: the default, and the one that judges the
+# model rather than the day's click rate (recalibrated NE, calibration against the
+# trained days' rate).
+GATES = {
+    "default": GateConfig(),
+    "model": GateConfig(ne="ne_recalibrated", calibration_follows_rate=True),
+}
+
+
+def _gate_record(line_dir: Path) -> dict[str, Any]:
+    """The share of the continued line's versions each of ``GATES`` promotes, and why it
+    holds the others back. Each is judged against the version serving when it was judged,
+    which is its parent here (the line's own gate publishes every version), on the scores
+    both had on the day."""
+    judged = verdicts(line_dir)
+    record: dict[str, Any] = {}
+    for name, gate in GATES.items():
+        again = [
+            judge(
+                v.version,
+                v.day,
+                v.candidate_metrics,
+                None if v.champion is None else (v.champion, v.champion_metrics or {}),
+                gate,
+            )
+            for v in judged
+        ]
+        record[name] = {
+            "promoted_share": sum(v.promoted for v in again) / len(again) if again else 0.0,
+            "held_back": [{"day": v.day, "reasons": v.reasons} for v in again if not v.promoted],
+        }
+    return record
+
+
+def _gates(record: dict[str, Any]) -> str:
+    """What the gates would promote of the line's versions (records from before they
+    were judged again have nothing to say)."""
+    gate = record.get("gate")
+    if not gate:
+        return ""
+    shares = ", ".join(
+        f"{name} {gate[name]['promoted_share']:.0%}" for name in GATES if name in gate
+    )
+    return (
+        f" Versions of the line the gate would promote (each against its parent on the same "
+        f"day): {shares}; `default` is gate's defaults, `model` judges recalibrated NE and "
+        "calibration against the trained days' click rate."
+    )
 
 
 def _churn(data: dict[str, Any]) -> str:
@@ -243,9 +302,10 @@ def recurring_section(record: dict[str, Any]) -> str:
             f"rows drifting by {data['drift']} a day{_churn(data)}; model {record['model']}, batch "
             f"{record['batch_size']}. Day 0 trains the line's first version "
             f"({record['first_day_cpu_s']:.1f} CPU-s) and the frozen model "
-            f"({record['frozen_train_cpu_s']:.1f} CPU-s). Ratios: {ratios}. Run apart from "
-            f"the report (`make bench-recurring`), on {record['machine']['cpu']} with "
-            f"{record['machine']['cpu_count']} CPUs, in {record['seconds'] / 60:.1f} min.",
+            f"({record['frozen_train_cpu_s']:.1f} CPU-s). Ratios: {ratios}.{_gates(record)} "
+            f"Run apart from the report (`make bench-recurring`), on "
+            f"{record['machine']['cpu']} with {record['machine']['cpu_count']} CPUs, in "
+            f"{record['seconds'] / 60:.1f} min.",
             markdown_table(
                 [
                     "way",
