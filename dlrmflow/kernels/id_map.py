@@ -246,7 +246,6 @@ class DynamicIdMap:
         slots, self._shift = _slots_for(capacity)
         self._keys = np.zeros(slots, np.uint64)
         self._rows = np.full(slots, EMPTY, np.int64)
-        self._spare = np.zeros(slots, np.int64)  # moves with an entry; unused for rows
         candidate_slots, self._candidate_shift = _slots_for(limit)
         self._candidate_keys = np.zeros(candidate_slots, np.uint64)
         self._candidate_counts = np.full(candidate_slots, EMPTY, np.int64)
@@ -265,9 +264,9 @@ class DynamicIdMap:
         """The memory a map of these settings holds (``nbytes``), before it is made."""
         limit = (capacity if candidates is None else candidates) if admit_after > 1 else 0
         slots, candidate_slots = _slots_for(capacity)[0], _slots_for(limit)[0]
-        # keys, rows, spare; candidate keys, counts, seen; a row's ID, last sighting,
-        # hits; the free rows; sizes and counters.
-        return 8 * (3 * slots + 3 * candidate_slots + 3 * capacity + capacity - 1 + 2 + 5)
+        # keys, rows; candidate keys, counts, seen; a row's ID, last sighting, hits; the
+        # free rows; sizes and counters.
+        return 8 * (2 * slots + 3 * candidate_slots + 3 * capacity + capacity - 1 + 2 + 5)
 
     @property
     def nbytes(self) -> int:
@@ -319,7 +318,8 @@ class DynamicIdMap:
             order = np.lexsort((keep, self._last_seen[keep], self._hits[keep]))
             evicted = np.concatenate([evicted, keep[order[:excess]]])
         evicted = np.sort(evicted)
-        _forget(evicted, self._keys, self._rows, self._spare, self._shift, self._id_of_row)
+        # The rows' table has no second value a slot: its rows stand in (moved twice alike).
+        _forget(evicted, self._keys, self._rows, self._rows, self._shift, self._id_of_row)
         self._last_seen[evicted] = EMPTY
         self._hits[evicted] = 0
         self._id_of_row[evicted] = 0

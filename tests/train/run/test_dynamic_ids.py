@@ -68,8 +68,8 @@ def train(run_dir: Path, data: Path, steps: int, *extra: str):
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_a_dynamic_table_trains_admits_evicts_and_evaluates(registered, tmp_path, where):
     run_dir = tmp_path / "run"
-    # On disk: the map's 32,048 bytes stay in memory, the rows' cache gets the 20,000 left.
-    disk = ("--set", "train.embedding_memory_bytes=52048") if where == "disk" else ()
+    # On disk: the map's 27,952 bytes stay in memory, the rows' cache gets the 20,000 left.
+    disk = ("--set", "train.embedding_memory_bytes=47952") if where == "disk" else ()
     result = train(run_dir, registered, 6, *disk)
     assert result.exit_code == 0, result.output
     assert bool(json.loads(result.output)["embedding_cache"]) == (where == "disk")
@@ -274,11 +274,11 @@ def test_a_table_capped_below_one_batch_is_refused_naming_the_batch(tiny_dataset
 
 
 def test_a_map_that_does_not_fit_the_memory_budget_is_refused_before_training(registered, tmp_path):
-    result = train(tmp_path / "run", registered, 2, "--set", "train.embedding_memory_bytes=32048")
+    result = train(tmp_path / "run", registered, 2, "--set", "train.embedding_memory_bytes=27952")
     assert result.exit_code == 1 and isinstance(result.exception, SchemaError)
     assert str(result.exception) == (
-        "sparse feature item_id: ids dynamic: its map takes 32048 bytes (32048 for every "
-        "dynamic table), which leaves nothing of train.embedding_memory_bytes 32048 for the "
+        "sparse feature item_id: ids dynamic: its map takes 27952 bytes (27952 for every "
+        "dynamic table), which leaves nothing of train.embedding_memory_bytes 27952 for the "
         "rows; raise it or give the table fewer rows"
     )
     assert not (tmp_path / "run" / "checkpoints").exists()
