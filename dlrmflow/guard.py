@@ -33,6 +33,7 @@ from pathlib import Path
 # The token every process started by a command carries in its environment.
 COMMAND_ENV = "DLRMFLOW_COMMAND"
 GRACE_S = 5.0  # from SIGTERM to SIGKILL for what a dead command left
+LATE_S = 10.0  # how long SIGKILL keeps going for what was started while the rest stopped
 
 # How long a command stopped by a signal may take to unwind before it is ended outright.
 UNWIND_S = 10.0
@@ -82,7 +83,9 @@ def carrying(token: str) -> list[int]:
 
 def sweep(token: str, grace_s: float = GRACE_S) -> list[int]:
     """Stop every process carrying ``token``: SIGCONT and SIGTERM, then SIGKILL what is
-    left after ``grace_s``. Returns the processes found."""
+    left after ``grace_s``, and then whatever was started meanwhile (a rank an agent
+    restarted as the others stopped), until none is left or ``LATE_S`` has passed.
+    Returns the processes found first."""
     found = carrying(token)
     for pid in found:
         for sig in (signal.SIGCONT, signal.SIGTERM):
@@ -91,9 +94,15 @@ def sweep(token: str, grace_s: float = GRACE_S) -> list[int]:
     deadline = time.monotonic() + grace_s
     while (left := carrying(token)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    late_deadline = time.monotonic() + LATE_S
+    while left:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() >= late_deadline:
+            break
+        time.sleep(0.1)
+        left = carrying(token)
     return found
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrmflow.guard import COMMAND_ENV, GRACE_S, carrying
+from dlrmflow.guard import COMMAND_ENV, GRACE_S, LATE_S, carrying, sweep
 from dlrmflow.locks import LOCK_FILE
 from tests.prefect_server import new_prefect_home
 
@@ -129,7 +129,39 @@ def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(
             time.sleep(0.1)
         command.kill()
         command.wait()
-        assert not _gone_within(token, GRACE_S + 15)
+        # The guard's SIGTERM, SIGKILL after GRACE_S, and LATE_S more for what was started
+        # meanwhile; 15 s more for a loaded machine (a suite's other workers).
+        assert not _gone_within(token, GRACE_S + LATE_S + 15)
     finally:
         command.kill()
         command.wait()
+
+
+def test_a_sweep_also_stops_what_is_started_while_it_stops_the_rest(tmp_path: Path) -> None:
+    """A process that ignores SIGTERM and starts a child every 20 ms (as an agent restarting
+    ranks would): once the sweep returns, nothing carries the token."""
+    token = f"test-{os.getpid()}-late"
+    script = textwrap.dedent(
+        """
+        import signal, subprocess, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            subprocess.Popen(["sleep", "60"])
+            time.sleep(0.02)
+        """
+    )
+    spawner = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, COMMAND_ENV: token}, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(carrying(token)) < 5:
+            assert time.monotonic() < deadline, "the spawner started nothing"
+            time.sleep(0.05)
+        sweep(token, grace_s=0.3)
+        assert carrying(token) == []
+    finally:
+        spawner.kill()
+        spawner.wait()
+        for pid in carrying(token):
+            os.kill(pid, signal.SIGKILL)
