@@ -33,7 +33,6 @@ lookups per second on one core.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from dlrmflow.bench.lines import day_settings, run_line, summary_of
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
@@ -49,7 +49,6 @@ from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.kernels.id_map import DynamicIdMap
 from dlrmflow.runtime.glibc_malloc import tune_allocator
-from dlrmflow.train.line.line import VERSIONS_DIR, open_line
 from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings
 from dlrmflow.train.run.checkpoint import load_checkpoint
 from dlrmflow.train.run.trainer import train
@@ -127,24 +126,6 @@ def _memory(checkpoint: Path) -> dict[str, int]:
     }
 
 
-def _line(config: RunConfig, line_dir: Path) -> tuple[list[dict[str, Any]], float, Path]:
-    """Run a line over every day: (each next day's scores and CPU-seconds, day 0's
-    CPU-seconds, the newest version's checkpoint)."""
-    per_day, first = [], 0.0
-    with open_line(line_dir, config) as line:
-        for day in line.pending():
-            cpu = time.process_time()
-            version = line.advance(day)
-            spent = time.process_time() - cpu
-            if version.validation is None:
-                first = spent
-                continue
-            scores = {k: float(version.validation[k]) for k in ("auc", "logloss", "calibration")}
-            per_day.append({"day": day, **scores, "cpu_s": spent})
-        newest = line_dir / VERSIONS_DIR / line.versions[-1].name / "checkpoint"
-    return per_day, first, newest
-
-
 def _step_seconds(base: RunConfig, root: Path, steps: int) -> float:
     """Seconds a step of ``base`` takes on day 0: the difference between the training
     loops of runs of ``2 * steps`` and ``steps`` steps, over ``steps``, after an untimed
@@ -199,12 +180,9 @@ def run_dynamic_benchmark(
     """Run the four lines and the side-by-side step timing; the JSON record (see the
     module)."""
     tune_allocator()
-    data = dict(QUICK_DATA if quick else DATA)
-    for key, value in (("days", days), ("rows_per_day", rows_per_day), ("churn", churn)):
-        if value is not None:
-            data[key] = value
-    if data["days"] < 3:
-        raise ValueError(f"days must be >= 3 (got {data['days']}): day 0 and two next days")
+    data = day_settings(
+        QUICK_DATA if quick else DATA, days=days, rows_per_day=rows_per_day, churn=churn
+    )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dlrmflow-dynamic-") as scratch:
         root = Path(work_dir) if work_dir is not None else Path(scratch)
@@ -214,7 +192,7 @@ def run_dynamic_benchmark(
         bayes = {f.day: f.bayes_auc for f in read_manifest(data["url"]).files}
         per_day, first_day, memory = {}, {}, {}
         for way in WAYS:
-            per_day[way], first_day[way], newest = _line(configs[way], root / f"line-{way}")
+            per_day[way], first_day[way], newest = run_line(configs[way], root / f"line-{way}")
             memory[way] = _memory(newest)
             for record in per_day[way]:
                 record["bayes_auc"] = bayes[record["day"]]
@@ -225,14 +203,7 @@ def run_dynamic_benchmark(
         }
         lookups = _lookups(configs["dynamic"], 2 * steps)
     summary = {
-        way: {
-            "mean_next_day_auc": statistics.fmean(r["auc"] for r in per_day[way]),
-            "last_day_auc": per_day[way][-1]["auc"],
-            "mean_calibration": statistics.fmean(r["calibration"] for r in per_day[way]),
-            "cpu_s_per_day": statistics.fmean(r["cpu_s"] for r in per_day[way]),
-            "first_day_cpu_s": first_day[way],
-            **memory[way],
-        }
+        way: {**summary_of(per_day[way]), "first_day_cpu_s": first_day[way], **memory[way]}
         for way in WAYS
     }
     dynamic_auc = summary["dynamic"]["mean_next_day_auc"]

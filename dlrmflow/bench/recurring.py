@@ -30,19 +30,19 @@ promote, each against its parent, and why it holds the others back.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from dlrmflow.bench.lines import SCORES, day_settings, run_line, summary_of
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.config import GateConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.train.line.gate import judge
-from dlrmflow.train.line.line import open_line, verdicts
+from dlrmflow.train.line.line import verdicts
 from dlrmflow.train.run.evaluate import evaluate
 from dlrmflow.train.run.trainer import train
 
@@ -53,7 +53,6 @@ BASELINE = (
     "day ÷ the line's (> 1: the line better or cheaper)"
 )
 WAYS = ("continued", "retrained", "frozen")
-METRICS = ("auc", "logloss", "calibration")
 DATA = {
     "days": 12,
     "rows_per_day": 200_000,
@@ -95,7 +94,7 @@ def _cpu() -> float:
 
 def _score(config: RunConfig, day: int) -> dict[str, float]:
     metrics = evaluate(config.run_dir, eval_days=[day])
-    return {k: float(metrics[k]) for k in METRICS}
+    return {k: float(metrics[k]) for k in SCORES}
 
 
 def run_recurring_benchmark(
@@ -108,12 +107,9 @@ def run_recurring_benchmark(
 ) -> dict[str, Any]:
     """Run the three ways over the same drifting days; the JSON record (see the module)."""
     tune_allocator()
-    data = dict(QUICK_DATA if quick else DATA)
-    for key, value in (("days", days), ("rows_per_day", rows_per_day), ("drift", drift)):
-        if value is not None:
-            data[key] = value
-    if data["days"] < 3:
-        raise ValueError(f"days must be >= 3 (got {data['days']}): day 0 and two next days")
+    data = day_settings(
+        QUICK_DATA if quick else DATA, days=days, rows_per_day=rows_per_day, drift=drift
+    )
     with tempfile.TemporaryDirectory(prefix="dlrmflow-recurring-") as scratch:
         root = Path(work_dir) if work_dir is not None else Path(scratch)
         data["url"] = str(root / "data")
@@ -125,16 +121,7 @@ def run_recurring_benchmark(
         started = time.perf_counter()
 
         # continued: a model line, a version a day.
-        line_config = base.model_copy(deep=True)
-        with open_line(root / "line", line_config) as line:
-            for day in line.pending():
-                cpu = _cpu()
-                version = line.advance(day)
-                if version.validation is not None:
-                    scores = {k: version.validation[k] for k in METRICS}
-                    per_day["continued"].append({"day": day, **scores, "cpu_s": _cpu() - cpu})
-                else:
-                    first_day_cpu = _cpu() - cpu
+        per_day["continued"], first_day_cpu, _ = run_line(base.model_copy(deep=True), root / "line")
         gate = _gate_record(root / "line")
 
         # frozen: day 0 alone, then scored each day.
@@ -162,16 +149,7 @@ def run_recurring_benchmark(
     for way in WAYS:
         for record in per_day[way]:
             record["bayes_auc"] = bayes[record["day"]]
-    summary = {
-        way: {
-            "mean_next_day_auc": statistics.fmean(r["auc"] for r in per_day[way]),
-            "last_day_auc": per_day[way][-1]["auc"],
-            "mean_calibration": statistics.fmean(r["calibration"] for r in per_day[way]),
-            "cpu_s_per_day": statistics.fmean(r["cpu_s"] for r in per_day[way]),
-            "cpu_s_total": sum(r["cpu_s"] for r in per_day[way]),
-        }
-        for way in WAYS
-    }
+    summary = {way: summary_of(per_day[way]) for way in WAYS}
     continued = summary["continued"]
     ratios = {
         "mean_next_day_auc_vs_retrained": continued["mean_next_day_auc"]

@@ -1,0 +1,57 @@
+"""What the benchmarks that run model lines over generated days share (``bench recurring``,
+``bench dynamic``): the days' settings, a line run over every day, and a way's summary of
+its days."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from dlrmflow.config import RunConfig
+from dlrmflow.train.line.line import VERSIONS_DIR, open_line
+
+# The next-day scores each day's record keeps.
+SCORES = ("auc", "logloss", "calibration")
+
+
+def day_settings(defaults: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """``defaults`` (the generator's ``data`` settings) with the ``overrides`` that are not
+    None; at least three days: day 0 and two next days to score."""
+    data = dict(defaults)
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    if data["days"] < 3:
+        raise ValueError(f"days must be >= 3 (got {data['days']}): day 0 and two next days")
+    return data
+
+
+def run_line(config: RunConfig, line_dir: Path) -> tuple[list[dict[str, Any]], float, Path]:
+    """A model line over every day of ``config``'s data: (each next day's scores and
+    CPU-seconds, day 0's CPU-seconds, the newest version's checkpoint). A day's
+    CPU-seconds are the process's (every thread) for scoring, judging and training it."""
+    per_day, first_day = [], 0.0
+    with open_line(line_dir, config) as line:
+        for day in line.pending():
+            cpu = time.process_time()
+            version = line.advance(day)
+            spent = time.process_time() - cpu
+            if version.validation is None:
+                first_day = spent
+                continue
+            scores = {k: float(version.validation[k]) for k in SCORES}
+            per_day.append({"day": day, **scores, "cpu_s": spent})
+        newest = line_dir / VERSIONS_DIR / line.versions[-1].name / "checkpoint"
+    return per_day, first_day, newest
+
+
+def summary_of(days: list[dict[str, Any]]) -> dict[str, float]:
+    """A way's days in a few figures: mean and last next-day AUC, mean calibration,
+    CPU-seconds a day and in all."""
+    return {
+        "mean_next_day_auc": statistics.fmean(r["auc"] for r in days),
+        "last_day_auc": days[-1]["auc"],
+        "mean_calibration": statistics.fmean(r["calibration"] for r in days),
+        "cpu_s_per_day": statistics.fmean(r["cpu_s"] for r in days),
+        "cpu_s_total": sum(r["cpu_s"] for r in days),
+    }
