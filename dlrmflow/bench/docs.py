@@ -32,7 +32,8 @@ LOGS_HOW = (
     "then gathered by one compiled pass. Ours reads the strings a file stores as "
     "dictionaries (the IDs and the list of recent items) as dictionaries, each distinct "
     "string decoded and hashed once, and so does the baseline the ratios are against "
-    '(pyarrow with read_dictionary: the faster of its two decodes here). "Plain strings" '
+    '(pyarrow with read_dictionary, where it is the faster of its two decodes). "Plain '
+    'strings" '
     "is ours with every string decoded and hashed, against the plain decode: what ours "
     "reaches on files whose strings are not dictionary-encoded."
 )

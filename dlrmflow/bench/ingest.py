@@ -29,10 +29,9 @@ file stores dictionary-encoded are read as dictionaries where the transform take
 (``BatchTransform.dictionary_columns``), so each distinct string is decoded and hashed
 once. Where a dataset has such columns the baseline runs twice, decoding every string as
 a plain read of the columns does, and reading the same columns as dictionaries as ours
-does (the faster here, since it builds no string); every ratio is against the faster of
-the two. "Plain strings" runs ours with every string decoded plain, against the plain
-decode: what the dictionary reads gain, and what ours reaches on files whose writer did
-not dictionary-encode its strings.
+does; every ratio is against the faster of the two. "Plain strings" runs ours with every
+string decoded plain, against the plain decode: what the dictionary reads gain, and what
+ours reaches on files whose writer did not dictionary-encode its strings.
 
 Two figures say what bounds ours. "decode + transform" runs our decode (the baseline's,
 with the dictionary reads) and our transform of each row group straight after it, in the
