@@ -19,10 +19,8 @@ from each day to the next every ID's effect and latent vector move (an AR(1) ste
 correlation ``1 - drift``, keeping their variance). A model trained on earlier days goes
 stale, and continued training has something to catch up on. Day 0 is the i.i.d. data's
 day 0, and the tables keep their size: the manifest's cardinalities are day 0's, the
-number of IDs live on any day. (Until drift and churn were apart, ``drift`` also handed a
-``drift`` share of the popularity ranks, the top ones included, to new IDs each day, which
-moved a day's click rate by up to half; ``churn`` now brings IDs in and out, and an old
-``drift: x`` reads as ``drift: x`` with ``churn: x`` near enough.)
+number of IDs live on any day. New IDs are ``churn``'s (an old ``drift: x``, which also
+replaced IDs, reads as ``drift: x`` with ``churn: x`` near enough; see docs/design.md).
 
 With ``data.churn`` > 0 the ID space turns over as a catalogue or a user base does: each
 day a ``churn`` share of every feature's IDs is born, each new ID placed at a random
@@ -32,15 +30,15 @@ pushed past the last rank stop appearing for good. An ID keeps its effects as it
 Churn and drift compose (drift's step first); each day's Bayes metrics are its own.
 
 On days that move, the click rate moves as a live service's does rather than as the
-effects' drift would drag it (a day's rate can otherwise jump by half overnight): it
-follows a random walk in log-odds from ``data.positive_rate``, a ``data.base_rate_step``
-step a day (0.03 unless set: a few percent), plus a weekly cycle of amplitude
-``data.weekly``, and each day's bias is set so that its click model has that rate. Day 0
-keeps its bias. The manifest records each such day's ``target_rate`` and its
-``reference_calibration``: the day before's click model (its effects, latent vectors and
-bias; nothing for an ID born since) scored on the day's rows, its predicted clicks over
-the day's clicks: the miscalibration that even the best model of the day before has on
-the day, which next-day validation of a trained model can be held against.
+effects' drift would drag it: it follows a random walk in log-odds from
+``data.positive_rate``, a ``data.base_rate_step`` step a day (0.03 unless set: a few
+percent), plus a weekly cycle of amplitude ``data.weekly``, and each day's bias is set so
+that its click model has that rate. Day 0 keeps its bias. The manifest records each such
+day's ``target_rate`` and its ``reference_calibration``: the day before's click model (its
+effects, latent vectors and bias; nothing for an ID born since) scored on the day's rows,
+its predicted clicks over the day's clicks: the miscalibration that even the best model
+of the day before has on the day, which next-day validation of a trained model can be
+held against.
 """
 
 from __future__ import annotations
