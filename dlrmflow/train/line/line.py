@@ -313,8 +313,9 @@ class Line:
         first = self.versions[0].day if self.versions else day  # the run's window starts there
         validation = None
         if parent is not None:
-            digest = day_digest(read_manifest(self.config.data.url), day)
-            validation = _validate(self.dir, self.config, day, digest, parent)
+            manifest = read_manifest(self.config.data.url)
+            digest = day_digest(manifest, day)
+            validation = _validate(self.dir, self.config, day, manifest, digest, parent)
             _gate(self.dir, self.config, parent, day, digest, validation)
         version = _train_day(self.dir, self.config, first, day, parent, validation)
         self.versions.append(version)
@@ -482,12 +483,18 @@ def verdicts(line_dir: Path) -> list[Verdict]:
 
 
 def _validate(
-    line_dir: Path, line: RunConfig, day: int, digest: str, version: Version
+    line_dir: Path,
+    line: RunConfig,
+    day: int,
+    manifest: Manifest,
+    digest: str,
+    version: Version,
 ) -> dict[str, Any]:
     """The newest ``version`` (its own checkpoint, whatever the run directory holds)
     scored on ``day``, with the share of the day's IDs it never saw (``unseen``), once: a
     day already in the history keeps its record, unless it was scored on other files of
-    the day (``digest``, the record's ``day_digest``), which it then replaces.
+    the day (``digest``, the record's ``day_digest``, of the dataset's ``manifest``),
+    which it then replaces.
 
     Beside the scores, what says whose fault a miscalibration is: the day's click rate
     over the rate of the days the version trained on (``base_rate_ratio``: a model
@@ -502,7 +509,7 @@ def _validate(
     unseen = unseen_ids(line_dir, line.data.url, day, version.days)
     checkpoint = line_dir / VERSIONS_DIR / version.name / "checkpoint"
     record = {**_score(line, day, checkpoint), "unseen_ids": unseen, "day_digest": digest}
-    record.update(_rate_change(read_manifest(line.data.url), day, version.days))
+    record.update(_rate_change(manifest, day, version.days))
     if version.id_maps:
         # Dynamic tables: what the version's training admitted and evicted, and how many
         # of the next day's lookups found no row of their own.
