@@ -45,7 +45,6 @@ from dlrmflow.supervise import (
 )
 from dlrmflow.train.launch.agent import FAILURES, STARTUP_FAILED
 from dlrmflow.train.launch.multihost import Hosts, StartupFailed
-from dlrmflow.train.model.dynamic_ids import refuse_dynamic_dataset
 from dlrmflow.train.run.evaluate import evaluate
 from dlrmflow.train.run.trainer import TrainResult, train
 
@@ -248,10 +247,6 @@ def launch_training(
     if nproc == 1 and hosts is None:
         with interrupt_on_signals("training"):
             return train(config, progress=on_record)
-    # Refused here, before a rank starts, rather than by each rank as it builds its model.
-    refuse_dynamic_dataset(
-        config.data.url, config.features.ids, "a job of several ranks (distributed.nproc > 1)"
-    )
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     what = _job_name("training", nproc, hosts)

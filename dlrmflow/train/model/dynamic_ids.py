@@ -11,8 +11,18 @@ batches, resetting the freed rows in the bag (``EmbeddingBagBase.reset_rows``: t
 values, no optimizer state) before any ID reads them, and hands the rows to the
 collection it wraps. Its maps are part of the checkpoint, beside the rows they index.
 
-In this step the collection must keep its rows in this process (in memory or on disk):
-a job's input all-to-all would have to route each raw ID to the rank owning it first.
+In a job every rank keeps the whole of each map, and the maps stay identical: a training
+batch's raw IDs of the dynamic features are gathered from every rank (two all-gathers on
+the maps' own group), and each rank maps every rank's IDs, feature by feature in rank
+order, keeping the rows of its own. That order is the one a single process maps the
+global batch in (a feature's bags key-major, rank 0's samples first), so the maps, and
+the rows freed by each eviction, are those of one process on the same global batches.
+The rows themselves are sharded as any table's: each rank resets the part of a freed row
+its shard holds (``ShardedEmbeddingCollection.reset_rows``), and the rows follow the
+input all-to-all to their shards. A replicated map costs every rank the map's memory and
+the global batch's lookups, and needs no routing of raw IDs, no second all-to-all, and
+no resharding: a checkpoint's maps are plain tensors that load at any rank count.
+Evaluation and scoring look up without admitting, so each rank maps its own batch.
 """
 
 from __future__ import annotations
@@ -22,12 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dlrmflow.errors import DlrmflowError
-from dlrmflow.features.spec import FeatureSpec, dataset_schema
-from dlrmflow.ingest.manifest import read_manifest
-from dlrmflow.kernels.bag import EmbeddingBagBase
+from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.id_map import DynamicIdMap, IdMapStats
 from dlrmflow.kernels.tbe import initial_rows
 from dlrmflow.schema import SchemaError
@@ -58,16 +66,19 @@ class DynamicTable:
 
 class DynamicIdEmbeddings(InFrontOf):
     """An ``EmbeddingCollection`` (``inner``) whose dynamic features' raw IDs are mapped
-    to rows first; ``bag`` is the one holding the dynamic tables' rows, ``seed`` the one
-    its rows were drawn from (a reset row gets its birth values back)."""
+    to rows first; ``bag`` is the one holding the dynamic tables' rows (a bag of this
+    process, or a job's sharded collection: anything with ``names`` and ``reset_rows``),
+    ``seed`` the one its rows were drawn from (a reset row gets its birth values back).
+    ``group``: a job's ranks, whose training batches every map sees (None: one process)."""
 
     def __init__(
         self,
         inner: nn.Module,
-        bag: EmbeddingBagBase,
+        bag: nn.Module,
         tables: list[DynamicTable],
         *,
         seed: int,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(inner)
         for t in tables:
@@ -81,6 +92,7 @@ class DynamicIdEmbeddings(InFrontOf):
         self.dynamic = tables
         self.maps = {t.name: t.new_map() for t in tables}
         self.seed = seed
+        self.group = group
         self.begins_ahead = False  # a batch is mapped when it is current, never ahead
         # Training batches mapped so far: the maps' clock (``now``), saved with them.
         self.step = torch.zeros((), dtype=torch.int64, device="cpu")
@@ -124,13 +136,43 @@ class DynamicIdEmbeddings(InFrontOf):
         keys = kjt.keys
         values = kjt.values.clone()
         starts = np.concatenate([[0], np.cumsum(kjt.length_per_key())])
+        segments = [
+            values[starts[keys.index(f)] : starts[keys.index(f) + 1]]
+            for table in self.dynamic
+            for f in table.features
+        ]
+        # Training in a job: every rank's IDs, each feature's by rank, go through the maps.
+        everyone = self._gathered(segments) if admit and self.group is not None else None
+        at = 0
         for table in self.dynamic:
-            for feature in table.features:
-                k = keys.index(feature)
-                segment = values[starts[k] : starts[k + 1]]
-                out = self.maps[table.name].map(segment.numpy(), now, admit=admit)
+            m = self.maps[table.name]
+            for _ in table.features:
+                segment = segments[at]
+                if everyone is None:
+                    out = m.map(segment.numpy(), now, admit=admit)
+                else:
+                    rows = [m.map(ids[at], now, admit=True) for ids in everyone]
+                    out = rows[dist.get_rank(self.group)]
                 segment.copy_(torch.from_numpy(out))
+                at += 1
         return KeyedJaggedTensor(keys, values, kjt.lengths, kjt.weights)
+
+    def _gathered(self, segments: list[torch.Tensor]) -> list[list[np.ndarray]]:
+        """Every rank's ``segments`` (raw IDs, one per dynamic feature), by rank: the
+        lengths first, then the IDs padded to the longest rank's."""
+        world = dist.get_world_size(self.group)
+        sizes = torch.tensor([len(s) for s in segments], dtype=torch.int64, device="cpu")
+        every_size = [torch.empty_like(sizes) for _ in range(world)]
+        dist.all_gather(every_size, sizes, group=self.group)
+        longest = max(int(s.sum()) for s in every_size)
+        mine = torch.zeros(longest, dtype=torch.int64, device="cpu")
+        mine[: int(sizes.sum())] = torch.cat(segments) if segments else mine[:0]
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=self.group)
+        return [
+            np.split(ids.numpy()[: int(s.sum())], np.cumsum(s.numpy())[:-1])
+            for ids, s in zip(every, every_size, strict=True)
+        ]
 
     def evict(self, *, due_only: bool = False) -> None:
         """Evict from every map (``due_only``: those whose ``evict_every`` divides the
@@ -163,6 +205,13 @@ def map_bytes(spec: FeatureSpec) -> dict[str, int]:
                 table.num_embeddings, admit_after=first.admit_after or 1
             )
     return sizes
+
+
+def rows_budget(memory_bytes: int | None, spec: FeatureSpec) -> int | None:
+    """What ``train.embedding_memory_bytes`` leaves the rows and their cache once the
+    dynamic tables' maps (kept in memory, whole on every rank of a job) take theirs; None
+    without a budget."""
+    return None if memory_bytes is None else memory_bytes - sum(map_bytes(spec).values())
 
 
 def check_capacity(
@@ -207,10 +256,16 @@ def check_capacity(
             )
 
 
-def with_dynamic_ids(embeddings: nn.Module, spec: FeatureSpec, *, seed: int) -> nn.Module:
-    """``embeddings`` (one process's) behind the maps of ``spec``'s dynamic tables; itself
-    when it has none. The tables' settings are their features' (``ids: dynamic``, or the
-    run's ``features`` defaults)."""
+def with_dynamic_ids(
+    embeddings: nn.Module,
+    spec: FeatureSpec,
+    *,
+    seed: int,
+    group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """``embeddings`` (one process's, or with ``group`` a job's sharded collection) behind
+    the maps of ``spec``'s dynamic tables; itself when it has none. The tables' settings
+    are their features' (``ids: dynamic``, or the run's ``features`` defaults)."""
     tables = []
     for table in spec.tables:
         features = [f for f in spec.sparse if f.table_name == table.name]
@@ -230,34 +285,7 @@ def with_dynamic_ids(embeddings: nn.Module, spec: FeatureSpec, *, seed: int) -> 
         )
     if not tables:
         return embeddings
-    bag = behind(embeddings)
-    assert isinstance(bag, EmbeddingBagBase)  # one process's: in memory or on disk
-    return DynamicIdEmbeddings(embeddings, bag, tables, seed=seed)
-
-
-def refuse_dynamic_ids(spec: FeatureSpec, what: str) -> None:
-    """Refuse ``what`` (a job, an export: not built for dynamic tables yet) in one line
-    naming the first dynamic feature."""
-    for f in spec.sparse:
-        if f.ids == "dynamic":
-            raise _not_built(f.name, what)
-
-
-def refuse_dynamic_dataset(url: str, default_ids: str, what: str) -> None:
-    """``refuse_dynamic_ids`` for the dataset at ``url``'s declared schema (its features
-    without ``ids`` take ``default_ids``, the run's ``features.ids``), before any model
-    exists; a dataset that cannot be read is left to the run to report."""
-    try:
-        schema = dataset_schema(read_manifest(url))
-    except (DlrmflowError, OSError, ValueError):
-        return
-    for f in schema.sparse:
-        if (schema.table_settings(f.table_name).get("ids") or default_ids) == "dynamic":
-            raise _not_built(f.column, what)
-
-
-def _not_built(feature: str, what: str) -> SchemaError:
-    return SchemaError(f"sparse feature {feature}: ids dynamic: {what} is not built yet")
+    return DynamicIdEmbeddings(embeddings, behind(embeddings), tables, seed=seed, group=group)
 
 
 def id_map_counts(embeddings: nn.Module, keys: tuple[str, ...]) -> dict[str, dict[str, int]]:

@@ -30,7 +30,7 @@ from dlrmflow.kernels.row_cache import ROW_MAP_BYTES, SLOT_BOOKKEEPING_BYTES, ca
 from dlrmflow.kernels.row_file import FILE_SUFFIX, record_width
 from dlrmflow.memory import Available, available_memory, format_bytes
 from dlrmflow.train.model.dlrm import embedding_optimizer
-from dlrmflow.train.model.dynamic_ids import map_bytes
+from dlrmflow.train.model.dynamic_ids import rows_budget
 from dlrmflow.train.model.embeddings import TieredEmbeddings
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.model.sharded.tiers import TierBudgetError, TierStorage
@@ -40,16 +40,17 @@ TIERED_DIR = "embeddings"
 
 
 def tier_storage(
-    config: RunConfig, rank: int, world_size: int, run_dir: Path
+    config: RunConfig, spec: FeatureSpec, rank: int, world_size: int, run_dir: Path
 ) -> TierStorage | None:
     """Where this rank of a job keeps its shards on disk (``RUN_DIR/embeddings/rank{r}/``)
-    and its memory budget, ``train.embedding_memory_bytes``; None without a budget.
+    and its memory budget, ``train.embedding_memory_bytes`` less ``spec``'s dynamic
+    tables' maps (``rows_budget``); None without a budget.
 
     Each rank's file starts afresh from the seed's rows, as in one process; rank 0 also
     removes the files of ranks this job does not have (an earlier run at another world
     size) and the one-process file.
     """
-    budget = config.train.embedding_memory_bytes
+    budget = rows_budget(config.train.embedding_memory_bytes, spec)
     if budget is None:
         return None
     root = run_dir / TIERED_DIR
@@ -69,10 +70,12 @@ def scratch_directory(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / TIERED_DIR / f"eval-rank{rank}"
 
 
-def scratch_tier_storage(config: RunConfig, rank: int, run_dir: Path) -> TierStorage | None:
+def scratch_tier_storage(
+    config: RunConfig, spec: FeatureSpec, rank: int, run_dir: Path
+) -> TierStorage | None:
     """A job's ``tier_storage`` for reading a checkpoint: in ``scratch_directory``,
     unfilled (the load writes every row); None without a budget."""
-    budget = config.train.embedding_memory_bytes
+    budget = rows_budget(config.train.embedding_memory_bytes, spec)
     if budget is None:
         return None
     directory = scratch_directory(run_dir, rank)
@@ -101,9 +104,7 @@ def tiered_embeddings(
     budget too small for one row of cache is a ``TierBudgetError`` naming it.
     """
     check_memory(config, spec, alone=True)
-    budget = config.train.embedding_memory_bytes
-    if budget is not None:
-        budget -= sum(map_bytes(spec).values())  # dynamic tables' maps stay in memory
+    budget = rows_budget(config.train.embedding_memory_bytes, spec)
     if budget is None or _table_bytes(spec.tables, optimizer) <= budget:
         return None
     rows = cache_rows_for(budget, spec.tables, optimizer)

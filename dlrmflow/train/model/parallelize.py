@@ -31,7 +31,7 @@ from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.kernels.optimizers import EmbeddingOptimizer
 from dlrmflow.train.model.comms import CommStats, dense_comm_hook
 from dlrmflow.train.model.dlrm import DLRM, embedding_optimizer, hand_pooled_in
-from dlrmflow.train.model.dynamic_ids import refuse_dynamic_ids, with_dynamic_ids
+from dlrmflow.train.model.dynamic_ids import with_dynamic_ids
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings, UnplacedEmbeddings
 from dlrmflow.train.model.memory_budget import tiered_embeddings
 from dlrmflow.train.model.plan import ShardingPlan
@@ -121,7 +121,6 @@ def apply_sharded_embeddings(
     stats: CommStats | None,
 ) -> ShardedEmbeddingCollection:
     """This rank's shards of ``plan``, on ``device`` (and on disk as ``tiers`` says)."""
-    refuse_dynamic_ids(spec, "a job of several ranks (distributed.nproc > 1)")
     # Separate groups (with the default group's backends): the pipelined input exchange
     # runs in the background and must not interleave with the output exchange or DDP's
     # allreduce on the same group. With the job's collective timeout: a group takes
@@ -145,7 +144,13 @@ def apply_sharded_embeddings(
         timeout=timeout,
     )
     embeddings.pipelined = config.distributed.pipeline
-    model.embeddings = share_tables(embeddings, spec)
+    # Dynamic tables' maps gather every rank's raw IDs on a group of their own (gloo: the
+    # maps are host arrays), ordered apart from the exchanges above.
+    dynamic = any(f.ids == "dynamic" for f in spec.sparse)
+    maps_group = dist.new_group(timeout=timeout, backend="gloo") if dynamic else None
+    model.embeddings = with_dynamic_ids(
+        share_tables(embeddings, spec), spec, seed=config.train.seed, group=maps_group
+    )
     return embeddings
 
 

@@ -25,6 +25,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import STATS_NAME, join_url, read_manifest
 from dlrmflow.ingest.stats.results import DatasetStats, read_stats
+from dlrmflow.train.model.dynamic_ids import rows_budget
 from dlrmflow.train.model.plan import ShardingPlan
 from dlrmflow.train.planner.planners import plan_sharding
 from dlrmflow.train.planner.types import OPTIMIZER_STATES, PlanningError, TableSpec, Topology
@@ -173,13 +174,14 @@ def plan_for_config(
     calling this may see other files: a job plans with ``plan_for_job``.
 
     With ``train.embedding_memory_bytes`` (and no ``topology``) each rank's memory is that
-    budget, and shards beyond it go to disk. When some do, the plan is made again with
-    ``CACHE_SHARE`` of the budget kept for their cache of hot rows; a model that fits
-    keeps all of the budget for its shards.
+    budget less the dynamic tables' maps (``rows_budget``), and shards beyond it go to
+    disk. When some do, the plan is made again with ``CACHE_SHARE`` of the budget kept for
+    their cache of hot rows; a model that fits keeps all of the budget for its shards.
     """
     root = config.data.url if stats_root is None else stats_root
     stats = load_plan_stats(root)
-    budget = config.train.embedding_memory_bytes
+    # Each rank's maps of dynamic tables are whole in its memory: the shards get the rest.
+    budget = rows_budget(config.train.embedding_memory_bytes, spec)
 
     def plan_on(chosen: Topology) -> ShardingPlan:
         return plan_sharding(

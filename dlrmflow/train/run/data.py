@@ -96,9 +96,11 @@ def fit_features(
     )
     if vocab is not None and kept is not None and not reuse:
         vocab.save(str(kept))
+    # A job's maps see every rank's batch in each step.
+    ranks = config.distributed.nproc * config.distributed.nnodes
     check_capacity(
         spec,
-        config.train.batch_size,
+        config.train.batch_size * ranks,
         manifest.cardinalities,
         config.train.embedding_memory_bytes,
     )

@@ -412,7 +412,7 @@ def _evaluate(
         config.model.kernels = kernels
         spec = FeatureSpec.from_dict(info.manifest["spec"])
         plan = plan_for_job(config, spec, env.world_size, env.local_world_size)
-        tiers = scratch_tier_storage(config, env.rank, run_dir)
+        tiers = scratch_tier_storage(config, spec, env.rank, run_dir)
         model = parallelize(
             build_model(config, spec), config, device=device, plan=plan, tiers=tiers
         )
@@ -453,6 +453,9 @@ def _evaluate(
         loader.close()
     seconds = time.perf_counter() - start
     peaks = gather_peak_rss(env)
+    looked_up = id_map_counts(model.embeddings, ("lookups", "default_lookups", "rows_in_use"))
+    if env.distributed and looked_up:
+        looked_up = _summed_lookups(looked_up)
     if scored is None:
         return {}
     if len(scored.probs) == 0:
@@ -486,7 +489,6 @@ def _evaluate(
             "peak_rss_bytes": peaks,
         }
     )
-    looked_up = id_map_counts(model.embeddings, ("lookups", "default_lookups", "rows_in_use"))
     if looked_up:
         # Dynamic tables: how many of the day's lookups found no row of their own.
         metrics["id_maps"] = {
@@ -496,3 +498,19 @@ def _evaluate(
     write_atomic(run_dir / EVAL_FILE, json.dumps(metrics, indent=2) + "\n")
     plot_reliability(table, run_dir / RELIABILITY_FILE)
     return metrics
+
+
+def _summed_lookups(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """A job's dynamic-table lookups, every rank's summed (a collective): each rank looked
+    up its own batches in its copy of the maps, which hold the same rows on every rank."""
+    names = sorted(counts)
+    summed = torch.tensor(
+        [[counts[n]["lookups"], counts[n]["default_lookups"]] for n in names],
+        dtype=torch.int64,
+        device="cpu",
+    )
+    dist.all_reduce(summed)
+    return {
+        n: {**counts[n], "lookups": int(row[0]), "default_lookups": int(row[1])}
+        for n, row in zip(names, summed.tolist(), strict=True)
+    }

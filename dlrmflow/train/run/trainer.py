@@ -140,7 +140,7 @@ def _build_model(
     if env.rank == 0:
         write_atomic(run_dir / PLAN_FILE, json.dumps(plan.to_dict(), indent=1))
     stats = CommStats()
-    tiers = tier_storage(config, env.rank, env.world_size, run_dir)
+    tiers = tier_storage(config, spec, env.rank, env.world_size, run_dir)
     model = build_model(config, spec)
     parallelize(model, config, device=device, plan=plan, tiers=tiers, stats=stats)
     return StepRunner(model, stager, comms=stats, plan=plan)

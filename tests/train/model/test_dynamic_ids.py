@@ -1,21 +1,38 @@
 """Dynamic ID tables in front of an embedding collection: raw IDs get rows in batch
 order (admitted while training, only looked up while evaluating), evicted rows start
-afresh before any ID reads them, and the maps travel in the checkpoint so that a resumed
-run continues exactly."""
+afresh before any ID reads them, the maps travel in the checkpoint so that a resumed
+run continues exactly, and a job's ranks keep identical maps, those of one process on the
+same global batches, under every sharding of the rows."""
 
 from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 
-from dlrmflow.features.spec import SparseFeature
+from dlrmflow.bench.spawn import run_spawned_job
+from dlrmflow.config import RunConfig
+from dlrmflow.features.batch import Batch
+from dlrmflow.features.spec import FeatureSpec, SparseFeature
 from dlrmflow.kernels.optimizers import RowWiseAdagrad
+from dlrmflow.kernels.row_cache import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.kernels.tbe import initial_rows
 from dlrmflow.sparse import KeyedJaggedTensor
+from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings, DynamicTable
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
+from dlrmflow.train.model.parallelize import build_model, parallelize
+from dlrmflow.train.model.plan import SHARDING_TYPES, ShardingPlan
+from dlrmflow.train.model.sharded import TierStorage
+from dlrmflow.train.planner import cpu_topology, plan_sharding
+from dlrmflow.train.planner.jobs import tables_from_spec
+from dlrmflow.train.run.checkpoint import model_state
 
 DIM, CAPACITY, SEED = 4, 6, 2
 TABLES = [SparseFeature("d", CAPACITY, DIM), SparseFeature("p", 10, DIM)]
@@ -122,3 +139,134 @@ def test_the_maps_travel_in_the_checkpoint_and_a_resume_continues_exactly(tmp_pa
         assert torch.equal(step(whole, kjt, s), step(resumed, kjt, s)), s
     assert torch.equal(whole.bag.table("d"), resumed.bag.table("d"))
     assert whole.take_stats()["d"].rows_in_use == resumed.take_stats()["d"].rows_in_use
+
+
+# A job: the maps at 2 ranks, under every sharding of the dynamic table, against one process
+# on the same global batches (rank r holding rows r*BATCH:(r+1)*BATCH of each).
+JOB_SPEC = FeatureSpec(
+    dense=("x",),
+    sparse=(
+        SparseFeature("a", 40, DIM, table="t", ids="dynamic", admit_after=2, ttl=3, evict_every=2),
+        SparseFeature("u", 23, DIM),
+        SparseFeature("b", 40, DIM, table="t", ids="dynamic", admit_after=2, ttl=3, evict_every=2),
+    ),
+)
+JOB_CONFIG = RunConfig.model_validate(
+    {"model": {"embedding_dim": DIM, "bottom_mlp": [8, DIM], "top_mlp": [8]}, "train": {"seed": 3}}
+)
+JOB_STEPS, BATCH, LR = 10, 6, 0.1
+
+
+def _job_batches(world: int) -> list[Batch]:
+    """Raw IDs from 60 (more than the table's 39 rows besides the default), far from 0."""
+    batches = []
+    for s in range(JOB_STEPS):
+        gen = torch.Generator().manual_seed(700 + s)
+        n = BATCH * world
+        lengths = torch.randint(0, 3, (3, n), generator=gen)
+        lengths[1] = 1
+        a, b = (torch.randint(0, 60, (int(lengths[k].sum()),), generator=gen) for k in (0, 2))
+        u = torch.randint(0, 23, (n,), generator=gen)
+        values = torch.cat([a + 2**40, u, b + 2**40])
+        sparse = KeyedJaggedTensor(["a", "u", "b"], values, lengths.reshape(-1).int())
+        dense = torch.rand(n, 1, generator=gen)
+        batches.append(Batch(dense, sparse, (torch.rand(n, generator=gen) < 0.3).float()))
+    return batches
+
+
+def _on_disk(plan: ShardingPlan, rank: int, directory: Path) -> tuple[ShardingPlan, TierStorage]:
+    """``plan`` with the dynamic table's shards on SSD, and ``rank``'s storage for them: a
+    cache as large as the table, so that freed rows are cached when they are reset."""
+    tables = tuple(
+        dataclasses.replace(
+            t, shards=tuple(dataclasses.replace(s, tier="ssd" if t.name == "t" else "device")
+                            for s in t.shards)
+        )
+        for t in plan.tables
+    )  # fmt: skip
+    plan = dataclasses.replace(plan, tables=tables)
+    mine = plan.shards_on(rank)
+    kept = sum(4 * s.rows * (s.cols + 1) for _, s in mine if s.tier == "device")
+    slot = 4 * (DIM + 1) + SLOT_BOOKKEEPING_BYTES
+    return plan, TierStorage(directory / f"rank{rank}", kept + 40 * slot)
+
+
+def _dynamic_job(rank: int, world: int, out_dir: str, cases: list[tuple[str, bool]]) -> dict:
+    from dlrmflow.train.model.parallelize import sharded_dlrm
+
+    torch.use_deterministic_algorithms(True)
+    out = {}
+    for sharding, disk in cases:
+        plan = plan_sharding(
+            tables_from_spec(JOB_SPEC), cpu_topology(world, world), BATCH, force=sharding
+        )
+        name = f"{sharding}-disk" if disk else sharding
+        tiers = None
+        if disk:
+            plan, tiers = _on_disk(plan, rank, Path(out_dir) / f"{name}-rows")
+        torch.manual_seed(JOB_CONFIG.train.seed)
+        model = sharded_dlrm(JOB_SPEC, JOB_CONFIG, plan, RowWiseAdagrad(lr=LR), tiers=tiers)
+        holds_t = any(t.name == "t" for t, _ in plan.shards_on(rank))
+        assert (model.embeddings.inner.inner.tiered is not None) == (disk and holds_t)
+        optimizer = torch.optim.Adagrad(model.dense_parameters(), lr=LR)
+        loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
+        for batch in _job_batches(world):
+            mine = batch.take(torch.arange(rank * BATCH, (rank + 1) * BATCH))
+            received = model.embeddings.start_input(mine.sparse).wait()
+            logits = model.forward_received(mine.dense, received)
+            loss = loss_fn(logits, mine.labels) * world / model.embeddings.input_rows(received)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        path = Path(out_dir) / name
+        dcp.save(model_state(model, optimizer), checkpoint_id=str(path))
+        out[name] = (str(path), model.embeddings.maps["t"].arrays())
+    return out
+
+
+def _one_process() -> DLRM:
+    torch.manual_seed(JOB_CONFIG.train.seed)
+    model = parallelize(
+        build_model(JOB_CONFIG, JOB_SPEC),
+        JOB_CONFIG,
+        device=torch.device("cpu"),
+        optimizer=RowWiseAdagrad(lr=LR),
+    )
+    assert isinstance(model.embeddings, DynamicIdEmbeddings)
+    return model
+
+
+def test_a_job_maps_every_ranks_ids_as_one_process_maps_the_global_batch(tmp_path):
+    world = 2
+    reference = _one_process()
+    optimizer = torch.optim.Adagrad(reference.dense_parameters(), lr=LR)
+    for batch in _job_batches(world):
+        loss = F.binary_cross_entropy_with_logits(
+            reference(batch.dense, batch.sparse), batch.labels
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    want_maps = reference.embeddings.maps["t"].arrays()
+    assert reference.embeddings.take_stats()["t"].evicted > 0  # rows were freed and reset
+    want = model_state(reference, optimizer)
+    # Every sharding in memory; on disk, shards holding whole rows of the table or part.
+    cases = [(s, False) for s in SHARDING_TYPES] + [("table_wise", True), ("row_wise", True)]
+    ranks = run_spawned_job(
+        _dynamic_job, world, str(tmp_path), cases, threads=1, timeout=timedelta(seconds=120)
+    )
+    for sharding in ranks[0].result:
+        path, rank0_maps = ranks[0].result[sharding]
+        for key, array in want_maps.items():  # the maps are exactly one process's, on each rank
+            for r in ranks:
+                assert np.array_equal(r.result[sharding][1][key], array), (sharding, key)
+        loaded = _one_process()
+        state = model_state(loaded, torch.optim.Adagrad(loaded.dense_parameters(), lr=LR))
+        dcp.load(state, checkpoint_id=path)
+        for key in want:
+            got, expected = state[key], want[key]
+            if not isinstance(expected, torch.Tensor) or not expected.is_floating_point():
+                assert torch.equal(torch.as_tensor(got), torch.as_tensor(expected)), key
+                continue
+            worst = float((got - expected).abs().max()) if expected.numel() else 0.0
+            assert worst <= 2e-5, f"{sharding} {key}: differs by {worst:.2e}"

@@ -170,6 +170,33 @@ class ShardedEmbeddingCollection(nn.Module):
     def lookup_modules(self) -> list[nn.Module]:
         return [b for b in (self.lookup.local, self.lookup.replicated) if b is not None]
 
+    def reset_rows(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """``EmbeddingBagBase.reset_rows`` of table ``name``'s global ``rows`` (``values``
+        full width): each rank writes the part its shard holds (the rows in its range, its
+        columns), every rank its replica of a data-parallel table. Called by every rank
+        with the same rows, as a dynamic table's replicated maps free them."""
+        rows = torch.as_tensor(rows, dtype=torch.int64, device="cpu")
+        if name not in self.names:
+            raise KeyError(f"no table {name!r} among {self.names}")
+        if self.lookup.replicated is not None and name in self.lookup.replicated.names:
+            self.lookup.replicated.reset_rows(name, rows, values)
+            return
+        on_disk = {id(route) for route in self.lookup.tiered_routes}
+        for route in self.routing.local:
+            if route.table.name != name:
+                continue
+            shard = route.shard
+            inside = ((rows >= shard.row_start) & (rows < shard.row_end)).nonzero().squeeze(1)
+            if inside.numel() == 0:
+                continue
+            bag = self.lookup.tiered if id(route) in on_disk else self.lookup.local
+            assert bag is not None
+            bag.reset_rows(
+                name,
+                rows[inside] - shard.row_start,
+                values[inside][:, shard.col_start : shard.col_end],
+            )
+
     # -- shards on disk ------------------------------------------------------------------
 
     def prefetch(self, received: ReceivedInput) -> None:
