@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 
 from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import RunConfig
@@ -33,6 +32,7 @@ from dlrmflow.train.model.sharded import TierStorage
 from dlrmflow.train.planner import cpu_topology, plan_sharding
 from dlrmflow.train.planner.jobs import tables_from_spec
 from dlrmflow.train.run.checkpoint import model_state
+from tests.train.model.global_batches import train_share, train_whole
 
 DIM, CAPACITY, SEED = 4, 6, 2
 TABLES = [SparseFeature("d", CAPACITY, DIM), SparseFeature("p", 10, DIM)]
@@ -209,15 +209,7 @@ def _dynamic_job(rank: int, world: int, out_dir: str, cases: list[tuple[str, boo
         holds_t = any(t.name == "t" for t, _ in plan.shards_on(rank))
         assert (model.embeddings.inner.inner.tiered is not None) == (disk and holds_t)
         optimizer = torch.optim.Adagrad(model.dense_parameters(), lr=LR)
-        loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
-        for batch in _job_batches(world):
-            mine = batch.take(torch.arange(rank * BATCH, (rank + 1) * BATCH))
-            received = model.embeddings.start_input(mine.sparse).wait()
-            logits = model.forward_received(mine.dense, received)
-            loss = loss_fn(logits, mine.labels) * world / model.embeddings.input_rows(received)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        train_share(model, optimizer, _job_batches(world), rank, world, BATCH)
         path = Path(out_dir) / name
         dcp.save(model_state(model, optimizer), checkpoint_id=str(path))
         out[name] = (str(path), model.embeddings.maps["t"].arrays())
@@ -240,13 +232,7 @@ def test_a_job_maps_every_ranks_ids_as_one_process_maps_the_global_batch(tmp_pat
     world = 2
     reference = _one_process()
     optimizer = torch.optim.Adagrad(reference.dense_parameters(), lr=LR)
-    for batch in _job_batches(world):
-        loss = F.binary_cross_entropy_with_logits(
-            reference(batch.dense, batch.sparse), batch.labels
-        )
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_whole(reference, optimizer, _job_batches(world))
     want_maps = reference.embeddings.maps["t"].arrays()
     assert reference.embeddings.take_stats()["t"].evicted > 0  # rows were freed and reset
     want = model_state(reference, optimizer)

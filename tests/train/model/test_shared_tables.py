@@ -24,6 +24,7 @@ from dlrmflow.train.model.shared_tables import SharedTableEmbeddings, TableShari
 from dlrmflow.train.planner import cpu_topology, plan_sharding
 from dlrmflow.train.planner.jobs import tables_from_spec
 from dlrmflow.train.run.checkpoint import model_state
+from tests.train.model.global_batches import train_share, train_whole
 from tests.train.model.test_sharded import random_batch
 
 DIM = 4
@@ -170,16 +171,7 @@ def _train_job(rank: int, world: int, out_dir: str, shardings: list[str]) -> dic
         torch.manual_seed(JOB_CONFIG.train.seed)  # the dense arch's draws, as the reference's
         model = sharded_dlrm(JOB_SPEC, JOB_CONFIG, plan, RowWiseAdagrad(lr=LR))
         optimizer = torch.optim.Adagrad(model.dense_parameters(), lr=LR)
-        loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
-        for batch in _job_batches(world):
-            mine = batch.take(torch.arange(rank * BATCH, (rank + 1) * BATCH))
-            received = model.embeddings.start_input(mine.sparse).wait()
-            logits = model.forward_received(mine.dense, received)
-            rows = model.embeddings.input_rows(received)
-            loss = loss_fn(logits, mine.labels) * world / rows
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        train_share(model, optimizer, _job_batches(world), rank, world, BATCH)
         path = Path(out_dir) / sharding
         dcp.save(model_state(model, optimizer), checkpoint_id=str(path))
         paths[sharding] = str(path)
@@ -193,13 +185,7 @@ def test_every_sharding_of_a_shared_table_trains_as_one_process(tmp_path):
     reference = DLRM(JOB_SPEC, JOB_CONFIG.model, RowWiseAdagrad(lr=LR), seed=seed)
     start = reference.state_dict()["embeddings.inner.weight"].clone()
     optimizer = torch.optim.Adagrad(reference.parameters(), lr=LR)
-    for batch in _job_batches(world):
-        loss = F.binary_cross_entropy_with_logits(
-            reference(batch.dense, batch.sparse), batch.labels
-        )
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_whole(reference, optimizer, _job_batches(world))
     want = reference.state_dict()
     ranks = run_spawned_job(
         _train_job, world, str(tmp_path), list(SHARDING_TYPES), threads=1,
