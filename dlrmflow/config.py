@@ -442,16 +442,28 @@ class GateConfig(_Section):
     )
     calibration_max: Float = Field(1.25, gt=0, description="and at most this")
     ne: Literal["ne", "ne_recalibrated"] = Field(
-        "ne",
-        description="which NE the margin compares: ne, or ne_recalibrated (NE once each "
-        "model's predictions are shifted to the day's click rate: sharpness and ranking, "
-        "not calibration)",
+        "ne_recalibrated",
+        description="which NE the margin compares: ne_recalibrated (NE once each model's "
+        "predictions are shifted to the day's click rate: sharpness and ranking, not "
+        "calibration), or ne",
+    )
+    recalibration_share: Float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="the share of the next day's first rows each version's recalibration "
+        "(a shift of its logit) is fitted on; the rest judge it (0: none)",
+    )
+    calibration: Literal["recalibrated", "raw"] = Field(
+        "recalibrated",
+        description="which calibration the bounds judge: the version's once recalibrated "
+        "(on the rows its recalibration was not fitted on), or raw (its own, on the day)",
     )
     calibration_follows_rate: bool = Field(
         False,
-        description="judge the calibration against the click rate of the days the version "
-        "trained on rather than the day's (calibration x the day's rate / theirs): a day "
-        "whose rate moved then holds no version back for that alone",
+        description="with calibration: raw, judge it against the click rate of the days the "
+        "version trained on rather than the day's (calibration x the day's rate / theirs): "
+        "a day whose rate moved then holds no version back for that alone",
     )
 
     @model_validator(mode="after")

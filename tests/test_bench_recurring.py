@@ -88,7 +88,7 @@ def test_the_plot_and_the_docs_show_every_way(run, tmp_path: Path):
 def test_the_lines_verdicts_are_judged_again_by_each_gate(run):
     record, _ = run
     judged = len(record["days"]["continued"]) + 1  # day 0's version too, with no champion
-    for name in ("default", "model"):
+    for name in ("default", "raw", "rate"):
         gate = record["gate"][name]
         held = gate["held_back"]
         assert gate["promoted_share"] == (judged - len(held)) / judged

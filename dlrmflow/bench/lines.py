@@ -16,6 +16,22 @@ from dlrmflow.train.line.line import VERSIONS_DIR, open_line
 SCORES = ("auc", "logloss", "calibration")
 
 
+def recalibrated(fitted: dict[str, Any] | None) -> dict[str, float]:
+    """A day's recalibration (``train.run.recalibration``: fitted on its first rows) in a
+    few figures, on the day's other rows: the shift, calibration and AUC before and after
+    it; {} where none was fitted."""
+    if not fitted:
+        return {}
+    before, after = fitted["before"], fitted["after"]
+    return {
+        "shift": fitted["shift"],
+        "calibration_judged": before["calibration"],
+        "calibration_recalibrated": after["calibration"],
+        "auc_judged": before["auc"],
+        "auc_recalibrated": after["auc"],
+    }
+
+
 def day_settings(defaults: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """``defaults`` (the generator's ``data`` settings) with the ``overrides`` that are not
     None; at least three days: day 0 and two next days to score."""
@@ -40,18 +56,31 @@ def run_line(config: RunConfig, line_dir: Path) -> tuple[list[dict[str, Any]], f
                 first_day = spent
                 continue
             scores = {k: float(version.validation[k]) for k in SCORES}
-            per_day.append({"day": day, **scores, "cpu_s": spent})
+            fitted = recalibrated(version.validation.get("recalibration"))
+            per_day.append({"day": day, **scores, **fitted, "cpu_s": spent})
         newest = line_dir / VERSIONS_DIR / line.versions[-1].name / "checkpoint"
     return per_day, first_day, newest
 
 
 def summary_of(days: list[dict[str, Any]]) -> dict[str, float]:
-    """A way's days in a few figures: mean and last next-day AUC, mean calibration,
-    CPU-seconds a day and in all."""
-    return {
+    """A way's days in a few figures: mean and last next-day AUC, mean calibration (and,
+    where each day was recalibrated, on the rows judged: before and after, the worst day's
+    distance from 1 after, and the largest change of AUC), CPU-seconds a day and in all."""
+    summary = {
         "mean_next_day_auc": statistics.fmean(r["auc"] for r in days),
         "last_day_auc": days[-1]["auc"],
         "mean_calibration": statistics.fmean(r["calibration"] for r in days),
         "cpu_s_per_day": statistics.fmean(r["cpu_s"] for r in days),
         "cpu_s_total": sum(r["cpu_s"] for r in days),
     }
+    if days and all("calibration_recalibrated" in r for r in days):
+        after = [r["calibration_recalibrated"] for r in days]
+        summary |= {
+            "mean_calibration_judged": statistics.fmean(r["calibration_judged"] for r in days),
+            "mean_calibration_recalibrated": statistics.fmean(after),
+            "worst_calibration_recalibrated": max(after, key=lambda c: abs(c - 1.0)),
+            "max_auc_change_recalibrated": max(
+                abs(r["auc_recalibrated"] - r["auc_judged"]) for r in days
+            ),
+        }
+    return summary

@@ -15,7 +15,9 @@ The dataset is registered (``dlrmflow register``) and trained as a model line (`
 line``): version k trains on week k alone, continued from version k-1, and is validated on
 week k+1 before it trains on it. The baseline, computed on the same weeks: each movie's
 click rate over every week before (the popularity a recommender starts from), as a score;
-the ratio is the line's mean next-week AUC ÷ the baseline's.
+the ratio is the line's mean next-week AUC ÷ the baseline's. Each version's recalibration
+(fitted on the first quarter of its next week, ``gate.recalibration_share``) is reported
+as that week's other rows' calibration before and after it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from dlrmflow.bench.lines import recalibrated
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.config import RunConfig
 from dlrmflow.ingest.register import register_dataset
@@ -201,6 +204,9 @@ def run_movielens(work: Path | None = None, quick: bool = False) -> dict[str, An
                 "auc": record.get("auc"),
                 "calibration": record.get("calibration"),
                 "baseline_auc": baseline[week - 1] if 0 < week <= len(baseline) else None,
+                # The version's recalibration, fitted on the week's first quarter of rows:
+                # the calibration of the rest before and after it.
+                **recalibrated(record.get("recalibration")),
             }
         )
     scored = [w for w in by_week if w["auc"] is not None and w["baseline_auc"] is not None]
@@ -212,11 +218,28 @@ def run_movielens(work: Path | None = None, quick: bool = False) -> dict[str, An
         "model": MODEL,
         "train": TRAIN,
         "weeks": by_week,
-        "summary": {"mean_next_week_auc": line_auc, "baseline_mean_auc": base_auc},
+        "summary": {
+            "mean_next_week_auc": line_auc,
+            "baseline_mean_auc": base_auc,
+            **_recalibration_summary(by_week),
+        },
         "ratios": {"line_auc_over_popularity": line_auc / base_auc},
         "machine": describe_machine(),
         "seconds": time.perf_counter() - start,
         "quick": quick,
+    }
+
+
+def _recalibration_summary(weeks: list[dict[str, Any]]) -> dict[str, float]:
+    """The weeks' calibration on the rows judged, before and after each recalibration."""
+    fitted = [w for w in weeks if "calibration_recalibrated" in w]
+    if not fitted:
+        return {}
+    return {
+        "mean_calibration_judged": statistics.fmean(w["calibration_judged"] for w in fitted),
+        "mean_calibration_recalibrated": statistics.fmean(
+            w["calibration_recalibrated"] for w in fitted
+        ),
     }
 
 
@@ -231,10 +254,25 @@ def movielens_section(record: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.4f}"
 
     rows = [
-        [w["week"], w["rows"], show(w["auc"]), show(w["baseline_auc"]), show(w["calibration"])]
+        [
+            w["week"],
+            w["rows"],
+            show(w["auc"]),
+            show(w["baseline_auc"]),
+            show(w["calibration"]),
+            show(w.get("calibration_recalibrated")),
+        ]
         for w in record["weeks"]
     ]
     summary, data = record["summary"], record["data"]
+    recalibration = ""
+    if "mean_calibration_recalibrated" in summary:
+        recalibration = (
+            " Each version recalibrated on the first quarter of its next week (a shift of its "
+            "logit): that week's other rows' calibration "
+            f"{summary['mean_calibration_judged']:.3f} before it, "
+            f"{summary['mean_calibration_recalibrated']:.3f} after, on average."
+        )
     ratio = record["ratios"]["line_auc_over_popularity"]
     return "\n\n".join(
         [
@@ -245,9 +283,17 @@ def movielens_section(record: dict[str, Any]) -> str:
             f"{summary['mean_next_week_auc']:.4f} against the baseline's "
             f"{summary['baseline_mean_auc']:.4f}: ratio {ratio:.3f}. Run apart from the "
             f"report (`make bench-movielens`), on {record['machine']['cpu']} with "
-            f"{record['machine']['cpu_count']} CPUs, in {record['seconds'] / 60:.1f} min.",
+            f"{record['machine']['cpu_count']} CPUs, in {record['seconds'] / 60:.1f} min."
+            + recalibration,
             markdown_table(
-                ["week", "rows", "next-week AUC (line)", "popularity AUC", "calibration"],
+                [
+                    "week",
+                    "rows",
+                    "next-week AUC (line)",
+                    "popularity AUC",
+                    "calibration",
+                    "recalibrated",
+                ],
                 rows,
             ),
         ]

@@ -21,11 +21,18 @@ the scoring alone (its one training on day 0 is reported apart). The ratios (hig
 better for the line): mean next-day AUC of the line ÷ that of each other way, and
 ``retrained`` CPU-seconds per day ÷ the line's.
 
+Each model scored on a day is also recalibrated there as the line's gate recalibrates a
+version (``train.run.recalibration``): a shift of its logit fitted on the day's first
+quarter of rows (``gate.recalibration_share``), and the calibration and AUC of the other
+rows before and after it: the calibration a shift fitted on recent rows gives, and the
+AUC it leaves alone.
+
 The line's own gate publishes every version (its work is part of each day). Its verdicts,
-which hold both models' scores on the day, are then judged again by the default gate and
-by one that judges the model rather than the day's click rate (``gate.ne:
-ne_recalibrated``, ``gate.calibration_follows_rate``): the share of versions each would
-promote, each against its parent, and why it holds the others back.
+which hold both models' scores on the day, are then judged again by the default gate
+(recalibrated NE, calibration once recalibrated), by the raw one (plain NE and
+calibration) and by the raw one judging calibration against the trained days' click rate
+(``gate.calibration_follows_rate``): the share of versions each would promote, each
+against its parent, and why it holds the others back.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlrmflow.bench.lines import SCORES, day_settings, run_line, summary_of
+from dlrmflow.bench.lines import SCORES, day_settings, recalibrated, run_line, summary_of
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.config import GateConfig, RunConfig
 from dlrmflow.ingest.manifest import read_manifest
@@ -93,8 +100,12 @@ def _cpu() -> float:
 
 
 def _score(config: RunConfig, day: int) -> dict[str, float]:
-    metrics = evaluate(config.run_dir, eval_days=[day])
-    return {k: float(metrics[k]) for k in SCORES}
+    """The day's scores, and a recalibration fitted on its first rows as the line's gate
+    fits one (``gate.recalibration_share``), judged on the rest."""
+    share = config.gate.recalibration_share or None
+    metrics = evaluate(config.run_dir, eval_days=[day], recalibrate=share)
+    scores = {k: float(metrics[k]) for k in SCORES}
+    return {**scores, **recalibrated(metrics.get("recalibration_fitted"))}
 
 
 def run_recurring_benchmark(
@@ -177,12 +188,14 @@ def run_recurring_benchmark(
     }
 
 
-# Gates the line's verdicts are judged again by: the default, and the one that judges the
-# model rather than the day's click rate (recalibrated NE, calibration against the
-# trained days' rate).
+# Gates the line's verdicts are judged again by: the default (recalibrated NE, calibration
+# once recalibrated), the raw one (plain NE and calibration, the default before
+# recalibration), and the raw one with the calibration judged against the trained days'
+# click rate.
 GATES = {
     "default": GateConfig(),
-    "model": GateConfig(ne="ne_recalibrated", calibration_follows_rate=True),
+    "raw": GateConfig(ne="ne", calibration="raw"),
+    "rate": GateConfig(calibration="raw", calibration_follows_rate=True),
 }
 
 
@@ -222,7 +235,8 @@ def _gates(record: dict[str, Any]) -> str:
     )
     return (
         f" Versions of the line the gate would promote (each against its parent on the same "
-        f"day): {shares}; `default` is gate's defaults, `model` judges recalibrated NE and "
+        f"day): {shares}; `default` is the gate's defaults (recalibrated NE, calibration once "
+        "recalibrated), `raw` plain NE and calibration, `rate` recalibrated NE and the raw "
         "calibration against the trained days' click rate."
     )
 
@@ -308,6 +322,57 @@ def recurring_section(record: dict[str, Any]) -> str:
                 ],
                 by_day,
             ),  # fmt: skip
+            *_recalibration_tables(record),
             f"![next-day AUC against the day]({PLOT})",
         ]
     )
+
+
+def _recalibration_tables(record: dict[str, Any]) -> list[str]:
+    """Each way's calibration on the rows a day's recalibration did not fit, before and
+    after it, with its largest change of AUC; then day by day (records from before
+    recalibration have none)."""
+    from dlrmflow.bench.report import markdown_table
+
+    summary, days = record["summary"], record["days"]
+    if not all("mean_calibration_recalibrated" in s for s in summary.values()):
+        return []
+    ways = [
+        [way, s["mean_calibration_judged"], s["mean_calibration_recalibrated"],
+         s["worst_calibration_recalibrated"], s["max_auc_change_recalibrated"]]
+        for way, s in summary.items()
+    ]  # fmt: skip
+    by_day = [
+        [c["day"], c["shift"], c["calibration_judged"], c["calibration_recalibrated"],
+         r["calibration_judged"], r["calibration_recalibrated"],
+         f["calibration_judged"], f["calibration_recalibrated"]]
+        for c, r, f in zip(days["continued"], days["retrained"], days["frozen"], strict=True)
+    ]  # fmt: skip
+    return [
+        "Calibration on each day's rows after its first quarter, before and after the shift "
+        "fitted on that quarter (`gate.recalibration_share`), and the largest change of the "
+        "AUC of those rows it made:",
+        markdown_table(
+            [
+                "way",
+                "mean calibration before",
+                "mean calibration after",
+                "worst day after",
+                "largest AUC change",
+            ],
+            ways,
+        ),
+        markdown_table(
+            [
+                "day",
+                "continued's shift",
+                "continued before",
+                "continued after",
+                "retrained before",
+                "retrained after",
+                "frozen before",
+                "frozen after",
+            ],
+            by_day,
+        ),
+    ]

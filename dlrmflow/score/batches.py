@@ -31,8 +31,8 @@ from dlrmflow.features.transform import BatchTransform, WindowWriter
 from dlrmflow.ingest.errors import DataError
 from dlrmflow.ingest.loader import make_loader
 from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.shares import RowKeys, Share
 from dlrmflow.score.keys import KeyReader
-from dlrmflow.score.shares import RowKeys, Share
 from dlrmflow.train.run.data import IdMapper
 
 

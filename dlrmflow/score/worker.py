@@ -32,6 +32,7 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from dlrmflow.ingest.manifest import Manifest, read_manifest  # noqa: E402
+from dlrmflow.ingest.shares import day_shares  # noqa: E402
 from dlrmflow.score.batches import share_batches  # noqa: E402
 from dlrmflow.score.keys import decode_schema  # noqa: E402
 from dlrmflow.score.model import ModelIdentity, ScoringModel, load_model  # noqa: E402
@@ -41,7 +42,6 @@ from dlrmflow.score.output import (  # noqa: E402
     part_path,
     read_part,
 )
-from dlrmflow.score.shares import day_shares  # noqa: E402
 from dlrmflow.train.model.device import resolve_device, use_device  # noqa: E402
 from dlrmflow.train.run.evaluate import NonFinitePredictions  # noqa: E402
 from dlrmflow.train.run.rank import DistEnv, compute_threads  # noqa: E402

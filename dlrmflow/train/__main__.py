@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-days", help="with --evaluate: the days, as data.eval_days")
     parser.add_argument("--device", default="auto", help="with --evaluate: auto, cpu or cuda")
     parser.add_argument("--kernels", default="auto", help="with --evaluate: as model.kernels")
+    parser.add_argument(
+        "--recalibrate", type=float, help="with --evaluate: fit a recalibration on this share"
+    )
     args = parser.parse_args(argv)
     try:
         tune_allocator()
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 eval_days=args.eval_days,
                 device=args.device,
                 kernels=args.kernels,
+                recalibrate=args.recalibrate,
             )
         )
     try:

@@ -71,7 +71,7 @@ def test_each_run_trains_the_days_that_landed(prefect_api, tmp_path: Path, crite
     strict.gate.calibration_max, strict.gate.calibration_min = 60.0, 50.0
     held = recurring_flow(str(line), strict, return_state=True)
     assert held.is_failed() and held.name == HELD_BACK
-    assert held.message.startswith("version 0002 held back on day 3: calibration ")
+    assert held.message.startswith("version 0002 held back on day 3: recalibrated calibration ")
     assert "outside [50.0, 60.0]" in held.message
     assert [v.day for v in versions(line)] == [0, 1, 2, 3]
     assert json.loads((line / "models" / "current" / "model.json").read_text())["number"] == 1

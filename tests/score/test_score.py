@@ -16,6 +16,7 @@ import torch
 import dlrmflow.score.worker as worker
 from dlrmflow.config import DataConfig, RunConfig
 from dlrmflow.ingest.manifest import DayFile, Manifest, read_manifest, write_manifest
+from dlrmflow.ingest.shares import day_shares
 from dlrmflow.ingest.synthetic import generate_dataset
 from dlrmflow.score.model import ModelNotFound, _ids
 from dlrmflow.score.output import (
@@ -26,7 +27,6 @@ from dlrmflow.score.output import (
     settle_days,
 )
 from dlrmflow.score.score import score_dataset
-from dlrmflow.score.shares import day_shares
 from dlrmflow.train.run import evaluate as evaluation_stage
 from dlrmflow.train.run.checkpoint import load_checkpoint, save_checkpoint
 from dlrmflow.train.run.data import load_ids

@@ -272,11 +272,13 @@ def launch_evaluation(
     kernels: str = "auto",
     batch_size: int | None = None,
     eval_days: Window = None,
+    recalibrate: float | None = None,
 ) -> dict | None:
     """Score a run's checkpoint on ``nproc`` ranks (loaded resharded to that world size);
     in this process when ``nproc`` is 1; on ``device`` with ``kernels``, each rank in
     batches of ``batch_size`` (the run's ``eval.batch_size`` when None), on the days of
-    window ``eval_days`` (the run's ``data.eval_days`` when None; see ``evaluate``).
+    window ``eval_days`` (the run's ``data.eval_days`` when None; see ``evaluate``), fitting
+    a recalibration on the ``recalibrate`` share of the day's first rows where given.
     With ``distributed`` (its ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``local_addr``,
     ``connect_timeout_s``), this host's ranks of a job that spans hosts: the metrics come
     back on node 0, None elsewhere."""
@@ -292,6 +294,7 @@ def launch_evaluation(
                 kernels=kernels,
                 batch_size=batch_size,
                 eval_days=eval_days,
+                recalibrate=recalibrate,
             )
     args = ["--evaluate", str(run_dir)]
     for flag, value in (
@@ -302,6 +305,7 @@ def launch_evaluation(
         ("--eval-days", window_text(eval_days) if eval_days is not None else None),
         ("--device", device),
         ("--kernels", kernels),
+        ("--recalibrate", recalibrate),
     ):
         if value is not None:
             args += [flag, str(value)]

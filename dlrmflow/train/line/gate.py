@@ -6,11 +6,18 @@ arrives, before the line trains on it: both are scored on it, and the version re
 the champion only if its normalized entropy is no worse than the champion's by more than
 ``gate.ne_margin`` (relative) and its calibration lies within ``gate.calibration_min`` and
 ``gate.calibration_max``. The first version, with no champion, needs the calibration
-bounds alone. ``gate.ne: ne_recalibrated`` compares the NE that miscalibration does not
-count instead; ``gate.calibration_follows_rate`` judges the calibration against the click
-rate of the days the version trained on (the day's calibration times its
-``base_rate_ratio``), so that a day whose rate moved holds no version back for that
-alone.
+bounds alone.
+
+By default both checks judge the model, not the day. The NE compared is the one
+miscalibration does not count (``gate.ne: ne_recalibrated``: each model's predictions
+shifted to the day's click rate), and the calibration judged is the version's once
+recalibrated (``gate.calibration: recalibrated``): the shift fitted on the day's first
+rows (``gate.recalibration_share``, ``train.run.recalibration``) applied to the other
+rows, as the version would serve with it. A day whose click rate moved then holds no
+version back for that alone, while a model whose predictions a shift cannot calibrate
+still fails. ``gate.calibration: raw`` judges the version's own calibration on the day
+(``gate.calibration_follows_rate``: against the click rate of the days it trained on,
+the day's calibration times its ``base_rate_ratio``); ``gate.ne: ne`` compares plain NE.
 
 A published version is ``LINE/models/NNNN/``: ``model.safetensors`` (the whole model by
 parameter name, as ``dlrmflow export`` writes it) and ``model.json`` (its days, parent,
@@ -69,7 +76,14 @@ def judge(
     reasons = []
     calibration, judged = candidate["calibration"], "calibration"
     ratio = candidate.get("base_rate_ratio")
-    if gate.calibration_follows_rate and ratio:
+    fitted = candidate.get("recalibration")
+    if gate.calibration == "recalibrated" and fitted is not None:
+        calibration = fitted["after"]["calibration"]
+        judged = (
+            f"recalibrated calibration (shift {fitted['shift']:+.4f} fitted on the day's first "
+            f"{fitted['fit_rows']} rows, judged on its other {fitted['judged_rows']})"
+        )
+    elif gate.calibration_follows_rate and ratio:
         calibration *= ratio
         judged = f"calibration against the trained days' click rate ({ratio:.4f} x the day's)"
     if not gate.calibration_min <= calibration <= gate.calibration_max:

@@ -49,13 +49,19 @@ from dlrmflow.ingest.manifest import MANIFEST_NAME, Manifest, join_url, read_man
 from dlrmflow.ingest.registered_days import is_registered, register_new_days
 from dlrmflow.train.launch.job import launch_evaluation, launch_training
 from dlrmflow.train.line.gate import Verdict, champion, judge, publish
-from dlrmflow.train.line.registry import log_version, mark_champion
+from dlrmflow.train.line.registry import log_version, mark_champion, tag_recalibration
 from dlrmflow.train.line.unseen import unseen_ids
 from dlrmflow.train.run.checkpoint import (
     CHECKPOINTS_DIR,
     DataIdentity,
     list_checkpoints,
     read_checkpoint,
+)
+from dlrmflow.train.run.recalibration import (
+    RECALIBRATION_FILE,
+    Recalibration,
+    drop_recalibration,
+    write_recalibration,
 )
 from dlrmflow.train.run.resume import RUN_KEYS
 from dlrmflow.train.run.rundir import run_dir_lock
@@ -91,6 +97,9 @@ class Version:
     validation: dict[str, Any] | None  # the parent scored on ``day`` before training on it
     # Dynamic tables: the IDs its training admitted and evicted, and its rows in use.
     id_maps: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The shift of its logit fitted on the next day's first rows, once validated there
+    # (``train.run.recalibration.Recalibration``); its checkpoint carries it too.
+    recalibration: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -316,6 +325,9 @@ class Line:
             manifest = read_manifest(self.config.data.url)
             digest = day_digest(manifest, day)
             validation = _validate(self.dir, self.config, day, manifest, digest, parent)
+            if validation.get("recalibration") is not None:
+                parent = replace(parent, recalibration=validation["recalibration"])
+                self.versions[-1] = parent
             _gate(self.dir, self.config, parent, day, digest, validation)
         version = _train_day(self.dir, self.config, first, day, parent, validation)
         self.versions.append(version)
@@ -348,7 +360,9 @@ def _restore_run(line_dir: Path, made: list[Version]) -> None:
     partial = target.with_name(f".restored-{target.name}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(source, partial, copy_function=os.link)
+    # Not its recalibration: the run's own checkpoints carry none (it is the version's).
+    ignore = shutil.ignore_patterns(RECALIBRATION_FILE)
+    shutil.copytree(source, partial, copy_function=os.link, ignore=ignore)
     partial.rename(target)
 
 
@@ -411,8 +425,12 @@ def train_line(
     return LineRun(line.dir, line.config, landed, made, days[len(todo) :], judged, plot)
 
 
-def _score(line: RunConfig, day: int, checkpoint: Path | None = None) -> dict[str, Any]:
-    """A version (the run's newest, or ``checkpoint``) scored on ``day``."""
+def _score(
+    line: RunConfig, day: int, checkpoint: Path | None = None, recalibrate: float | None = None
+) -> dict[str, Any]:
+    """A version (the run's newest, or ``checkpoint``, with the recalibration it carries)
+    scored on ``day``; with ``recalibrate``, a recalibration fitted on that share of the
+    day's first rows and judged on the rest (``recalibration``)."""
     metrics = launch_evaluation(
         line.run_dir,
         line.distributed.nproc,
@@ -421,9 +439,12 @@ def _score(line: RunConfig, day: int, checkpoint: Path | None = None) -> dict[st
         device=line.train.device,
         kernels=line.model.kernels,
         eval_days=[day],
+        recalibrate=recalibrate,
     )
     assert metrics is not None  # this host is node 0: the line runs there
     scored = {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
+    if "recalibration_fitted" in metrics:
+        scored["recalibration"] = metrics["recalibration_fitted"]
     if "id_maps" in metrics:
         scored["id_maps"] = {
             name: {"default_share": c["default_share"]} for name, c in metrics["id_maps"].items()
@@ -508,7 +529,13 @@ def _validate(
             return record
     unseen = unseen_ids(line_dir, line.data.url, day, version.days)
     checkpoint = line_dir / VERSIONS_DIR / version.name / "checkpoint"
-    record = {**_score(line, day, checkpoint), "unseen_ids": unseen, "day_digest": digest}
+    share = line.gate.recalibration_share or None
+    if share is not None:
+        # Fitted on the version's own predictions, never on a shift fitted before (a run
+        # killed after writing it, before the history).
+        drop_recalibration(checkpoint)
+    scored = _score(line, day, checkpoint, share)
+    record = {**scored, "unseen_ids": unseen, "day_digest": digest}
     record.update(_rate_change(manifest, day, version.days))
     if version.id_maps:
         # Dynamic tables: what the version's training admitted and evicted, and how many
@@ -517,6 +544,14 @@ def _validate(
             name: {**counts, **record.get("id_maps", {}).get(name, {})}
             for name, counts in version.id_maps.items()
         }
+    if record.get("recalibration") is not None:
+        # The version's checkpoint carries it to every reader (evaluate, score, export and
+        # the published model); version.json records it, the history last of all.
+        write_recalibration(checkpoint, Recalibration(**record["recalibration"]))
+        path = line_dir / VERSIONS_DIR / version.name / VERSION_FILE
+        lineage = {**json.loads(path.read_text()), "recalibration": record["recalibration"]}
+        write_atomic(path, json.dumps(lineage, indent=1) + "\n")
+        tag_recalibration(line, path.parent, record["recalibration"])
     kept = [r for r in records if r["day"] != day]
     text = "".join(json.dumps(r) + "\n" for r in sorted([*kept, record], key=lambda r: r["day"]))
     # Rewritten whole and renamed: a kill leaves the old history or the new, never half.
@@ -592,6 +627,9 @@ def _plotted(record: dict[str, Any], name: str) -> float | None:
     if name == "inverse_base_rate_ratio":  # a calibrated model's calibration after the move
         ratio = record.get("base_rate_ratio")
         return None if not ratio else 1.0 / ratio
+    if name == "calibration_recalibrated":
+        fitted = record.get("recalibration")
+        return None if not fitted else fitted["after"]["calibration"]
     return record.get(name)
 
 
@@ -604,13 +642,18 @@ def plot_history(line_dir: Path) -> Path | None:
 
     figure = Figure(figsize=(11, 5), layout="constrained")
     # Each panel's metric, and those drawn beside it: the NE that miscalibration does not
-    # count, and what the day's rate change alone would do to a model's calibration.
+    # count, the calibration once recalibrated (on the rows its shift was not fitted on),
+    # and what the day's rate change alone would do to a model's calibration.
     panels = {
         "auc": (),
         "logloss": (),
         "unseen_ids": (),
         "ne": ("ne_recalibrated",),
-        "calibration": ("reference_calibration", "inverse_base_rate_ratio"),
+        "calibration": (
+            "calibration_recalibrated",
+            "reference_calibration",
+            "inverse_base_rate_ratio",
+        ),
     }
     for i, (key, beside) in enumerate(panels.items()):
         axes = figure.add_subplot(2, 3, i + 1)

@@ -8,7 +8,9 @@ configuration digest) and next-day validation as tags. Where the store has a mod
 registry, the model is registered as a version of the registered model named after the
 line's directory, and a version the gate promotes gets that registered model's
 ``champion`` alias, as ``LINE/models/current`` points at it. A store without a registry
-keeps the logged models, and ``mlflow.json`` says why nothing was registered.
+keeps the logged models, and ``mlflow.json`` says why nothing was registered. A version's
+weights are logged as trained; the recalibration its next day gives it comes later, as
+the logged model's ``recalibration.*`` tags (the published model has it in its last bias).
 
 What was logged is kept in ``LINE/versions/NNNN/mlflow.json``, so a version is logged
 once; a version written by a line killed before logging it is logged by the next call.
@@ -117,3 +119,15 @@ def mark_champion(line: RunConfig, version_dir: Path) -> None:
             client.set_registered_model_alias(
                 record["registered_model"], CHAMPION_ALIAS, str(record["registered_version"])
             )
+
+
+def tag_recalibration(line: RunConfig, version_dir: Path, fitted: dict[str, Any]) -> None:
+    """Tag the version's logged model with the recalibration its next day gave it (its
+    weights were logged as trained, before that day came: ``recalibration.shift`` is to be
+    added to its last bias, as the published model has it)."""
+    path = version_dir / MLFLOW_FILE
+    if line.train.tracker != "mlflow" or not path.is_file():
+        return
+    record = json.loads(path.read_text())
+    tags = {f"recalibration.{k}": str(fitted[k]) for k in ("shift", "day", "fit_rows")}
+    mlflow_client(record["tracking_uri"]).set_logged_model_tags(record["model_id"], tags)

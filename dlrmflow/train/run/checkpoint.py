@@ -50,6 +50,11 @@ from dlrmflow.supervise import signals_deferred
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.embeddings import EmbeddingCollection
 from dlrmflow.train.model.parallelize import build_model, parallelize
+from dlrmflow.train.run.recalibration import (
+    Recalibration,
+    fold_into_bias,
+    read_recalibration,
+)
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
@@ -89,6 +94,8 @@ class Checkpoint:
     trained_days: list[int] | None = None  # recorded since day windows
     # Whether it trained on multi-hot data; None: not recorded (see ``trained_multi_hot``).
     multi_hot: bool | None = None
+    # The shift folded into the model's last bias (a line version's, fitted on its next day).
+    recalibration: Recalibration | None = None
 
 
 @contextlib.contextmanager
@@ -600,6 +607,8 @@ def load_checkpoint(
     trained it).
 
     ``path`` is a checkpoint directory or a run directory (its newest intact checkpoint).
+    A checkpoint that carries a recalibration (``train.run.recalibration``: a model line's
+    version) is loaded with its shift folded into the model's last bias.
     With ``scratch``, a run trained under ``train.embedding_memory_bytes`` keeps to it: its
     tables, when they exceed it, are loaded into a file there behind a cache (the caller
     removes it when done); without, every table is loaded into memory.
@@ -622,6 +631,9 @@ def load_checkpoint(
         restore(info, model, None)
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"{info.path}: unreadable or incompatible checkpoint ({e})") from e
+    recalibration = read_recalibration(info.path)
+    if recalibration is not None:
+        fold_into_bias(model.dense_arch, recalibration.shift)
     model.eval()
     progress = info.manifest["progress"]
     days = info.manifest.get("train_days")
@@ -634,6 +646,7 @@ def load_checkpoint(
         info.path,
         days,
         trained_multi_hot(info.manifest),
+        recalibration,
     )
 
 

@@ -43,7 +43,11 @@ from dlrmflow.days import EVAL_KEY, Window, WindowError, describe, held_out_days
 from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
+from dlrmflow.features.transform import BatchTransform
+from dlrmflow.ingest.loader import make_loader
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
+from dlrmflow.ingest.reader import ParquetBatchDataset
+from dlrmflow.ingest.shares import RowKeys, day_shares
 from dlrmflow.kernels.backends import check_kernels
 from dlrmflow.memory import reset_peak_rss
 from dlrmflow.train.model.device import resolve_device, use_device
@@ -72,6 +76,11 @@ from dlrmflow.train.run.rank import (
     compute_threads,
     gather_peak_rss,
     init_distributed,
+)
+from dlrmflow.train.run.recalibration import (
+    fit_recalibration,
+    fold_into_bias,
+    read_recalibration,
 )
 from dlrmflow.train.run.rundir import rank0_lock
 
@@ -216,6 +225,29 @@ def test_loader(
     return loader
 
 
+def keyed_loader(
+    config, spec: FeatureSpec, ids, env: DistEnv, url: str, manifest: Manifest, days: list[int]
+):
+    """This rank's share of the one day in ``days`` (``ingest.shares``: the day's row
+    groups dealt as the reader deals them, read in order by one reader) and the day-rows
+    of its rows in that order: what a recalibration needs, the day's first rows told from
+    the rest whatever the rank count."""
+    if len(days) != 1:
+        raise WindowError(f"{EVAL_KEY}: a recalibration is fitted on one day, not {describe(days)}")
+    check_dataset(url, manifest, training=False, eval_days=days)
+    share = day_shares(url, manifest, days[0], env.world_size)[env.rank]
+    transform = BatchTransform(spec, ids)
+    dataset = ParquetBatchDataset(
+        list(share.splits),
+        spec.columns,
+        config.eval.batch_size,
+        shuffle=False,
+        validate=transform.validate,
+        transform=transform,
+    )
+    return make_loader(dataset, num_workers=0), RowKeys(share.splits, share.starts)
+
+
 class OneHotModel(DlrmflowError):
     """A model trained on one-hot data asked to score a multi-hot dataset."""
 
@@ -244,11 +276,12 @@ def eval_window(
 
 class Predictions(NamedTuple):
     """Every scored row's probability and label, and its weight where the dataset declares
-    a weight column (None where it does not): ``click_metrics(*scored)``."""
+    a weight column (None where it does not)."""
 
     probs: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor | None
+    rows: torch.Tensor | None = None  # each row's index in its day, where keys were given
 
 
 @torch.no_grad()
@@ -259,9 +292,11 @@ def predict(
     env: DistEnv,
     max_rows: int | None = None,
     progress: Callable[[int], None] | None = None,
+    keys: RowKeys | None = None,
 ) -> Predictions | None:
     """Probabilities, labels and (for a weighted dataset) weights of every test row, on
-    rank 0 (None on the others).
+    rank 0 (None on the others); with ``keys`` (the day-rows of this rank's loader, read
+    in order), each row's index in its day too.
 
     ``max_rows`` caps the rows scored in total (each rank scores its share of the cap).
     The model is put in eval mode for the pass and back in its previous mode after.
@@ -272,7 +307,7 @@ def predict(
     was_training = model.training
     model.eval()
     limit = None if max_rows is None else math.ceil(max_rows / env.world_size)
-    probs, labels, weights = [], [], []
+    probs, labels, weights, rows = [], [], [], []
     seen = 0
     batches = iter(loader)
     while True:
@@ -296,6 +331,8 @@ def predict(
         labels.append(batch.labels[:take].cpu())
         if weighted:
             weights.append(batch.sample_weights[:take].cpu())
+        if keys is not None:
+            rows.append(torch.from_numpy(keys.take(take)))
         seen += take
         if progress is not None and take:
             progress(take * env.world_size)
@@ -305,6 +342,7 @@ def predict(
         torch.cat(probs) if probs else none,
         torch.cat(labels) if labels else none,
         None if not weighted else torch.cat(weights) if weights else none,
+        None if keys is None else torch.cat(rows) if rows else none.long(),
     )
     if not env.distributed:
         return mine
@@ -312,13 +350,15 @@ def predict(
     dist.gather_object(tuple(mine), gathered, dst=0)
     if gathered is None:
         return None
-    out_probs = torch.cat([p for p, _, _ in gathered])
-    out_labels = torch.cat([y for _, y, _ in gathered])
-    out_weights = torch.cat([w for _, _, w in gathered]) if weighted else None
+    out_probs = torch.cat([p for p, _, _, _ in gathered])
+    out_labels = torch.cat([y for _, y, _, _ in gathered])
+    out_weights = torch.cat([w for _, _, w, _ in gathered]) if weighted else None
+    out_rows = torch.cat([r for _, _, _, r in gathered]) if keys is not None else None
     if max_rows is not None:
         out_probs, out_labels = out_probs[:max_rows], out_labels[:max_rows]
         out_weights = None if out_weights is None else out_weights[:max_rows]
-    return Predictions(out_probs, out_labels, out_weights)
+        out_rows = None if out_rows is None else out_rows[:max_rows]
+    return Predictions(out_probs, out_labels, out_weights, out_rows)
 
 
 class UnweighableDay(DlrmflowError):
@@ -330,7 +370,7 @@ def _metrics(scored: Predictions, url: str, days: list[int]) -> dict[str, Any]:
     """``click_metrics`` of the scored rows; for a weighted dataset, weights that leave
     no positive or no negative row, or sum to 0, are one line naming the days."""
     try:
-        return click_metrics(*scored)
+        return click_metrics(scored.probs, scored.labels, scored.weights)
     except ValueError as e:
         if scored.weights is None:
             raise
@@ -348,6 +388,7 @@ def evaluate(
     kernels: str = "auto",
     batch_size: int | None = None,
     eval_days: Window = None,
+    recalibrate: float | None = None,
 ) -> dict[str, float]:
     """Score a checkpoint of ``run_dir`` on the held-out days of its dataset (or
     ``data_url``'s): ``eval_days`` (a window, see ``dlrmflow.days``), else the run's
@@ -362,6 +403,10 @@ def evaluate(
     "cuda", as ``train.device``) is where the model runs and ``kernels`` (as
     ``model.kernels``) what runs it, whatever device and kernels trained it;
     ``batch_size`` replaces the run's ``eval.batch_size`` (memory, not the metrics).
+    ``recalibrate`` (a share of the rows, on one day): also fit a recalibration on the
+    day's first rows and judge it on the rest (``train.run.recalibration``), under
+    ``recalibration_fitted``; a checkpoint that carries one is scored with it applied
+    (``recalibration``).
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
@@ -386,6 +431,7 @@ def evaluate(
                 kernels,
                 batch_size,
                 eval_days,
+                recalibrate,
             )
         finally:
             shutil.rmtree(scratch_directory(run_dir, env.rank), ignore_errors=True)
@@ -402,6 +448,7 @@ def _evaluate(
     kernels: str,
     batch_size: int | None = None,
     eval_days: Window = None,
+    recalibrate: float | None = None,
 ) -> dict[str, float]:
     # eval.json's peak resident set is the evaluation's own: where this process trained
     # first (the flows, the demo), the peak since it started would be the training's.
@@ -419,6 +466,9 @@ def _evaluate(
         restore(info, model, None)
         step, path, trained = info.step, info.path, info.manifest.get("train_days")
         multi_hot = trained_multi_hot(info.manifest)
+        applied = read_recalibration(info.path)
+        if applied is not None:
+            fold_into_bias(model.dense_arch, applied.shift)
     else:
         ckpt = load_checkpoint(
             checkpoint if checkpoint is not None else run_dir,
@@ -427,7 +477,7 @@ def _evaluate(
             scratch=scratch_directory(run_dir, env.rank),
         )
         config, spec, model, step, path = ckpt.config, ckpt.spec, ckpt.model, ckpt.step, ckpt.path
-        trained, multi_hot = ckpt.trained_days, ckpt.multi_hot
+        trained, multi_hot, applied = ckpt.trained_days, ckpt.multi_hot, ckpt.recalibration
     own_data = data_url is None or data_url == config.data.url
     if eval_days is not None:
         config.data.eval_days = eval_days
@@ -442,13 +492,24 @@ def _evaluate(
     manifest = read_manifest(url)
     refuse_multi_hot(multi_hot, manifest, url, path)
     held_out = eval_window(config, manifest, trained if own_data else [])
-    loader = test_loader(
-        config, spec, ids, env, url, held_out, pin_memory=device.type == "cuda", manifest=manifest
-    )
+    keys = None
+    if recalibrate is None:
+        loader = test_loader(
+            config,
+            spec,
+            ids,
+            env,
+            url,
+            held_out,
+            pin_memory=device.type == "cuda",
+            manifest=manifest,
+        )
+    else:
+        loader, keys = keyed_loader(config, spec, ids, env, url, manifest, held_out)
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows
     try:
-        scored = predict(model, loader, spec, env, limit, progress)
+        scored = predict(model, loader, spec, env, limit, progress, keys)
     finally:
         loader.close()
     seconds = time.perf_counter() - start
@@ -467,6 +528,14 @@ def _evaluate(
             f"{len(finite)} test rows; its weights are not usable"
         )
     metrics = _metrics(scored, url, held_out)
+    if applied is not None:
+        metrics["recalibration"] = {"shift": applied.shift, "day": applied.day}
+    if recalibrate is not None:
+        assert scored.rows is not None
+        fitted = fit_recalibration(
+            scored.probs, scored.labels, scored.weights, scored.rows, held_out[0], recalibrate
+        )
+        metrics["recalibration_fitted"] = fitted.to_dict()
     table = reliability_table(scored.probs, scored.labels, weights=scored.weights)
     if spec.weight is not None:
         # By the weights of the declared column, as the training loss counted the rows.

@@ -326,7 +326,7 @@ class TrainLoop:
         scored = predict(self.model, self.eval_loader, self.spec, self.env, config.eval.max_rows)
         if scored is None:
             return
-        self.last_eval = click_metrics(*scored)
+        self.last_eval = click_metrics(scored.probs, scored.labels, scored.weights)
         progress = self.progress
         record = {"step": progress.step, "epoch": progress.epoch, **self.last_eval}
         with self.metrics_path.open("a") as f:

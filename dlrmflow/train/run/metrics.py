@@ -46,14 +46,13 @@ def binary_entropy(rate: float) -> float:
     return -(r * math.log(r) + (1 - r) * math.log(1 - r))
 
 
-def recalibrated_ne(
+def intercept_shift(
     probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
 ) -> float:
-    """NE after the one shift of the logit that makes the mean prediction the positive rate
-    of these rows (weighted where ``weights``): what miscalibration does not count, so that
-    a model's ranking and sharpness are judged apart from its calibration (TorchRec's NE
-    with recalibration fixes the shift beforehand instead). The shift is fitted on the rows
-    scored, so it is a diagnosis, not a deployable correction."""
+    """The one shift of the logit that makes the mean prediction of these rows their
+    positive rate (weighted where ``weights``): the maximum-likelihood intercept of a
+    logistic regression whose offset is the model's logit. Found by bisection, to below
+    1e-13, in float64: the mean prediction rises with the shift."""
     p = probs.double().clamp(_EPS, 1 - _EPS)
     logit = (p / (1 - p)).log()
     y = labels.double()
@@ -66,7 +65,24 @@ def recalibrated_ne(
             low = mid
         else:
             high = mid
-    shifted = torch.sigmoid(logit + 0.5 * (low + high))
+    return 0.5 * (low + high)
+
+
+def recalibrated_ne(
+    probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+) -> float:
+    """NE after the one shift of the logit that makes the mean prediction the positive rate
+    of these rows (``intercept_shift``): what miscalibration does not count, so that a
+    model's ranking and sharpness are judged apart from its calibration (TorchRec's NE
+    with recalibration fixes the shift beforehand instead). The shift is fitted on the rows
+    scored, so it is a diagnosis, not a deployable correction (``train.run.recalibration``
+    fits one on other rows)."""
+    p = probs.double().clamp(_EPS, 1 - _EPS)
+    logit = (p / (1 - p)).log()
+    y = labels.double()
+    w = torch.ones_like(y) if weights is None else weights.double()
+    rate = float((w * y).sum() / w.sum())
+    shifted = torch.sigmoid(logit + intercept_shift(probs, labels, weights))
     return log_loss(shifted, y, weights) / binary_entropy(rate)
 
 
@@ -118,7 +134,8 @@ def click_metrics(
     return {
         # Soft labels (floats in [0, 1]) count as clicks from 0.5 up in the AUC alone; the
         # log loss and calibration take them as they are.
-        "auc": float(binary_auroc(probs.float(), (labels >= 0.5).long())),
+        # float64 predictions (a recalibration's) as they are: float32 could tie some.
+        "auc": float(binary_auroc(_auc_dtype(probs), (labels >= 0.5).long())),
         "logloss": loss,
         "ne": loss / binary_entropy(positive_rate),
         "ne_recalibrated": recalibrated_ne(probs, labels),
@@ -126,6 +143,10 @@ def click_metrics(
         "positive_rate": positive_rate,
         "rows": int(labels.numel()),
     }
+
+
+def _auc_dtype(probs: torch.Tensor) -> torch.Tensor:
+    return probs if probs.dtype == torch.float64 else probs.float()
 
 
 def _weighted_click_metrics(
