@@ -70,6 +70,10 @@ def test_a_line_grows_a_version_a_day_as_one_run_over_the_days(tmp_path: Path) -
     whole = _config(data, tmp_path / "whole")
     whole.train.order, whole.data.train_days, whole.data.eval_days = "days", "0-2", "none"
     train(whole)
+    # Versions 0 and 1 were recalibrated on days 1 and 2 before the line trained on those
+    # days, and version 2 ends bitwise where one run does: the shift never reaches training.
+    assert [v.recalibration["day"] for v in versions(line)[:2]] == [1, 2]
+    assert versions(line)[2].recalibration is None
     same_weights(line / "versions" / "0002" / "checkpoint", tmp_path / "whole")
     recorded = json.loads((line / "versions" / "0002" / "version.json").read_text())
     assert recorded["days"] == [0, 1, 2] and len(recorded["day_digests"]) == 3
