@@ -57,6 +57,19 @@ def test_summary_and_ratios_follow_from_the_days(run):
     assert ratios["cpu_s_per_day_retrained_vs_continued"] == (
         summary["retrained"]["cpu_s_per_day"] / line["cpu_s_per_day"]
     )
+    # Every day of every way was recalibrated on its first quarter, judged on the rest.
+    for way in WAYS:
+        for r in days[way]:
+            assert r["auc_recalibrated"] == r["auc_judged"]  # a shift keeps the ranking
+            assert abs(r["calibration_recalibrated"] - 1) < 0.25
+        assert summary[way]["mean_calibration_recalibrated"] == statistics.fmean(
+            r["calibration_recalibrated"] for r in days[way]
+        )
+    errors = [
+        statistics.fmean(abs(r[key] - 1) for r in days["continued"])
+        for key in ("calibration_judged", "calibration_recalibrated")
+    ]
+    assert ratios["calibration_error_raw_vs_recalibrated"] == errors[0] / errors[1]
 
 
 def test_the_plot_and_the_docs_show_every_way(run, tmp_path: Path):
@@ -73,7 +86,8 @@ def test_the_plot_and_the_docs_show_every_way(run, tmp_path: Path):
     table = results_table(combined)  # the README: each ratio against its baseline
     for name, ratio in record["ratios"].items():
         assert (
-            f"| Recurring training | `{name}` | retrained daily, or frozen | {ratio:.2f} |" in table
+            f"| Recurring training | `{name}` | retrained daily, or frozen; or the line "
+            f"unrecalibrated | {ratio:.2f} |" in table
         )
     # bench docs --recurring adds the run and copies its plot beside the markdown.
     docs, readme = tmp_path / "docs", tmp_path / "README.md"

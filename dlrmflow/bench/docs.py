@@ -87,7 +87,7 @@ BASELINES = {
     "precision": "fp32, same config",
     "torchrec": "TorchRec's DLRM, same cores",
     "scale": "the same job all in memory",
-    "recurring": "retrained daily, or frozen",
+    "recurring": "retrained daily, or frozen; or the line unrecalibrated",
     "schedule": "the constant rates of before",
     "step": "the step's multiplies alone (bf16 vs fp32: fp32)",
     "movielens": "each movie's past click rate",

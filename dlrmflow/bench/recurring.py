@@ -18,8 +18,9 @@ of each day are the process's CPU time (every thread) spent on that day's work: 
 ``continued`` the scoring and the day's training (and the gate's export of a promoted
 version), for ``retrained`` its training on all history and the scoring, for ``frozen``
 the scoring alone (its one training on day 0 is reported apart). The ratios (higher is
-better for the line): mean next-day AUC of the line ÷ that of each other way, and
-``retrained`` CPU-seconds per day ÷ the line's.
+better for the line): mean next-day AUC of the line ÷ that of each other way,
+``retrained`` CPU-seconds per day ÷ the line's, and the line's mean distance of
+calibration from 1 without its recalibration ÷ with it (on the rows it was not fitted on).
 
 Each model scored on a day is also recalibrated there as the line's gate recalibrates a
 version (``train.run.recalibration``): a shift of its logit fitted on the day's first
@@ -37,6 +38,7 @@ against its parent, and why it holds the others back.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -169,6 +171,7 @@ def run_recurring_benchmark(
         / summary["frozen"]["mean_next_day_auc"],
         "cpu_s_per_day_retrained_vs_continued": summary["retrained"]["cpu_s_per_day"]
         / continued["cpu_s_per_day"],
+        **calibration_ratio(per_day["continued"]),
     }
     return {
         "benchmark": "recurring",
@@ -197,6 +200,17 @@ GATES = {
     "raw": GateConfig(ne="ne", calibration="raw"),
     "rate": GateConfig(calibration="raw", calibration_follows_rate=True),
 }
+
+
+def calibration_ratio(days: list[dict[str, Any]]) -> dict[str, float]:
+    """The line's mean distance of calibration from 1 on the rows each day's shift was not
+    fitted on, without the shift ÷ with it (> 1: the recalibration helps); {} for days
+    without one."""
+    if not days or not all("calibration_recalibrated" in d for d in days):
+        return {}
+    raw = statistics.fmean(abs(d["calibration_judged"] - 1.0) for d in days)
+    shifted = statistics.fmean(abs(d["calibration_recalibrated"] - 1.0) for d in days)
+    return {"calibration_error_raw_vs_recalibrated": raw / shifted}
 
 
 def _gate_record(line_dir: Path) -> dict[str, Any]:
