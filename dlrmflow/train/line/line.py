@@ -445,6 +445,8 @@ def _score(
     scored = {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
     if "recalibration_fitted" in metrics:
         scored["recalibration"] = metrics["recalibration_fitted"]
+    if "recalibration_skipped" in metrics:
+        scored["recalibration_skipped"] = metrics["recalibration_skipped"]
     if "id_maps" in metrics:
         scored["id_maps"] = {
             name: {"default_share": c["default_share"]} for name, c in metrics["id_maps"].items()

@@ -44,7 +44,7 @@ from dlrmflow.errors import DlrmflowError
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.features.transform import BatchTransform
-from dlrmflow.ingest.loader import make_loader
+from dlrmflow.ingest.loader import ReaderLoader, make_loader
 from dlrmflow.ingest.manifest import Manifest, check_dataset, read_manifest
 from dlrmflow.ingest.reader import ParquetBatchDataset
 from dlrmflow.ingest.shares import RowKeys, day_shares
@@ -69,7 +69,7 @@ from dlrmflow.train.run.checkpoint import (
     restore,
     trained_multi_hot,
 )
-from dlrmflow.train.run.data import batch_loader, load_ids
+from dlrmflow.train.run.data import IdMapper, batch_loader, load_ids
 from dlrmflow.train.run.metrics import click_metrics
 from dlrmflow.train.run.rank import (
     DistEnv,
@@ -226,8 +226,15 @@ def test_loader(
 
 
 def keyed_loader(
-    config, spec: FeatureSpec, ids, env: DistEnv, url: str, manifest: Manifest, days: list[int]
-):
+    config: RunConfig,
+    spec: FeatureSpec,
+    ids: IdMapper,
+    env: DistEnv,
+    url: str,
+    manifest: Manifest,
+    days: list[int],
+    pin_memory: bool = False,
+) -> tuple[ReaderLoader, RowKeys]:
     """This rank's share of the one day in ``days`` (``ingest.shares``: the day's row
     groups dealt as the reader deals them, read in order by one reader) and the day-rows
     of its rows in that order: what a recalibration needs, the day's first rows told from
@@ -245,7 +252,8 @@ def keyed_loader(
         validate=transform.validate,
         transform=transform,
     )
-    return make_loader(dataset, num_workers=0), RowKeys(share.splits, share.starts)
+    loader = make_loader(dataset, num_workers=0, pin_memory=pin_memory)
+    return loader, RowKeys(share.splits, share.starts)
 
 
 class OneHotModel(DlrmflowError):
@@ -505,7 +513,9 @@ def _evaluate(
             manifest=manifest,
         )
     else:
-        loader, keys = keyed_loader(config, spec, ids, env, url, manifest, held_out)
+        loader, keys = keyed_loader(
+            config, spec, ids, env, url, manifest, held_out, pin_memory=device.type == "cuda"
+        )
     start = time.perf_counter()
     limit = max_rows if max_rows is not None else config.eval.max_rows
     try:
@@ -532,10 +542,13 @@ def _evaluate(
         metrics["recalibration"] = {"shift": applied.shift, "day": applied.day}
     if recalibrate is not None:
         assert scored.rows is not None
-        fitted = fit_recalibration(
-            scored.probs, scored.labels, scored.weights, scored.rows, held_out[0], recalibrate
-        )
-        metrics["recalibration_fitted"] = fitted.to_dict()
+        try:
+            fitted = fit_recalibration(
+                scored.probs, scored.labels, scored.weights, scored.rows, held_out[0], recalibrate
+            )
+            metrics["recalibration_fitted"] = fitted.to_dict()
+        except ValueError as e:  # the version is then judged without one, and says why
+            metrics["recalibration_skipped"] = str(e)
     table = reliability_table(scored.probs, scored.labels, weights=scored.weights)
     if spec.weight is not None:
         # By the weights of the declared column, as the training loss counted the rows.

@@ -62,8 +62,10 @@ def fit_recalibration(
     """Fit the shift on the rows whose day-row (``day_rows``: each scored row's index in
     its day) is among the day's first ``share`` of rows, and judge it on the others.
 
-    At least one row is fitted on and one judged: a day of one row cannot be split, and
-    is refused."""
+    At least one row is fitted on and one judged. A ``ValueError`` says why a day gives no
+    recalibration: a day of one row cannot be split; rows to fit of one class have no
+    finite shift (the mean prediction cannot reach a click rate of 0 or 1), and rows to
+    judge of one class no AUC."""
     if not 0.0 < share < 1.0:
         raise ValueError(f"the share of rows to fit on must lie in (0, 1), got {share}")
     total = int(day_rows.numel())
@@ -76,6 +78,14 @@ def fit_recalibration(
     def part(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return probs[mask], labels[mask], None if weights is None else weights[mask]
 
+    clicked = labels[fit] >= 0.5
+    if weights is not None:
+        counted = weights[fit] > 0
+        clicked, unclicked = clicked & counted, ~clicked & counted
+    else:
+        unclicked = ~clicked
+    if not bool(clicked.any()) or not bool(unclicked.any()):
+        raise ValueError(f"day {day}: its first {cut} rows are all of one class: no shift fits")
     shift = intercept_shift(*part(fit))
     p, y, w = part(judged)
     before, after = click_metrics(p, y, w), click_metrics(shifted(p, shift), y, w)

@@ -65,7 +65,7 @@ def test_the_shift_is_fitted_on_the_first_rows_and_judged_on_the_rest() -> None:
     assert fit_recalibration(probs, changed, None, rows, 3, 0.25).shift != fitted.shift
 
 
-def test_weights_count_in_the_fit_and_a_day_that_cannot_be_split_is_refused() -> None:
+def test_weights_count_in_the_fit_and_a_day_that_gives_no_shift_is_refused() -> None:
     probs, labels, rows = _miscalibrated(1)
     plain = fit_recalibration(probs, labels, None, rows, 3, 0.5)
     doubled = fit_recalibration(probs, labels, torch.full((N,), 2.0), rows, 3, 0.5)
@@ -76,6 +76,13 @@ def test_weights_count_in_the_fit_and_a_day_that_cannot_be_split_is_refused() ->
         fit_recalibration(probs, labels, None, rows, 3, 1.0)
     with pytest.raises(ValueError, match="day 3: 1 row"):
         fit_recalibration(probs[:1], labels[:1], None, torch.zeros(1, dtype=torch.long), 3, 0.5)
+    # No click among the rows to fit: no finite shift makes the mean prediction 0.
+    none_first = torch.where(rows < N // 2, 0.0, labels)
+    with pytest.raises(ValueError, match="day 3: its first 20000 rows are all of one class"):
+        fit_recalibration(probs, none_first, None, rows, 3, 0.5)
+    # Nor where the clicks there weigh nothing.
+    with pytest.raises(ValueError, match="all of one class"):
+        fit_recalibration(probs, labels, torch.where(labels > 0, 0.0, 1.0), rows, 3, 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -136,5 +143,5 @@ def test_a_checkpoint_with_a_shift_is_read_with_it_everywhere(trained, tmp_path)
     got = pq.read_table(out).sort_by("row").column("prediction").to_numpy()
     score_dataset(trained.run_dir, trained.data.url, tmp_path / "raw", days="2")
     before = pq.read_table(tmp_path / "raw").sort_by("row").column("prediction").to_numpy()
-    want = shifted(torch.from_numpy(before), fitted.shift).numpy()
+    want = shifted(torch.tensor(before), fitted.shift).numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
