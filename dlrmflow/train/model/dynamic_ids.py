@@ -40,6 +40,7 @@ from dlrmflow.kernels.id_map import DynamicIdMap, IdMapStats
 from dlrmflow.kernels.tbe import initial_rows
 from dlrmflow.schema import SchemaError
 from dlrmflow.sparse import KeyedJaggedTensor
+from dlrmflow.train.model.comms import all_gather_ints
 from dlrmflow.train.model.embeddings import InFrontOf, StartedInput, behind
 
 __all__ = ["DynamicIdEmbeddings", "DynamicTable"]
@@ -160,18 +161,16 @@ class DynamicIdEmbeddings(InFrontOf):
     def _gathered(self, segments: list[torch.Tensor]) -> list[list[np.ndarray]]:
         """Every rank's ``segments`` (raw IDs, one per dynamic feature), by rank: the
         lengths first, then the IDs padded to the longest rank's."""
-        world = dist.get_world_size(self.group)
-        sizes = torch.tensor([len(s) for s in segments], dtype=torch.int64, device="cpu")
-        every_size = [torch.empty_like(sizes) for _ in range(world)]
-        dist.all_gather(every_size, sizes, group=self.group)
-        longest = max(int(s.sum()) for s in every_size)
-        mine = torch.zeros(longest, dtype=torch.int64, device="cpu")
-        mine[: int(sizes.sum())] = torch.cat(segments) if segments else mine[:0]
-        every = [torch.empty_like(mine) for _ in range(world)]
+        every_size = all_gather_ints([len(s) for s in segments], self.group)  # [world, n]
+        totals = every_size.sum(dim=1)
+        mine = torch.zeros(int(totals.max()), dtype=torch.int64, device="cpu")
+        rank = dist.get_rank(self.group)
+        mine[: int(totals[rank])] = torch.cat(segments) if segments else mine[:0]
+        every = [torch.empty_like(mine) for _ in range(len(every_size))]
         dist.all_gather(every, mine, group=self.group)
         return [
-            np.split(ids.numpy()[: int(s.sum())], np.cumsum(s.numpy())[:-1])
-            for ids, s in zip(every, every_size, strict=True)
+            np.split(ids.numpy()[: int(total)], np.cumsum(sizes.numpy())[:-1])
+            for ids, sizes, total in zip(every, every_size, totals, strict=True)
         ]
 
     def evict(self, *, due_only: bool = False) -> None:
