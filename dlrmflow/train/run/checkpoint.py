@@ -50,11 +50,7 @@ from dlrmflow.supervise import signals_deferred
 from dlrmflow.train.model.dlrm import DLRM
 from dlrmflow.train.model.embeddings import EmbeddingCollection
 from dlrmflow.train.model.parallelize import build_model, parallelize
-from dlrmflow.train.run.recalibration import (
-    Recalibration,
-    fold_into_bias,
-    read_recalibration,
-)
+from dlrmflow.train.run.recalibration import Recalibration, apply_recalibration
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
@@ -631,9 +627,7 @@ def load_checkpoint(
         restore(info, model, None)
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"{info.path}: unreadable or incompatible checkpoint ({e})") from e
-    recalibration = read_recalibration(info.path)
-    if recalibration is not None:
-        fold_into_bias(model.dense_arch, recalibration.shift)
+    recalibration = apply_recalibration(info.path, model.dense_arch)
     model.eval()
     progress = info.manifest["progress"]
     days = info.manifest.get("train_days")

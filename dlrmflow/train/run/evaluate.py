@@ -77,11 +77,7 @@ from dlrmflow.train.run.rank import (
     gather_peak_rss,
     init_distributed,
 )
-from dlrmflow.train.run.recalibration import (
-    fit_recalibration,
-    fold_into_bias,
-    read_recalibration,
-)
+from dlrmflow.train.run.recalibration import apply_recalibration, fit_recalibration
 from dlrmflow.train.run.rundir import rank0_lock
 
 EVAL_FILE = "eval.json"
@@ -474,9 +470,7 @@ def _evaluate(
         restore(info, model, None)
         step, path, trained = info.step, info.path, info.manifest.get("train_days")
         multi_hot = trained_multi_hot(info.manifest)
-        applied = read_recalibration(info.path)
-        if applied is not None:
-            fold_into_bias(model.dense_arch, applied.shift)
+        applied = apply_recalibration(info.path, model.dense_arch)
     else:
         ckpt = load_checkpoint(
             checkpoint if checkpoint is not None else run_dir,

@@ -121,6 +121,16 @@ def read_recalibration(checkpoint: Path) -> Recalibration | None:
     return Recalibration(**json.loads(path.read_text()))
 
 
+def apply_recalibration(checkpoint: Path, dense_arch: nn.Module) -> Recalibration | None:
+    """Fold the shift the checkpoint at ``checkpoint`` carries (if any) into ``dense_arch``,
+    the model just loaded from it: how every reader of a checkpoint loads it. The shift,
+    or None."""
+    recalibration = read_recalibration(checkpoint)
+    if recalibration is not None:
+        fold_into_bias(dense_arch, recalibration.shift)
+    return recalibration
+
+
 def drop_recalibration(checkpoint: Path) -> None:
     """Take the shift off a checkpoint (before it is fitted again, on raw predictions)."""
     (Path(checkpoint) / RECALIBRATION_FILE).unlink(missing_ok=True)

@@ -14,12 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from dlrmflow.config import RunConfig
+from dlrmflow.days import WindowError
 from dlrmflow.score.score import score_dataset
 from dlrmflow.train.launch.job import launch_evaluation
 from dlrmflow.train.run.checkpoint import find_checkpoint, load_checkpoint
-from dlrmflow.train.run.evaluate import evaluate
+from dlrmflow.train.run.evaluate import evaluate, keyed_loader
 from dlrmflow.train.run.export import export_model
 from dlrmflow.train.run.metrics import intercept_shift
+from dlrmflow.train.run.rank import DistEnv
 from dlrmflow.train.run.recalibration import (
     Recalibration,
     fit_recalibration,
@@ -119,6 +121,9 @@ def test_evaluation_fits_on_the_days_first_rows_at_any_rank_count(trained, tmp_p
     )
     assert jobs["recalibration_fitted"]["fit_rows"] == 1500
     assert jobs["recalibration_fitted"]["shift"] == pytest.approx(fitted["shift"], abs=1e-6)
+    # A recalibration is a day's: a window of two is refused in one line naming the key.
+    with pytest.raises(WindowError, match="data.eval_days: a recalibration is fitted on one day"):
+        keyed_loader(trained, None, None, DistEnv.from_env(), trained.data.url, None, [1, 2])
 
 
 def test_a_checkpoint_with_a_shift_is_read_with_it_everywhere(trained, tmp_path) -> None:
