@@ -53,11 +53,21 @@ def intercept_shift(
     positive rate (weighted where ``weights``): the maximum-likelihood intercept of a
     logistic regression whose offset is the model's logit. Found by bisection, to below
     1e-13, in float64: the mean prediction rises with the shift."""
+    return _bisected_shift(*_logit_and_rate(probs, labels, weights))
+
+
+def _logit_and_rate(
+    probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(each row's logit, float64, from probabilities clipped away from 0 and 1; each
+    row's weight, 1 without ``weights``; the rows' positive rate, weighted)."""
     p = probs.double().clamp(_EPS, 1 - _EPS)
-    logit = (p / (1 - p)).log()
     y = labels.double()
     w = torch.ones_like(y) if weights is None else weights.double()
-    rate = float((w * y).sum() / w.sum())
+    return (p / (1 - p)).log(), w, float((w * y).sum() / w.sum())
+
+
+def _bisected_shift(logit: torch.Tensor, w: torch.Tensor, rate: float) -> float:
     low, high = -40.0, 40.0
     for _ in range(50):  # halves an 80-wide bracket to below 1e-13
         mid = 0.5 * (low + high)
@@ -77,13 +87,9 @@ def recalibrated_ne(
     with recalibration fixes the shift beforehand instead). The shift is fitted on the rows
     scored, so it is a diagnosis, not a deployable correction (``train.run.recalibration``
     fits one on other rows)."""
-    p = probs.double().clamp(_EPS, 1 - _EPS)
-    logit = (p / (1 - p)).log()
-    y = labels.double()
-    w = torch.ones_like(y) if weights is None else weights.double()
-    rate = float((w * y).sum() / w.sum())
-    shifted = torch.sigmoid(logit + intercept_shift(probs, labels, weights))
-    return log_loss(shifted, y, weights) / binary_entropy(rate)
+    logit, w, rate = _logit_and_rate(probs, labels, weights)
+    shifted = torch.sigmoid(logit + _bisected_shift(logit, w, rate))
+    return log_loss(shifted, labels.double(), weights) / binary_entropy(rate)
 
 
 def weighted_auc(probs: torch.Tensor, clicks: torch.Tensor, weights: torch.Tensor) -> float:
