@@ -63,9 +63,8 @@ def run_line(config: RunConfig, line_dir: Path) -> tuple[list[dict[str, Any]], f
 
 
 def summary_of(days: list[dict[str, Any]]) -> dict[str, float]:
-    """A way's days in a few figures: mean and last next-day AUC, mean calibration (and,
-    where each day was recalibrated, on the rows judged: before and after, the worst day's
-    distance from 1 after, and the largest change of AUC), CPU-seconds a day and in all."""
+    """A way's days in a few figures: mean and last next-day AUC, mean calibration,
+    CPU-seconds a day and in all, and their recalibrations' (``recalibration_summary``)."""
     summary = {
         "mean_next_day_auc": statistics.fmean(r["auc"] for r in days),
         "last_day_auc": days[-1]["auc"],
@@ -73,14 +72,22 @@ def summary_of(days: list[dict[str, Any]]) -> dict[str, float]:
         "cpu_s_per_day": statistics.fmean(r["cpu_s"] for r in days),
         "cpu_s_total": sum(r["cpu_s"] for r in days),
     }
-    if days and all("calibration_recalibrated" in r for r in days):
-        after = [r["calibration_recalibrated"] for r in days]
-        summary |= {
-            "mean_calibration_judged": statistics.fmean(r["calibration_judged"] for r in days),
-            "mean_calibration_recalibrated": statistics.fmean(after),
-            "worst_calibration_recalibrated": max(after, key=lambda c: abs(c - 1.0)),
-            "max_auc_change_recalibrated": max(
-                abs(r["auc_recalibrated"] - r["auc_judged"]) for r in days
-            ),
-        }
-    return summary
+    return summary | recalibration_summary(days)
+
+
+def recalibration_summary(days: list[dict[str, Any]]) -> dict[str, float]:
+    """The days' recalibrations (``recalibrated``) in a few figures, over the days that had
+    one: calibration on the rows judged, mean before and after, the worst day's after (the
+    farthest from 1), and the largest change of AUC; {} where no day had one."""
+    fitted = [r for r in days if "calibration_recalibrated" in r]
+    if not fitted:
+        return {}
+    after = [r["calibration_recalibrated"] for r in fitted]
+    return {
+        "mean_calibration_judged": statistics.fmean(r["calibration_judged"] for r in fitted),
+        "mean_calibration_recalibrated": statistics.fmean(after),
+        "worst_calibration_recalibrated": max(after, key=lambda c: abs(c - 1.0)),
+        "max_auc_change_recalibrated": max(
+            abs(r["auc_recalibrated"] - r["auc_judged"]) for r in fitted
+        ),
+    }

@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from dlrmflow.bench.lines import recalibrated
+from dlrmflow.bench.lines import recalibrated, recalibration_summary
 from dlrmflow.bench.machine import describe_machine
 from dlrmflow.config import RunConfig
 from dlrmflow.ingest.register import register_dataset
@@ -221,25 +221,12 @@ def run_movielens(work: Path | None = None, quick: bool = False) -> dict[str, An
         "summary": {
             "mean_next_week_auc": line_auc,
             "baseline_mean_auc": base_auc,
-            **_recalibration_summary(by_week),
+            **recalibration_summary(by_week),
         },
         "ratios": {"line_auc_over_popularity": line_auc / base_auc},
         "machine": describe_machine(),
         "seconds": time.perf_counter() - start,
         "quick": quick,
-    }
-
-
-def _recalibration_summary(weeks: list[dict[str, Any]]) -> dict[str, float]:
-    """The weeks' calibration on the rows judged, before and after each recalibration."""
-    fitted = [w for w in weeks if "calibration_recalibrated" in w]
-    if not fitted:
-        return {}
-    return {
-        "mean_calibration_judged": statistics.fmean(w["calibration_judged"] for w in fitted),
-        "mean_calibration_recalibrated": statistics.fmean(
-            w["calibration_recalibrated"] for w in fitted
-        ),
     }
 
 
