@@ -130,7 +130,7 @@ def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(
         command.kill()
         command.wait()
         # The guard's SIGTERM, SIGKILL after GRACE_S, and LATE_S more for what was started
-        # meanwhile; 15 s more for a loaded machine (a suite's other workers).
+        # meanwhile; then a margin for a machine loaded by a suite's other workers.
         assert not _gone_within(token, GRACE_S + LATE_S + 15)
     finally:
         command.kill()
@@ -138,7 +138,7 @@ def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(
 
 
 def test_a_sweep_also_stops_what_is_started_while_it_stops_the_rest(tmp_path: Path) -> None:
-    """A process that ignores SIGTERM and starts a child every 20 ms (as an agent restarting
+    """A process that ignores SIGTERM and keeps starting children (as an agent restarting
     ranks would): once the sweep returns, nothing carries the token."""
     token = f"test-{os.getpid()}-late"
     script = textwrap.dedent(
