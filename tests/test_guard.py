@@ -54,6 +54,33 @@ def _gone_within(token: str, seconds: float) -> list[int]:
     return left
 
 
+def _described(pids: list[int]) -> list[str]:
+    """Each process's pid, state, parent and command line, for a failure's message."""
+    lines = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            lines.append(f"{pid}: gone")
+            continue
+        lines.append(f"{pid}: state {stat[0]}, parent {stat[1]}: {command.decode()[:160]}")
+    return lines
+
+
+def _guards_of(token: str) -> list[int]:
+    """The guard processes watching for ``token`` (its command line names it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"dlrmflow.guard\0" + token.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def test_a_killed_command_leaves_nothing_it_started(tmp_path: Path) -> None:
     # A stand-in for a command: it starts its guard, then a grandchild in a session of its
     # own (as a server or a worker pool would), then is killed by SIGKILL.
@@ -107,6 +134,10 @@ def test_sigterm_ends_a_command_in_one_line_and_cleans_its_temporaries(tmp_path:
     assert [p.name for p in out.rglob("*") if p.is_file()] == [LOCK_FILE]
 
 
+# Serial: in the parallel phase a few runs out of many left processes of this demo past the
+# bound, which no run alone or under load has reproduced; the message says what was left
+# and whether its guard still ran.
+@pytest.mark.serial
 def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(
     tmp_path: Path, pytestconfig: pytest.Config
 ) -> None:
@@ -127,11 +158,15 @@ def test_a_demo_killed_by_sigkill_leaves_no_prefect_server_or_rank(
             assert command.poll() is None and time.monotonic() < deadline, "no server started"
             token = next(filter(None, map(_token_of, _children(command.pid))), None)
             time.sleep(0.1)
+        guards = _guards_of(token)
         command.kill()
         command.wait()
         # The guard's SIGTERM, SIGKILL after GRACE_S, and LATE_S more for what was started
-        # meanwhile; then a margin for a machine loaded by a suite's other workers.
-        assert not _gone_within(token, GRACE_S + LATE_S + 15)
+        # meanwhile; then a margin for a loaded machine.
+        left = _gone_within(token, GRACE_S + LATE_S + 15)
+        assert not left, (
+            f"left running: {_described(left)}; its guard {guards}: {_described(guards)}"
+        )
     finally:
         command.kill()
         command.wait()
