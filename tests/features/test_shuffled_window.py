@@ -157,6 +157,36 @@ def test_a_list_column_with_single_ids_at_first_is_still_a_list():
     assert_cut_alike(transform, tables, order, expected)
 
 
+def _lists_cut_or_repeated(table: pa.Table, keep: int | None, times: int = 1) -> pa.Table:
+    """``table`` with each list of tags (and its weights) cut to ``keep`` IDs or repeated."""
+
+    def changed(name: str) -> pa.Array:
+        lists = [v if v is None else (v[:keep] * times) for v in table.column(name).to_pylist()]
+        return pa.array(lists, table.schema.field(name).type)
+
+    for name in ("tags", "tag_w"):
+        table = table.set_column(table.schema.get_field_index(name), name, changed(name))
+    return table
+
+
+def test_a_window_whose_later_lists_are_longer_keeps_every_id():
+    """The first table's lists are short and a later one's long: every ID of every list
+    is where the window's batches read it."""
+    transform = transform_of(*JAGGED[:2], SparseFeature("tags", 97, 4, weights="tag_w"))
+    tables = [
+        _lists_cut_or_repeated(rows(200, 0), keep=2),
+        rows(150, 1),
+        _lists_cut_or_repeated(rows(250, 2), keep=None, times=4),
+    ]
+    order = np.random.default_rng(5).permutation(600)
+    for t in tables:
+        transform.validate(t)
+    expected = Batch.concat([transform(t) for t in tables]).take(order)
+    assert expected.sparse.lengths.max() >= 12  # lists far longer than the first table's
+    assert_same(written(transform, tables, order), expected)
+    assert_cut_alike(transform, tables, order, expected)
+
+
 def test_a_window_of_mixed_forms_is_joined_as_before():
     """An empty table's batch is jagged: among one-hot ones it takes the plain way."""
     transform = transform_of(*ONE_HOT)
