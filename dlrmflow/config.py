@@ -451,8 +451,13 @@ class GateConfig(_Section):
         0.25,
         ge=0,
         lt=1,
-        description="the share of the next day's first rows each version's recalibration "
+        description="the share of the next day's rows each version's recalibration "
         "(a shift of its logit) is fitted on; the rest judge it (0: none)",
+    )
+    recalibration_rows: Literal["spread", "first"] = Field(
+        "spread",
+        description="which rows fit it: spread (evenly over the day, by each row's place) "
+        "or first (the day's first rows: its first hours, for logs in time order)",
     )
     calibration: Literal["recalibrated", "raw"] = Field(
         "recalibrated",

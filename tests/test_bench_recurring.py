@@ -57,7 +57,7 @@ def test_summary_and_ratios_follow_from_the_days(run):
     assert ratios["cpu_s_per_day_retrained_vs_continued"] == (
         summary["retrained"]["cpu_s_per_day"] / line["cpu_s_per_day"]
     )
-    # Every day of every way was recalibrated on its first quarter, judged on the rest.
+    # Every day of every way was recalibrated on a quarter of its rows, judged on the rest.
     for way in WAYS:
         for r in days[way]:
             assert r["auc_recalibrated"] == r["auc_judged"]  # a shift keeps the ranking

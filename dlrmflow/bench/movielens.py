@@ -16,8 +16,9 @@ line``): version k trains on week k alone, continued from version k-1, and is va
 week k+1 before it trains on it. The baseline, computed on the same weeks: each movie's
 click rate over every week before (the popularity a recommender starts from), as a score;
 the ratio is the line's mean next-week AUC ÷ the baseline's. Each version's recalibration
-(fitted on the first quarter of its next week, ``gate.recalibration_share``) is reported
-as that week's other rows' calibration before and after it.
+(fitted on a quarter of its next week's rows spread over the week,
+``gate.recalibration_share`` and ``gate.recalibration_rows``) is reported as that week's
+other rows' calibration before and after it.
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def run_movielens(work: Path | None = None, quick: bool = False) -> dict[str, An
                 "auc": record.get("auc"),
                 "calibration": record.get("calibration"),
                 "baseline_auc": baseline[week - 1] if 0 < week <= len(baseline) else None,
-                # The version's recalibration, fitted on the week's first quarter of rows:
-                # the calibration of the rest before and after it.
+                # The version's recalibration, fitted on a quarter of the week's rows: the
+                # calibration of the rest before and after it.
                 **recalibrated(record.get("recalibration")),
             }
         )
@@ -255,8 +256,8 @@ def movielens_section(record: dict[str, Any]) -> str:
     recalibration = ""
     if "mean_calibration_recalibrated" in summary:
         recalibration = (
-            " Each version recalibrated on the first quarter of its next week (a shift of its "
-            "logit): that week's other rows' calibration "
+            " Each version recalibrated on a quarter of its next week's rows, spread over the "
+            "week (a shift of its logit): that week's other rows' calibration "
             f"{summary['mean_calibration_judged']:.3f} before it, "
             f"{summary['mean_calibration_recalibrated']:.3f} after, on average."
         )

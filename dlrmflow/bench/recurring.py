@@ -23,10 +23,10 @@ better for the line): mean next-day AUC of the line ÷ that of each other way,
 calibration from 1 without its recalibration ÷ with it (on the rows it was not fitted on).
 
 Each model scored on a day is also recalibrated there as the line's gate recalibrates a
-version (``train.run.recalibration``): a shift of its logit fitted on the day's first
-quarter of rows (``gate.recalibration_share``), and the calibration and AUC of the other
-rows before and after it: the calibration a shift fitted on recent rows gives, and the
-AUC it leaves alone.
+version (``train.run.recalibration``): a shift of its logit fitted on a quarter of the
+day's rows spread over it (``gate.recalibration_share``, ``gate.recalibration_rows``), and
+the calibration and AUC of the other rows before and after it: the calibration a shift
+fitted on the day's rows gives, and the AUC it leaves alone.
 
 The line's own gate publishes every version (its work is part of each day). Its verdicts,
 which hold both models' scores on the day, are then judged again by the default gate
@@ -102,10 +102,10 @@ def _cpu() -> float:
 
 
 def _score(config: RunConfig, day: int) -> dict[str, float]:
-    """The day's scores, and a recalibration fitted on its first rows as the line's gate
-    fits one (``gate.recalibration_share``), judged on the rest."""
-    share = config.gate.recalibration_share or None
-    metrics = evaluate(config.run_dir, eval_days=[day], recalibrate=share)
+    """The day's scores, and a recalibration fitted on its rows as the line's gate fits one
+    (``gate.recalibration_share``, ``gate.recalibration_rows``), judged on the rest."""
+    share, rows = config.gate.recalibration_share or None, config.gate.recalibration_rows
+    metrics = evaluate(config.run_dir, eval_days=[day], recalibrate=share, recalibrate_rows=rows)
     scores = {k: float(metrics[k]) for k in SCORES}
     return {**scores, **recalibrated(metrics.get("recalibration_fitted"))}
 
@@ -363,9 +363,9 @@ def _recalibration_tables(record: dict[str, Any]) -> list[str]:
         for c, r, f in zip(days["continued"], days["retrained"], days["frozen"], strict=True)
     ]  # fmt: skip
     return [
-        "Calibration on each day's rows after its first quarter, before and after the shift "
-        "fitted on that quarter (`gate.recalibration_share`), and the largest change of the "
-        "AUC of those rows it made:",
+        "Calibration on each day's rows outside the quarter its shift was fitted on "
+        "(`gate.recalibration_share`, spread over the day), before and after the shift, and "
+        "the largest change of the AUC of those rows it made:",
         markdown_table(
             [
                 "way",

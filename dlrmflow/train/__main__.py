@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recalibrate", type=float, help="with --evaluate: fit a recalibration on this share"
     )
+    parser.add_argument(
+        "--recalibrate-rows", default="spread", help="with --recalibrate: which rows fit it"
+    )
     args = parser.parse_args(argv)
     try:
         tune_allocator()
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device,
                 kernels=args.kernels,
                 recalibrate=args.recalibrate,
+                recalibrate_rows=args.recalibrate_rows,
             )
         )
     try:

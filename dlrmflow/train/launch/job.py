@@ -273,12 +273,14 @@ def launch_evaluation(
     batch_size: int | None = None,
     eval_days: Window = None,
     recalibrate: float | None = None,
+    recalibrate_rows: str = "spread",
 ) -> dict | None:
     """Score a run's checkpoint on ``nproc`` ranks (loaded resharded to that world size);
     in this process when ``nproc`` is 1; on ``device`` with ``kernels``, each rank in
     batches of ``batch_size`` (the run's ``eval.batch_size`` when None), on the days of
     window ``eval_days`` (the run's ``data.eval_days`` when None; see ``evaluate``), fitting
-    a recalibration on the ``recalibrate`` share of the day's first rows where given.
+    a recalibration on the ``recalibrate`` share of the day's rows where given (which rows:
+    ``recalibrate_rows``, ``train.run.recalibration.FIT_ROWS``).
     With ``distributed`` (its ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``local_addr``,
     ``connect_timeout_s``), this host's ranks of a job that spans hosts: the metrics come
     back on node 0, None elsewhere."""
@@ -295,6 +297,7 @@ def launch_evaluation(
                 batch_size=batch_size,
                 eval_days=eval_days,
                 recalibrate=recalibrate,
+                recalibrate_rows=recalibrate_rows,
             )
     args = ["--evaluate", str(run_dir)]
     for flag, value in (
@@ -306,6 +309,7 @@ def launch_evaluation(
         ("--device", device),
         ("--kernels", kernels),
         ("--recalibrate", recalibrate),
+        ("--recalibrate-rows", recalibrate_rows if recalibrate is not None else None),
     ):
         if value is not None:
             args += [flag, str(value)]

@@ -11,9 +11,10 @@ bounds alone.
 By default both checks judge the model, not the day. The NE compared is the one
 miscalibration does not count (``gate.ne: ne_recalibrated``: each model's predictions
 shifted to the day's click rate), and the calibration judged is the version's once
-recalibrated (``gate.calibration: recalibrated``): the shift fitted on the day's first
-rows (``gate.recalibration_share``, ``train.run.recalibration``) applied to the other
-rows, as the version would serve with it. A day whose click rate moved then holds no
+recalibrated (``gate.calibration: recalibrated``): the shift fitted on a share of the
+day's rows (``gate.recalibration_share``, spread over the day or its first rows as
+``gate.recalibration_rows`` says; ``train.run.recalibration``) applied to the other rows,
+as the version would serve with it. A day whose click rate moved then holds no
 version back for that alone, while a model whose predictions a shift cannot calibrate
 still fails. ``gate.calibration: raw`` judges the version's own calibration on the day
 (``gate.calibration_follows_rate``: against the click rate of the days it trained on,
@@ -79,9 +80,14 @@ def judge(
     fitted = candidate.get("recalibration")
     if gate.calibration == "recalibrated" and fitted is not None:
         calibration = fitted["after"]["calibration"]
+        rows = (
+            f"the day's first {fitted['fit_rows']} rows"
+            if fitted.get("rows", "first") == "first"
+            else f"{fitted['fit_rows']} rows spread over the day"
+        )
         judged = (
-            f"recalibrated calibration (shift {fitted['shift']:+.4f} fitted on the day's first "
-            f"{fitted['fit_rows']} rows, judged on its other {fitted['judged_rows']})"
+            f"recalibrated calibration (shift {fitted['shift']:+.4f} fitted on {rows}, "
+            f"judged on its other {fitted['judged_rows']})"
         )
     elif gate.calibration_follows_rate and ratio:
         calibration *= ratio

@@ -97,7 +97,7 @@ class Version:
     validation: dict[str, Any] | None  # the parent scored on ``day`` before training on it
     # Dynamic tables: the IDs its training admitted and evicted, and its rows in use.
     id_maps: dict[str, dict[str, int]] = field(default_factory=dict)
-    # The shift of its logit fitted on the next day's first rows, once validated there
+    # The shift of its logit fitted on rows of the next day, once validated there
     # (``train.run.recalibration.Recalibration``); its checkpoint carries it too.
     recalibration: dict[str, Any] | None = None
 
@@ -426,11 +426,15 @@ def train_line(
 
 
 def _score(
-    line: RunConfig, day: int, checkpoint: Path | None = None, recalibrate: float | None = None
+    line: RunConfig,
+    day: int,
+    checkpoint: Path | None = None,
+    recalibrate: float | None = None,
+    recalibrate_rows: str = "spread",
 ) -> dict[str, Any]:
     """A version (the run's newest, or ``checkpoint``, with the recalibration it carries)
     scored on ``day``; with ``recalibrate``, a recalibration fitted on that share of the
-    day's first rows and judged on the rest (``recalibration``)."""
+    day's rows (``recalibrate_rows``: which) and judged on the rest (``recalibration``)."""
     metrics = launch_evaluation(
         line.run_dir,
         line.distributed.nproc,
@@ -440,6 +444,7 @@ def _score(
         kernels=line.model.kernels,
         eval_days=[day],
         recalibrate=recalibrate,
+        recalibrate_rows=recalibrate_rows,
     )
     assert metrics is not None  # this host is node 0: the line runs there
     scored = {"day": day, **{k: metrics[k] for k in METRICS}, "step": metrics["step"]}
@@ -536,7 +541,7 @@ def _validate(
         # Fitted on the version's own predictions, never on a shift fitted before (a run
         # killed after writing it, before the history).
         drop_recalibration(checkpoint)
-    scored = _score(line, day, checkpoint, share)
+    scored = _score(line, day, checkpoint, share, line.gate.recalibration_rows)
     record = {**scored, "unseen_ids": unseen, "day_digest": digest}
     record.update(_rate_change(manifest, day, version.days))
     if version.id_maps:

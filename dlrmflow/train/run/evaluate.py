@@ -233,8 +233,8 @@ def keyed_loader(
 ) -> tuple[ReaderLoader, RowKeys]:
     """This rank's share of the one day in ``days`` (``ingest.shares``: the day's row
     groups dealt as the reader deals them, read in order by one reader) and the day-rows
-    of its rows in that order: what a recalibration needs, the day's first rows told from
-    the rest whatever the rank count."""
+    of its rows in that order: what a recalibration needs, each row's place in the day
+    known whatever the rank count."""
     if len(days) != 1:
         raise WindowError(f"{EVAL_KEY}: a recalibration is fitted on one day, not {describe(days)}")
     check_dataset(url, manifest, training=False, eval_days=days)
@@ -393,6 +393,7 @@ def evaluate(
     batch_size: int | None = None,
     eval_days: Window = None,
     recalibrate: float | None = None,
+    recalibrate_rows: str = "spread",
 ) -> dict[str, float]:
     """Score a checkpoint of ``run_dir`` on the held-out days of its dataset (or
     ``data_url``'s): ``eval_days`` (a window, see ``dlrmflow.days``), else the run's
@@ -407,8 +408,9 @@ def evaluate(
     "cuda", as ``train.device``) is where the model runs and ``kernels`` (as
     ``model.kernels``) what runs it, whatever device and kernels trained it;
     ``batch_size`` replaces the run's ``eval.batch_size`` (memory, not the metrics).
-    ``recalibrate`` (a share of the rows, on one day): also fit a recalibration on the
-    day's first rows and judge it on the rest (``train.run.recalibration``), under
+    ``recalibrate`` (a share of the rows, on one day): also fit a recalibration on that
+    share of the day's rows (``recalibrate_rows``: which, ``FIT_ROWS``) and judge it on
+    the rest (``train.run.recalibration``), under
     ``recalibration_fitted``; a checkpoint that carries one is scored with it applied
     (``recalibration``).
     """
@@ -436,6 +438,7 @@ def evaluate(
                 batch_size,
                 eval_days,
                 recalibrate,
+                recalibrate_rows,
             )
         finally:
             shutil.rmtree(scratch_directory(run_dir, env.rank), ignore_errors=True)
@@ -453,6 +456,7 @@ def _evaluate(
     batch_size: int | None = None,
     eval_days: Window = None,
     recalibrate: float | None = None,
+    recalibrate_rows: str = "spread",
 ) -> dict[str, float]:
     # eval.json's peak resident set is the evaluation's own: where this process trained
     # first (the flows, the demo), the peak since it started would be the training's.
@@ -538,7 +542,13 @@ def _evaluate(
         assert scored.rows is not None
         try:
             fitted = fit_recalibration(
-                scored.probs, scored.labels, scored.weights, scored.rows, held_out[0], recalibrate
+                scored.probs,
+                scored.labels,
+                scored.weights,
+                scored.rows,
+                held_out[0],
+                recalibrate,
+                recalibrate_rows,
             )
             metrics["recalibration_fitted"] = fitted.to_dict()
         except ValueError as e:  # the version is then judged without one, and says why

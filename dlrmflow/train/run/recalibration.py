@@ -1,13 +1,24 @@
 """A model's recalibration: one shift of its logit, fitted on rows it did not train on.
 
 A model line's version is validated on the day after its last, which no version has
-trained on. The day's first rows (``share`` of them, in the day's order: its files as the
-manifest lists them, each file's row groups in order, so its first hours for logs written
-in time order) fit the shift that makes the version's mean prediction their click rate
-(the intercept of a logistic regression with the version's logit as offset, the one
-parameter He et al. 2014 and TorchRec's recalibrated metrics correct); the rest of the
-day judges it: calibration and NE before and after, on the same rows, and the AUC, which
-a shift of every logit cannot change (it keeps their order).
+trained on. A ``share`` of the day's rows fits the shift that makes the version's mean
+prediction their click rate (the intercept of a logistic regression with the version's
+logit as offset, the one parameter He et al. 2014 and TorchRec's recalibrated metrics
+correct); the rest of the day judges it: calibration and NE before and after, on the same
+rows, and the AUC, which a shift of every logit cannot change (it keeps their order).
+
+Which rows fit it (``FIT_ROWS``), by each row's place in the day's order (its files as the
+manifest lists them, each file's row groups in order):
+
+* ``spread`` (the default): rows spread evenly over the day, those whose place times the
+  golden ratio has the smallest fractional parts (a low-discrepancy sequence: every
+  stretch of the day gives close to its share). The fit and the judged rows come from the
+  same hours, so the judged calibration says what the shift does on the day, whatever
+  the day's order.
+* ``first``: the day's first rows, its first hours for logs written in time order, as
+  a version recalibrated on one day's start serves its rest. Where a "day" is long and
+  its start unlike the rest (MovieLens's weeks: their first quarter is a few users'
+  sessions), the shift fits the start only.
 
 The shift travels with the version's checkpoint (``recalibration.json`` in its directory,
 beside the files its manifest lists, so a checkpoint's integrity check never sees it):
@@ -31,6 +42,9 @@ from dlrmflow.atomic_writes import write_atomic
 from dlrmflow.train.run.metrics import click_metrics, intercept_shift
 
 RECALIBRATION_FILE = "recalibration.json"
+FIT_ROWS = ("spread", "first")  # which of the day's rows fit the shift (see above)
+# The fractional part of a row's place times this spreads the rows that fit: 1 / phi.
+_GOLDEN = 0.6180339887498949
 # What the judged rows' metrics record, before and after the shift.
 JUDGED = ("auc", "calibration", "ne", "logloss")
 
@@ -42,10 +56,11 @@ class Recalibration:
 
     shift: float
     day: int
-    fit_rows: int  # the day's rows [0, fit_rows), in the day's order
-    judged_rows: int  # the day's rows from fit_rows on
+    fit_rows: int  # how many of the day's rows fitted it
+    judged_rows: int  # the day's other rows
     before: dict[str, float]
     after: dict[str, float]
+    rows: str = "first"  # which rows fitted it (FIT_ROWS; records before spread: first)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,9 +73,11 @@ def fit_recalibration(
     day_rows: torch.Tensor,
     day: int,
     share: float,
+    rows: str = "spread",
 ) -> Recalibration:
-    """Fit the shift on the rows whose day-row (``day_rows``: each scored row's index in
-    its day) is among the day's first ``share`` of rows, and judge it on the others.
+    """Fit the shift on ``share`` of the scored rows, chosen by ``rows`` (``FIT_ROWS``)
+    from their day-rows (``day_rows``: each scored row's index in its day), and judge it
+    on the others.
 
     At least one row is fitted on and one judged. A ``ValueError`` says why a day gives no
     recalibration: a day of one row cannot be split; rows to fit of one class have no
@@ -68,11 +85,16 @@ def fit_recalibration(
     judge of one class no AUC."""
     if not 0.0 < share < 1.0:
         raise ValueError(f"the share of rows to fit on must lie in (0, 1), got {share}")
+    if rows not in FIT_ROWS:
+        raise ValueError(f"rows to fit a recalibration on: {rows!r} is not one of {FIT_ROWS}")
     total = int(day_rows.numel())
     if total < 2:
         raise ValueError(f"day {day}: {total} row(s) cannot be split into rows to fit and judge")
     cut = min(max(1, round(share * total)), total - 1)
-    fit = day_rows < cut
+    # Ranked by place in the day, or by the place's golden-ratio fraction: ``cut`` rows.
+    rank = day_rows if rows == "first" else torch.frac(day_rows.double() * _GOLDEN)
+    fit = torch.zeros(total, dtype=torch.bool)
+    fit[torch.argsort(rank, stable=True)[:cut]] = True
     judged = ~fit
 
     def part(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -85,7 +107,8 @@ def fit_recalibration(
     else:
         unclicked = ~clicked
     if not bool(clicked.any()) or not bool(unclicked.any()):
-        raise ValueError(f"day {day}: its first {cut} rows are all of one class: no shift fits")
+        which = f"its first {cut} rows" if rows == "first" else f"the {cut} rows to fit on"
+        raise ValueError(f"day {day}: {which} are all of one class: no shift fits")
     shift = intercept_shift(*part(fit))
     p, y, w = part(judged)
     before, after = click_metrics(p, y, w), click_metrics(shifted(p, shift), y, w)
@@ -96,6 +119,7 @@ def fit_recalibration(
         judged_rows=int(judged.sum()),
         before={k: before[k] for k in JUDGED},
         after={k: after[k] for k in JUDGED},
+        rows=rows,
     )
 
 

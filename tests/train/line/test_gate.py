@@ -98,6 +98,15 @@ def test_the_default_gate_judges_the_recalibrated_model_not_the_days_rate() -> N
         "on its other 750) 1.4000 outside [0.8, 1.25] (gate.calibration_min, "
         "gate.calibration_max)"
     ]
+    spread = {**moved, "recalibration": {**_fitted(1.4), "rows": "spread"}}
+    assert (
+        judge(4, 9, spread, against, gate)
+        .reasons[0]
+        .startswith(
+            "recalibrated calibration (shift +0.2500 fitted on 250 rows spread over the day, "
+            "judged on its other 750) 1.4000 outside"
+        )
+    )
     worse = {**moved, "ne_recalibrated": 0.95, "recalibration": _fitted(1.0)}
     reasons = judge(4, 9, worse, against, gate).reasons
     assert len(reasons) == 1
@@ -145,12 +154,14 @@ def test_versions_that_pass_are_published_and_current_moves_to_them(tmp_path: Pa
         assert torch.equal(published[name], trained[name]), name
     record = json.loads((line / "models" / "0001" / "model.json").read_text())
     assert record["day"] == 1 and record["verdict"]["promoted"]
-    # Version 1 was recalibrated on day 2's first quarter (625 of 2500 rows), judged on the
-    # rest: version.json, its verdict and the published record say so, and its checkpoint
-    # carries the shift to every reader (the published weights above are with it).
+    # Version 1 was recalibrated on a quarter of day 2 (625 of 2500 rows, spread over it),
+    # judged on the rest: version.json, its verdict and the published record say so, and
+    # its checkpoint carries the shift to every reader (the published weights above are
+    # with it).
     lineage = json.loads((line / "versions" / "0001" / "version.json").read_text())
     fitted = lineage["recalibration"]
     assert (fitted["day"], fitted["fit_rows"], fitted["judged_rows"]) == (2, 625, 1875)
+    assert fitted["rows"] == "spread"
     assert judged[1].candidate_metrics["recalibration"] == fitted == record["recalibration"]
     assert (line / "versions" / "0001" / "checkpoint" / "recalibration.json").is_file()
     raw = line / "raw"

@@ -1,6 +1,7 @@
-"""A recalibration: one shift of the logit, fitted on a day's first rows and judged on the
-rest; carried by a checkpoint to every reader (evaluate, score, both exports), folded into
-the model's last bias, so that it moves calibration and never the AUC."""
+"""A recalibration: one shift of the logit, fitted on a share of a day's rows (spread over
+it, or its first) and judged on the rest; carried by a checkpoint to every reader
+(evaluate, score, both exports), folded into the model's last bias, so that it moves
+calibration and never the AUC."""
 
 from __future__ import annotations
 
@@ -43,10 +44,20 @@ def _miscalibrated(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return torch.sigmoid(logit), labels, torch.randperm(N, generator=gen)
 
 
+def _spread(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """Whether each row is among the ``count`` whose place in the day times 1 / phi has the
+    smallest fractional part: the rows a spread recalibration fits."""
+    fraction = torch.frac(rows.double() * ((5**0.5 - 1) / 2))
+    chosen = torch.zeros(len(rows), dtype=torch.bool)
+    chosen[torch.argsort(fraction)[:count]] = True
+    return chosen
+
+
 def test_the_shift_is_fitted_on_the_first_rows_and_judged_on_the_rest() -> None:
     probs, labels, rows = _miscalibrated()
-    fitted = fit_recalibration(probs, labels, None, rows, day=3, share=0.25)
+    fitted = fit_recalibration(probs, labels, None, rows, day=3, share=0.25, rows="first")
     assert (fitted.day, fitted.fit_rows, fitted.judged_rows) == (3, 10_000, 30_000)
+    assert fitted.rows == "first"
     first = rows < 10_000
     # On its own rows the shift makes the mean prediction the click rate.
     mean = shifted(probs[first], fitted.shift).double().mean()
@@ -60,11 +71,32 @@ def test_the_shift_is_fitted_on_the_first_rows_and_judged_on_the_rest() -> None:
     # The judged rows' labels play no part in the fit; a fitted row's label does.
     flipped = labels.clone()
     flipped[~first] = 1 - flipped[~first]
-    assert fit_recalibration(probs, flipped, None, rows, 3, 0.25).shift == fitted.shift
+    assert fit_recalibration(probs, flipped, None, rows, 3, 0.25, "first").shift == fitted.shift
     changed = labels.clone()
     one = int(first.nonzero()[0])
     changed[one] = 1 - changed[one]
-    assert fit_recalibration(probs, changed, None, rows, 3, 0.25).shift != fitted.shift
+    assert fit_recalibration(probs, changed, None, rows, 3, 0.25, "first").shift != fitted.shift
+
+
+def test_a_spread_shift_is_fitted_on_rows_from_every_stretch_of_the_day() -> None:
+    """The day's first half clicks less than its second: a shift fitted on its first
+    quarter misses the rest, one fitted on a quarter spread over the day calibrates it."""
+    probs, labels, rows = _miscalibrated(2)
+    gen = torch.Generator().manual_seed(5)
+    labels = torch.where(rows < N // 2, labels * (torch.rand(N, generator=gen) < 0.6), labels)
+    fitted = fit_recalibration(probs, labels, None, rows, 3, 0.25)
+    assert (fitted.rows, fitted.fit_rows, fitted.judged_rows) == ("spread", 10_000, 30_000)
+    chosen = _spread(rows, 10_000)
+    # Every tenth of the day gives close to a quarter of its rows.
+    for tenth in range(10):
+        part = (rows >= tenth * N // 10) & (rows < (tenth + 1) * N // 10)
+        assert float(chosen[part].double().mean()) == pytest.approx(0.25, abs=0.01)
+    assert intercept_shift(probs[chosen], labels[chosen]) == pytest.approx(fitted.shift, abs=1e-12)
+    first = fit_recalibration(probs, labels, None, rows, 3, 0.25, "first")
+    assert abs(fitted.after["calibration"] - 1) < 0.03 < abs(first.after["calibration"] - 1)
+    assert fitted.after["auc"] == fitted.before["auc"]
+    with pytest.raises(ValueError, match="'middle' is not one of"):
+        fit_recalibration(probs, labels, None, rows, 3, 0.25, "middle")
 
 
 def test_weights_count_in_the_fit_and_a_day_that_gives_no_shift_is_refused() -> None:
@@ -81,7 +113,10 @@ def test_weights_count_in_the_fit_and_a_day_that_gives_no_shift_is_refused() -> 
     # No click among the rows to fit: no finite shift makes the mean prediction 0.
     none_first = torch.where(rows < N // 2, 0.0, labels)
     with pytest.raises(ValueError, match="day 3: its first 20000 rows are all of one class"):
-        fit_recalibration(probs, none_first, None, rows, 3, 0.5)
+        fit_recalibration(probs, none_first, None, rows, 3, 0.5, "first")
+    none_spread = torch.where(_spread(rows, N // 2), 0.0, labels)
+    with pytest.raises(ValueError, match="day 3: the 20000 rows to fit on are all of one"):
+        fit_recalibration(probs, none_spread, None, rows, 3, 0.5)
     # Nor where the clicks there weigh nothing.
     with pytest.raises(ValueError, match="all of one class"):
         fit_recalibration(probs, labels, torch.where(labels > 0, 0.0, 1.0), rows, 3, 0.5)
@@ -101,26 +136,47 @@ def _version(trained: RunConfig, where: Path) -> Path:
     return target
 
 
-def test_evaluation_fits_on_the_days_first_rows_at_any_rank_count(trained, tmp_path) -> None:
+def test_evaluation_fits_on_the_days_rows_at_any_rank_count(trained, tmp_path) -> None:
     checkpoint = _version(trained, tmp_path)
     alone = evaluate(trained.run_dir, checkpoint=checkpoint, eval_days=[2], recalibrate=0.25)
     fitted = alone["recalibration_fitted"]
     assert (fitted["day"], fitted["fit_rows"], fitted["judged_rows"]) == (2, 1500, 4500)
+    assert fitted["rows"] == "spread"
     assert "recalibration" not in alone  # the checkpoint carries none yet
-    # The same rows' predictions from `score`, keyed by their day-row: the shift is theirs.
+    first_alone = evaluate(
+        trained.run_dir,
+        checkpoint=checkpoint,
+        eval_days=[2],
+        recalibrate=0.25,
+        recalibrate_rows="first",
+    )["recalibration_fitted"]
+    # The same rows' predictions from `score`, keyed by their day-row: the shifts are theirs.
     out = tmp_path / "scores"
     score_dataset(str(checkpoint), trained.data.url, out, days="2")
     table = pq.read_table(out).sort_by("row")
-    first = torch.from_numpy(table.column("row").to_numpy() < 1500)
+    rows = torch.tensor(table.column("row").to_numpy())
     probs = torch.tensor(table.column("prediction").to_numpy())
     labels = torch.tensor(table.column("label").to_numpy()).float()
-    assert intercept_shift(probs[first], labels[first]) == pytest.approx(fitted["shift"], abs=1e-9)
+    spread = _spread(rows, 1500)
+    assert intercept_shift(probs[spread], labels[spread]) == pytest.approx(
+        fitted["shift"], abs=1e-9
+    )
+    first = rows < 1500
+    shift = intercept_shift(probs[first], labels[first])
+    assert shift == pytest.approx(first_alone["shift"], abs=1e-9)
+    assert abs(shift - fitted["shift"]) > 1e-6  # other rows, another shift
     # Two ranks read the day otherwise (each a share, in other batches): the same rows fit.
     jobs = launch_evaluation(
-        trained.run_dir, 2, checkpoint=str(checkpoint), eval_days=[2], recalibrate=0.25
+        trained.run_dir,
+        2,
+        checkpoint=str(checkpoint),
+        eval_days=[2],
+        recalibrate=0.25,
+        recalibrate_rows="first",
     )
     assert jobs["recalibration_fitted"]["fit_rows"] == 1500
-    assert jobs["recalibration_fitted"]["shift"] == pytest.approx(fitted["shift"], abs=1e-6)
+    assert jobs["recalibration_fitted"]["rows"] == "first"
+    assert jobs["recalibration_fitted"]["shift"] == pytest.approx(first_alone["shift"], abs=1e-6)
     # A recalibration is a day's: a window of two is refused in one line naming the key.
     with pytest.raises(WindowError, match="data.eval_days: a recalibration is fitted on one day"):
         keyed_loader(trained, None, None, DistEnv.from_env(), trained.data.url, None, [1, 2])
