@@ -93,7 +93,7 @@ def fit_recalibration(
     cut = min(max(1, round(share * total)), total - 1)
     # Ranked by place in the day, or by the place's golden-ratio fraction: ``cut`` rows.
     rank = day_rows if rows == "first" else torch.frac(day_rows.double() * _GOLDEN)
-    fit = torch.zeros(total, dtype=torch.bool)
+    fit = torch.zeros(total, dtype=torch.bool, device=day_rows.device)
     fit[torch.argsort(rank, stable=True)[:cut]] = True
     judged = ~fit
 
