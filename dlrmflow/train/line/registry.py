@@ -129,9 +129,5 @@ def tag_recalibration(line: RunConfig, version_dir: Path, fitted: dict[str, Any]
     if line.train.tracker != "mlflow" or not path.is_file():
         return
     record = json.loads(path.read_text())
-    tags = {
-        f"recalibration.{k}": str(fitted[k])
-        for k in ("shift", "day", "fit_rows", "rows")
-        if k in fitted
-    }
+    tags = {f"recalibration.{k}": str(fitted[k]) for k in ("shift", "day", "fit_rows", "rows")}
     mlflow_client(record["tracking_uri"]).set_logged_model_tags(record["model_id"], tags)

@@ -100,16 +100,17 @@ def fit_recalibration(
     def part(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return probs[mask], labels[mask], None if weights is None else weights[mask]
 
-    clicked = labels[fit] >= 0.5
-    if weights is not None:
-        counted = weights[fit] > 0
+    fit_probs, fit_labels, fit_weights = part(fit)
+    clicked = fit_labels >= 0.5
+    if fit_weights is not None:
+        counted = fit_weights > 0
         clicked, unclicked = clicked & counted, ~clicked & counted
     else:
         unclicked = ~clicked
     if not bool(clicked.any()) or not bool(unclicked.any()):
         which = f"its first {cut} rows" if rows == "first" else f"the {cut} rows to fit on"
         raise ValueError(f"day {day}: {which} are all of one class: no shift fits")
-    shift = intercept_shift(*part(fit))
+    shift = intercept_shift(fit_probs, fit_labels, fit_weights)
     p, y, w = part(judged)
     before, after = click_metrics(p, y, w), click_metrics(shifted(p, shift), y, w)
     return Recalibration(
