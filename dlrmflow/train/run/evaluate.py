@@ -77,7 +77,11 @@ from dlrmflow.train.run.rank import (
     gather_peak_rss,
     init_distributed,
 )
-from dlrmflow.train.run.recalibration import apply_recalibration, fit_recalibration
+from dlrmflow.train.run.recalibration import (
+    apply_recalibration,
+    check_fit_rows,
+    fit_recalibration,
+)
 from dlrmflow.train.run.rundir import rank0_lock
 
 EVAL_FILE = "eval.json"
@@ -416,6 +420,8 @@ def evaluate(
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
+    # Before scoring: a day that gives no recalibration is recorded, a bad choice refused.
+    check_fit_rows(recalibrate_rows)
     env = DistEnv.from_env()
     where = resolve_device(device, env.local_rank, key="evaluate --device")
     check_kernels(kernels, where)

@@ -85,8 +85,7 @@ def fit_recalibration(
     judge of one class no AUC."""
     if not 0.0 < share < 1.0:
         raise ValueError(f"the share of rows to fit on must lie in (0, 1), got {share}")
-    if rows not in FIT_ROWS:
-        raise ValueError(f"rows to fit a recalibration on: {rows!r} is not one of {FIT_ROWS}")
+    check_fit_rows(rows)
     total = int(day_rows.numel())
     if total < 2:
         raise ValueError(f"day {day}: {total} row(s) cannot be split into rows to fit and judge")
@@ -122,6 +121,12 @@ def fit_recalibration(
         after={k: after[k] for k in JUDGED},
         rows=rows,
     )
+
+
+def check_fit_rows(rows: str) -> None:
+    """Refuse, in one line, a choice of rows to fit on that is not one of ``FIT_ROWS``."""
+    if rows not in FIT_ROWS:
+        raise ValueError(f"rows to fit a recalibration on: {rows!r} is not one of {FIT_ROWS}")
 
 
 def shifted(probs: torch.Tensor, shift: float) -> torch.Tensor:

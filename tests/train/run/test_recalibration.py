@@ -177,6 +177,10 @@ def test_evaluation_fits_on_the_days_rows_at_any_rank_count(trained, tmp_path) -
     assert jobs["recalibration_fitted"]["fit_rows"] == 1500
     assert jobs["recalibration_fitted"]["rows"] == "first"
     assert jobs["recalibration_fitted"]["shift"] == pytest.approx(first_alone["shift"], abs=1e-6)
+    # A choice of rows that is none of them is refused before scoring, not recorded as a
+    # day that gave no recalibration.
+    with pytest.raises(ValueError, match="'middle' is not one of"):
+        evaluate(trained.run_dir, eval_days=[2], recalibrate=0.25, recalibrate_rows="middle")
     # A recalibration is a day's: a window of two is refused in one line naming the key.
     with pytest.raises(WindowError, match="data.eval_days: a recalibration is fitted on one day"):
         keyed_loader(trained, None, None, DistEnv.from_env(), trained.data.url, None, [1, 2])
