@@ -200,6 +200,12 @@ class FeaturesConfig(_Section):
     evict_every: Int | None = Field(
         None, ge=1, description="dynamic: steps between evictions (None: 1000)"
     )
+    map_shards: Int | None = Field(
+        None,
+        ge=1,
+        description="dynamic: shards of each map, held by a job's ranks in turn "
+        "(None: one per 16,384 rows, at most 64)",
+    )
 
 
 class ModelConfig(_Section):

@@ -143,10 +143,11 @@ class SparseFeature(_Strict):
       admitted to one of ``rows`` rows once seen ``admit_after`` times (default 1), reads
       a shared default row until then or while the table is full, and gives its row up
       when unseen for ``ttl`` training steps or when it is among the least seen of a full
-      table, checked every ``evict_every`` steps (default 1000); see
-      ``dlrmflow.kernels.id_map``. ``rows`` must hold one batch's IDs
-      (``train.batch_size`` times the table's features, and the default row). One
-      process for now);
+      table, checked every ``evict_every`` steps (default 1000); its map is split by ID
+      into ``map_shards`` shards, each with rows of its own (default: one per 16,384
+      rows, at most 64), which a job's ranks hold in turn; see ``dlrmflow.kernels.id_map``
+      and ``dlrmflow.kernels.id_map_shards``. ``rows`` must hold one batch's IDs
+      (``train.batch_size`` times the table's features, and the default row));
     * ``max_length``: a list longer than this keeps its first (``keep: first``) or last
       (``keep: last``) ``max_length`` IDs, nulls dropped first (ListSlice; a no-op on a
       one-hot column);
@@ -174,6 +175,7 @@ class SparseFeature(_Strict):
     admit_after: int | None = Field(None, ge=1)
     ttl: int | None = Field(None, ge=1)
     evict_every: int | None = Field(None, ge=1)
+    map_shards: int | None = Field(None, ge=1)
     max_length: int | None = Field(None, ge=1)
     keep: Literal["first", "last"] = "first"
     weights: str | None = Field(None, min_length=1)
@@ -189,6 +191,7 @@ class SparseFeature(_Strict):
             "admit_after": self.admit_after,
             "ttl": self.ttl,
             "evict_every": self.evict_every,
+            "map_shards": self.map_shards,
         }
         for name, value in dynamic.items():
             if value is not None and self.ids not in ("dynamic", None):
@@ -212,6 +215,7 @@ class SparseFeature(_Strict):
 # What features sharing a table share: the table's settings, declared on any of them.
 TABLE_SETTINGS = (
     "rows", "ids", "min_count", "pooling", "dim", "admit_after", "ttl", "evict_every",
+    "map_shards",
 )  # fmt: skip
 
 

@@ -47,7 +47,7 @@ from dlrmflow.config import RunConfig
 from dlrmflow.features.spec import FeatureSpec
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.ingest.synthetic import generate_dataset
-from dlrmflow.kernels.id_map import DynamicIdMap
+from dlrmflow.kernels.id_map_shards import ShardedIdMap
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings
 from dlrmflow.train.run.checkpoint import load_checkpoint
@@ -151,7 +151,9 @@ def _lookups(config: RunConfig, batches: int) -> dict[str, float]:
     spec = FeatureSpec.for_dataset(manifest, config.features, config.model)
     columns = [f.name for f in spec.sparse]
     maps = {
-        f.name: DynamicIdMap(f.num_embeddings, admit_after=f.admit_after or 1, ttl=f.ttl)
+        f.name: ShardedIdMap(
+            f.num_embeddings, f.map_shards or 1, admit_after=f.admit_after or 1, ttl=f.ttl
+        )
         for f in spec.sparse
     }
     ids = {c: table.column(c).to_numpy(zero_copy_only=False) for c in columns}

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 # Hash tables are never smaller than this: tiny features (2-3 values) would otherwise see
 # their few IDs collide, and a 1024-row table costs nothing.
 MIN_HASH_ROWS = 1024
+# A dynamic table's map shards when none are asked for: one per so many rows, at most so
+# many (the ranks a job can spread a map over).
+ROWS_PER_MAP_SHARD = 16_384
+MAX_MAP_SHARDS = 64
 # The fields every spec's sparse features have always written, defaults or not.
 _LEGACY = ("name", "num_embeddings", "embedding_dim", "pooling")
 
@@ -65,6 +69,7 @@ class SparseFeature(EmbeddingTable):
     admit_after: int | None = None  # ids dynamic: sightings before an ID gets a row
     ttl: int | None = None  # ids dynamic: training steps unseen before its row is freed
     evict_every: int | None = None  # ids dynamic: steps between evictions (None: 1000)
+    map_shards: int | None = None  # ids dynamic: shards of its map (None: 1)
 
     @property
     def table_name(self) -> str:
@@ -263,12 +268,13 @@ class FeatureSpec:
                 # written into the spec, as a schema's ``ids: dynamic`` is.
                 ids = "dynamic"
             dynamic = ids == "dynamic"
-            admit_after, ttl, evict_every = (
+            admit_after, ttl, evict_every, map_shards = (
                 table.get(key) if table.get(key) is not None or not dynamic else default
                 for key, default in (
                     ("admit_after", features.admit_after),
                     ("ttl", features.ttl),
                     ("evict_every", features.evict_every),
+                    ("map_shards", features.map_shards),
                 )
             )
             # A feature declared hashed never takes a vocabulary's size.
@@ -297,6 +303,7 @@ class FeatureSpec:
                     admit_after=admit_after,
                     ttl=ttl,
                     evict_every=evict_every,
+                    map_shards=_map_shards(name, map_shards, int(rows)) if dynamic else None,
                 )
             )
         dense, transforms = [], []
@@ -330,11 +337,11 @@ class FeatureSpec:
         _check_pooling(sparse)
         _check_dims(sparse, model)
         for f in sparse:
-            settings = (f.admit_after, f.ttl, f.evict_every)
+            settings = (f.admit_after, f.ttl, f.evict_every, f.map_shards)
             if any(v is not None for v in settings) and f.ids != "dynamic":
                 raise SchemaError(
-                    f"sparse feature {f.name}: admit_after, ttl and evict_every are for "
-                    "ids: dynamic"
+                    f"sparse feature {f.name}: admit_after, ttl, evict_every and map_shards "
+                    "are for ids: dynamic"
                 )
         plain = all(d.plain_log for d in transforms)
         return cls(
@@ -344,6 +351,21 @@ class FeatureSpec:
             dense_transforms=None if plain else tuple(transforms),
             weight=schema.weight,
         )
+
+
+def _map_shards(name: str, wanted: int | None, rows: int) -> int | None:
+    """A dynamic table's map shards: ``wanted``, else one per ``ROWS_PER_MAP_SHARD`` rows
+    (at most ``MAX_MAP_SHARDS``), so that small tables keep one map and large ones can
+    spread theirs over a job's ranks; None for one (what specs written before shards
+    said). Too many for the rows is refused naming the feature."""
+    shards = wanted or min(MAX_MAP_SHARDS, max(1, (rows - 1) // ROWS_PER_MAP_SHARD))
+    if rows - 1 < shards:
+        raise SchemaError(
+            f"sparse feature {name}: ids dynamic with rows {rows} cannot have map_shards "
+            f"{shards}: each shard needs a row besides the default row; give it rows >= "
+            f"{shards + 1} or fewer map_shards"
+        )
+    return None if shards == 1 else shards
 
 
 def _check_shared(sparse: Sequence[SparseFeature]) -> None:

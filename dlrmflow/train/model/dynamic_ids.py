@@ -1,33 +1,36 @@
 """Dynamic ID tables on the trainer's side: raw IDs remapped to rows in batch order.
 
 A dynamic table's rows follow its IDs (``kernels.id_map.DynamicIdMap``: admission,
-eviction, a default row). The map must see the batches in the order they train, once
-each, so it is kept here, in front of the embedding collection, and never in the readers,
-whose windows run ahead in several threads (TorchRec's managed-collision modules sit at
-the same place). ``DynamicIdEmbeddings`` takes batches whose dynamic features carry raw
-IDs (int64; strings hashed to int64 by the reader), maps them (admitting while training,
-looking up only while evaluating or scoring), evicts every ``evict_every`` training
-batches, resetting the freed rows in the bag (``EmbeddingBagBase.reset_rows``: their birth
-values, no optimizer state) before any ID reads them, and hands the rows to the
-collection it wraps. Its maps are part of the checkpoint, beside the rows they index.
+eviction, a default row), through a map split into shards by ID
+(``kernels.id_map_shards.ShardedIdMap``). The map must see the batches in the order they
+train, once each, so it is kept here, in front of the embedding collection, and never in
+the readers, whose windows run ahead in several threads (TorchRec's managed-collision
+modules sit at the same place). ``DynamicIdEmbeddings`` takes batches whose dynamic
+features carry raw IDs (int64; strings hashed to int64 by the reader), maps them
+(admitting while training, looking up only while evaluating or scoring), evicts every
+``evict_every`` training batches, resetting the freed rows in the bag
+(``EmbeddingBagBase.reset_rows``: their birth values, no optimizer state) before any ID
+reads them, and hands the rows to the collection it wraps. Its maps are part of the
+checkpoint, beside the rows they index.
 
-In a job every rank keeps the whole of each map, and the maps stay identical: a training
-batch's raw IDs of the dynamic features are gathered from every rank (two all-gathers on
-the maps' own group), and each rank maps every rank's IDs, feature by feature in rank
-order, keeping the rows of its own. That order is the one a single process maps the
-global batch in (a feature's bags key-major, rank 0's samples first), so the maps, and
-the rows freed by each eviction, are those of one process on the same global batches.
-The rows themselves are sharded as any table's: each rank resets the part of a freed row
-its shard holds (``ShardedEmbeddingCollection.reset_rows``), and the rows follow the
-input all-to-all to their shards. A replicated map costs every rank the map's memory and
-the global batch's lookups, and needs no routing of raw IDs, no second all-to-all, and
-no resharding: a checkpoint's maps are plain tensors that load at any rank count.
-Evaluation and scoring look up without admitting, so each rank maps its own batch.
+In a job each rank holds some of the shards of each map (``held_shards``: the dynamic
+tables' shards, counted in table order, are dealt to the ranks in turn), and every raw
+ID is routed to the rank holding its shard: an all-to-all of the batch's raw IDs, each
+holder mapping what it received feature by feature and, within a feature, in rank order,
+then an all-to-all of the rows back. That order is the one a single process maps the
+global batch in (a feature's bags key-major, rank 0's samples first), and a shard's
+state depends only on the IDs it is given, in order, so the maps, and the rows freed by
+each eviction, are those of one process on the same global batches. The rows freed by
+the holders are gathered to every rank, and each resets the part of them its shard of
+the rows holds (``ShardedEmbeddingCollection.reset_rows``); the rows then follow the
+input all-to-all to their shards as any table's. A checkpoint holds each shard of a map
+once, under names of its own, so it loads at any rank count: a rank loads the shards it
+holds there. Evaluation and scoring route the same way, only looking up.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -36,11 +39,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dlrmflow.features.spec import FeatureSpec
-from dlrmflow.kernels.id_map import DynamicIdMap, IdMapStats
+from dlrmflow.kernels.id_map import IdMapStats
+from dlrmflow.kernels.id_map_shards import ShardedIdMap
 from dlrmflow.kernels.tbe import initial_rows
 from dlrmflow.schema import SchemaError
 from dlrmflow.sparse import KeyedJaggedTensor
-from dlrmflow.train.model.comms import all_gather_ints
+from dlrmflow.train.model.comms import all_gather_ints, all_to_all
 from dlrmflow.train.model.embeddings import InFrontOf, StartedInput, behind
 
 __all__ = ["DynamicIdEmbeddings", "DynamicTable"]
@@ -51,7 +55,7 @@ STEP_KEY = "id_maps.step"  # the checkpoint key of the training batches mapped s
 @dataclass(frozen=True)
 class DynamicTable:
     """One dynamic table: its name in the bag, the batch keys (features) whose IDs it
-    maps, and its map's settings (``DynamicIdMap``)."""
+    maps, and its map's settings (``ShardedIdMap``)."""
 
     name: str
     features: tuple[str, ...]
@@ -60,9 +64,23 @@ class DynamicTable:
     admit_after: int = 1
     ttl: int | None = None
     evict_every: int | None = None  # training batches between evictions (None: never)
+    shards: int = 1  # the map's shards (``ShardedIdMap``)
 
-    def new_map(self) -> DynamicIdMap:
-        return DynamicIdMap(self.capacity, admit_after=self.admit_after, ttl=self.ttl)
+    def new_map(self, owned: list[int] | None = None) -> ShardedIdMap:
+        return ShardedIdMap(
+            self.capacity, self.shards, owned=owned, admit_after=self.admit_after, ttl=self.ttl
+        )
+
+
+def held_shards(tables: list[DynamicTable], rank: int, world: int) -> dict[str, list[int]]:
+    """The shards of each table's map that ``rank`` of ``world`` holds: every table's
+    shards, counted in table order, dealt to the ranks in turn (so that tables of one
+    shard each still spread over the ranks)."""
+    held, at = {}, 0
+    for t in tables:
+        held[t.name] = [s for s in range(t.shards) if (at + s) % world == rank]
+        at += t.shards
+    return held
 
 
 class DynamicIdEmbeddings(InFrontOf):
@@ -70,7 +88,8 @@ class DynamicIdEmbeddings(InFrontOf):
     to rows first; ``bag`` is the one holding the dynamic tables' rows (a bag of this
     process, or a job's sharded collection: anything with ``names`` and ``reset_rows``),
     ``seed`` the one its rows were drawn from (a reset row gets its birth values back).
-    ``group``: a job's ranks, whose training batches every map sees (None: one process)."""
+    ``group``: a job's ranks, each holding its ``held_shards`` of every map (None: one
+    process, holding them all)."""
 
     def __init__(
         self,
@@ -91,9 +110,21 @@ class DynamicIdEmbeddings(InFrontOf):
         # registered again (its parameters and buffers are ``inner``'s).
         object.__setattr__(self, "bag", bag)
         self.dynamic = tables
-        self.maps = {t.name: t.new_map() for t in tables}
-        self.seed = seed
         self.group = group
+        self.world = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        held = held_shards(tables, self.rank, self.world)
+        self.maps = {t.name: t.new_map(held[t.name]) for t in tables}
+        # Which rank holds each shard of each table, by table.
+        self._holders = {
+            t.name: np.array(
+                [r for s in range(t.shards) for r in range(self.world)
+                 if s in held_shards(tables, r, self.world)[t.name]],
+                np.int64,
+            )
+            for t in tables
+        }  # fmt: skip
+        self.seed = seed
         self.begins_ahead = False  # a batch is mapped when it is current, never ahead
         # Training batches mapped so far: the maps' clock (``now``), saved with them.
         self.step = torch.zeros((), dtype=torch.int64, device="cpu")
@@ -111,6 +142,7 @@ class DynamicIdEmbeddings(InFrontOf):
     def checkpoint_state(self) -> dict[str, Any]:
         state = self.inner.checkpoint_state()
         for name, m in self.maps.items():
+            # The shards this rank holds, each under names of its own (``arrays``).
             for key, array in m.arrays().items():
                 state[f"{name}.id_map.{key}"] = torch.from_numpy(array)  # loaded in place
         state[STEP_KEY] = self.step
@@ -119,13 +151,26 @@ class DynamicIdEmbeddings(InFrontOf):
     # -- the maps ------------------------------------------------------------------------
 
     def take_stats(self) -> dict[str, IdMapStats]:
-        """Each dynamic table's map counters since the last call, and its size."""
-        return {name: m.take_stats() for name, m in self.maps.items()}
+        """Each dynamic table's map counters since the last call, and its size: in a job,
+        every rank's shards summed (a collective)."""
+        stats = {name: m.take_stats() for name, m in self.maps.items()}
+        if self.group is None:
+            return stats
+        names = sorted(stats)
+        keys = [f.name for f in fields(IdMapStats)]
+        summed = torch.tensor(
+            [[getattr(stats[n], k) for k in keys] for n in names], dtype=torch.int64, device="cpu"
+        )
+        dist.all_reduce(summed, group=self.group)
+        return {
+            n: IdMapStats(**dict(zip(keys, row, strict=True)))
+            for n, row in zip(names, summed.tolist(), strict=True)
+        }
 
     def remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``kjt`` with its dynamic features' raw IDs replaced by rows. A training batch
         (module in training mode, autograd on) advances the clock, may first evict, and
-        admits; any other only looks up."""
+        admits; any other only looks up. In a job every rank calls it for each batch."""
         admit = self.training and torch.is_grad_enabled()
         if admit:
             self.step += 1
@@ -142,45 +187,84 @@ class DynamicIdEmbeddings(InFrontOf):
             for table in self.dynamic
             for f in table.features
         ]
-        # Training in a job: every rank's IDs, each feature's by rank, go through the maps.
-        everyone = self._gathered(segments) if admit and self.group is not None else None
-        at = 0
-        for table in self.dynamic:
-            m = self.maps[table.name]
-            for _ in table.features:
-                segment = segments[at]
-                if everyone is None:
-                    out = m.map(segment.numpy(), now, admit=admit)
-                else:
-                    rows = [m.map(ids[at], now, admit=True) for ids in everyone]
-                    out = rows[dist.get_rank(self.group)]
-                segment.copy_(torch.from_numpy(out))
-                at += 1
+        owners = [table for table in self.dynamic for _ in table.features]
+        ids = [segment.numpy() for segment in segments]
+        if self.group is None:
+            rows = [
+                self.maps[t.name].map(i, now, admit=admit) for t, i in zip(owners, ids, strict=True)
+            ]
+        else:
+            rows = self._routed(ids, owners, now, admit)
+        for segment, out in zip(segments, rows, strict=True):
+            segment.copy_(torch.from_numpy(out))
         return KeyedJaggedTensor(keys, values, kjt.lengths, kjt.weights)
 
-    def _gathered(self, segments: list[torch.Tensor]) -> list[list[np.ndarray]]:
-        """Every rank's ``segments`` (raw IDs, one per dynamic feature), by rank: the
-        lengths first, then the IDs padded to the longest rank's."""
-        every_size = all_gather_ints([len(s) for s in segments], self.group)  # [world, n]
-        totals = every_size.sum(dim=1)
-        mine = torch.zeros(int(totals.max()), dtype=torch.int64, device="cpu")
-        rank = dist.get_rank(self.group)
-        mine[: int(totals[rank])] = torch.cat(segments) if segments else mine[:0]
-        every = [torch.empty_like(mine) for _ in range(len(every_size))]
-        dist.all_gather(every, mine, group=self.group)
-        return [
-            np.split(ids.numpy()[: int(total)], np.cumsum(sizes.numpy())[:-1])
-            for ids, sizes, total in zip(every, every_size, totals, strict=True)
+    def _routed(
+        self, ids: list[np.ndarray], tables: list[DynamicTable], now: int, admit: bool
+    ) -> list[np.ndarray]:
+        """The rows of ``ids`` (one array a dynamic feature, ``tables`` their tables), each
+        ID mapped by the rank holding its shard: the IDs go there (an all-to-all), each
+        holder maps a feature's IDs of every rank in rank order, and the rows come back."""
+        world, rank = self.world, self.rank
+        holder = [
+            self._holders[t.name][self.maps[t.name].shard_of(i)]
+            for t, i in zip(tables, ids, strict=True)
         ]
+        orders = [np.argsort(h, kind="stable") for h in holder]
+        # counts[k, d]: the IDs of feature k this rank sends to rank d.
+        counts = np.stack([np.bincount(h, minlength=world) for h in holder])
+        bounds = np.concatenate([np.zeros((len(ids), 1), np.int64), counts.cumsum(1)], axis=1)
+        by_holder = [i[o] for i, o in zip(ids, orders, strict=True)]
+        send = [
+            torch.from_numpy(np.concatenate([b[bounds[k, d] : bounds[k, d + 1]]
+                                             for k, b in enumerate(by_holder)]))
+            for d in range(world)
+        ]  # fmt: skip
+        every = all_gather_ints(counts.reshape(-1).tolist(), self.group).numpy()
+        every = every.reshape(world, len(ids), world)  # [source, feature, destination]
+        mine = every[:, :, rank]  # what each source sends here, by feature
+        received = all_to_all(send, mine.sum(1).tolist(), self.group, kind="input", stats=None)
+        pieces = [
+            np.split(chunk.numpy(), np.cumsum(mine[src])[:-1])
+            for src, chunk in enumerate(received.wait())
+        ]
+        # Map feature by feature, each feature's IDs in rank order: one process's order.
+        back: list[list[np.ndarray]] = [[] for _ in range(world)]
+        for k, table in enumerate(tables):
+            mapped = self.maps[table.name].map(
+                np.concatenate([pieces[src][k] for src in range(world)]), now, admit=admit
+            )
+            for src, part in enumerate(np.split(mapped, np.cumsum(mine[:, k])[:-1])):
+                back[src].append(part)
+        returned = all_to_all(
+            [torch.from_numpy(np.concatenate(b)) for b in back],
+            counts.sum(0).tolist(),
+            self.group,
+            kind="input",
+            stats=None,
+        ).wait()
+        # From holder d come feature k's rows in the order they were sent.
+        answers = [
+            np.split(r.numpy(), np.cumsum(counts[:, d])[:-1]) for d, r in enumerate(returned)
+        ]
+        rows = []
+        for k, order in enumerate(orders):
+            out = np.empty(len(order), np.int64)
+            out[order] = np.concatenate([answers[d][k] for d in range(world)])
+            rows.append(out)
+        return rows
 
     def evict(self, *, due_only: bool = False) -> None:
         """Evict from every map (``due_only``: those whose ``evict_every`` divides the
-        clock), resetting the freed rows before any ID reads them."""
+        clock), resetting the freed rows before any ID reads them; in a job, each rank
+        evicts from its shards and resets its part of every rank's freed rows."""
         now = int(self.step)
         for table in self.dynamic:
             if due_only and (table.evict_every is None or now % table.evict_every):
                 continue
             freed = self.maps[table.name].evict(now)
+            if self.group is not None:
+                freed = self._gathered(freed)
             if len(freed):
                 rows = torch.from_numpy(freed)
                 fresh = initial_rows(
@@ -188,29 +272,66 @@ class DynamicIdEmbeddings(InFrontOf):
                 )
                 self.bag.reset_rows(table.name, rows, fresh)
 
+    def _gathered(self, rows: np.ndarray) -> np.ndarray:
+        """Every rank's ``rows``, ascending: the lengths first, then the rows padded to the
+        longest rank's."""
+        sizes = all_gather_ints([len(rows)], self.group)[:, 0].tolist()
+        mine = torch.zeros(max(sizes), dtype=torch.int64, device="cpu")
+        mine[: len(rows)] = torch.from_numpy(rows)
+        every = [torch.empty_like(mine) for _ in sizes]
+        dist.all_gather(every, mine, group=self.group)
+        return np.sort(np.concatenate([e.numpy()[:n] for e, n in zip(every, sizes, strict=True)]))
+
 
 # Steps between a dynamic table's evictions when its schema names none.
 EVICT_EVERY = 1000
 
 
-def map_bytes(spec: FeatureSpec) -> dict[str, int]:
-    """The memory each dynamic table's map will hold, by table (``DynamicIdMap.bytes_for``
-    of its capacity and admission)."""
-    sizes = {}
+def dynamic_tables(spec: FeatureSpec) -> list[DynamicTable]:
+    """``spec``'s dynamic tables, in table order, with their features' settings (``ids:
+    dynamic``, or the run's ``features`` defaults, resolved into the spec)."""
+    tables = []
     for table in spec.tables:
-        first = next(f for f in spec.sparse if f.table_name == table.name)
-        if first.ids == "dynamic":
-            sizes[table.name] = DynamicIdMap.bytes_for(
-                table.num_embeddings, admit_after=first.admit_after or 1
+        features = [f for f in spec.sparse if f.table_name == table.name]
+        first = features[0]
+        if first.ids != "dynamic":
+            continue
+        tables.append(
+            DynamicTable(
+                table.name,
+                tuple(f.name for f in features),
+                table.num_embeddings,
+                table.embedding_dim,
+                admit_after=first.admit_after or 1,
+                ttl=first.ttl,
+                evict_every=first.evict_every or EVICT_EVERY,
+                shards=first.map_shards or 1,
             )
-    return sizes
+        )
+    return tables
 
 
-def rows_budget(memory_bytes: int | None, spec: FeatureSpec) -> int | None:
+def map_bytes(spec: FeatureSpec, world: int = 1) -> dict[str, int]:
+    """The memory each dynamic table's map will hold, by table (``ShardedIdMap.bytes_for``
+    of its capacity and admission): on the rank of ``world`` holding the most of it."""
+    tables = dynamic_tables(spec)
+    every = [held_shards(tables, rank, world) for rank in range(world)]
+    return {
+        t.name: max(
+            ShardedIdMap.bytes_for(
+                t.capacity, t.shards, admit_after=t.admit_after, owned=held[t.name]
+            )
+            for held in every
+        )
+        for t in tables
+    }
+
+
+def rows_budget(memory_bytes: int | None, spec: FeatureSpec, world: int = 1) -> int | None:
     """What ``train.embedding_memory_bytes`` leaves the rows and their cache once the
-    dynamic tables' maps (kept in memory, whole on every rank of a job) take theirs; None
-    without a budget."""
-    return None if memory_bytes is None else memory_bytes - sum(map_bytes(spec).values())
+    dynamic tables' maps (kept in memory; in a job, the shards a rank holds) take theirs;
+    None without a budget."""
+    return None if memory_bytes is None else memory_bytes - sum(map_bytes(spec, world).values())
 
 
 def check_capacity(
@@ -218,20 +339,23 @@ def check_capacity(
     batch_size: int,
     cardinalities: dict[str, int] | None,
     memory_bytes: int | None = None,
+    world: int = 1,
 ) -> None:
     """Refuse, naming the feature, a dynamic table whose rows cannot hold one batch's IDs:
     ``batch_size`` samples with one ID of each of its features each, or, where the dataset
     knows its columns' distinct IDs (``cardinalities``), those IDs if fewer, and the
     default row. Such a table would send IDs of every batch to the default row. Maps that
     do not fit ``memory_bytes`` (``train.embedding_memory_bytes``: the maps stay in memory,
-    the rows' cache gets what they leave) are refused naming the largest."""
-    sizes = map_bytes(spec)
+    the rows' cache gets what they leave; in a job of ``world`` ranks, the shards of the
+    rank holding most) are refused naming the largest."""
+    sizes = map_bytes(spec, world)
     if memory_bytes is not None and sizes and sum(sizes.values()) >= memory_bytes:
         largest = max(sizes, key=lambda name: sizes[name])
         first = next(f for f in spec.sparse if f.table_name == largest)
+        where = "" if world == 1 else f" on a rank of {world}"
         raise SchemaError(
-            f"sparse feature {first.name}: ids dynamic: its map takes {sizes[largest]} bytes "
-            f"({sum(sizes.values())} for every dynamic table), which leaves nothing of "
+            f"sparse feature {first.name}: ids dynamic: its map takes {sizes[largest]} bytes"
+            f"{where} ({sum(sizes.values())} for every dynamic table), which leaves nothing of "
             f"train.embedding_memory_bytes {memory_bytes} for the rows; raise it or give "
             "the table fewer rows"
         )
@@ -263,25 +387,8 @@ def with_dynamic_ids(
     group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """``embeddings`` (one process's, or with ``group`` a job's sharded collection) behind
-    the maps of ``spec``'s dynamic tables; itself when it has none. The tables' settings
-    are their features' (``ids: dynamic``, or the run's ``features`` defaults)."""
-    tables = []
-    for table in spec.tables:
-        features = [f for f in spec.sparse if f.table_name == table.name]
-        first = features[0]
-        if first.ids != "dynamic":
-            continue
-        tables.append(
-            DynamicTable(
-                table.name,
-                tuple(f.name for f in features),
-                table.num_embeddings,
-                table.embedding_dim,
-                admit_after=first.admit_after or 1,
-                ttl=first.ttl,
-                evict_every=first.evict_every or EVICT_EVERY,
-            )
-        )
+    the maps of ``spec``'s dynamic tables (``dynamic_tables``); itself when it has none."""
+    tables = dynamic_tables(spec)
     if not tables:
         return embeddings
     return DynamicIdEmbeddings(embeddings, behind(embeddings), tables, seed=seed, group=group)
@@ -299,7 +406,7 @@ def id_map_counts(embeddings: nn.Module, keys: tuple[str, ...]) -> dict[str, dic
 
 
 def id_map_arrays(embeddings: nn.Module) -> dict[str, dict[str, np.ndarray]]:
-    """Each dynamic table's map state by table (``DynamicIdMap.arrays``); {} without."""
+    """Each dynamic table's map state by table (``ShardedIdMap.arrays``); {} without."""
     if not isinstance(embeddings, DynamicIdEmbeddings):
         return {}
     return {name: m.arrays() for name, m in embeddings.maps.items()}

@@ -174,14 +174,14 @@ def plan_for_config(
     calling this may see other files: a job plans with ``plan_for_job``.
 
     With ``train.embedding_memory_bytes`` (and no ``topology``) each rank's memory is that
-    budget less the dynamic tables' maps (``rows_budget``), and shards beyond it go to
+    budget less its shards of the dynamic tables' maps (``rows_budget``), and shards beyond it go to
     disk. When some do, the plan is made again with ``CACHE_SHARE`` of the budget kept for
     their cache of hot rows; a model that fits keeps all of the budget for its shards.
     """
     root = config.data.url if stats_root is None else stats_root
     stats = load_plan_stats(root)
-    # Each rank's maps of dynamic tables are whole in its memory: the shards get the rest.
-    budget = rows_budget(config.train.embedding_memory_bytes, spec)
+    # Each rank holds its shards of the dynamic tables' maps in memory: the rows get the rest.
+    budget = rows_budget(config.train.embedding_memory_bytes, spec, world_size)
 
     def plan_on(chosen: Topology) -> ShardingPlan:
         return plan_sharding(

@@ -103,6 +103,7 @@ def fit_features(
         config.train.batch_size * ranks,
         manifest.cardinalities,
         config.train.embedding_memory_bytes,
+        ranks,
     )
     return spec, ids
 

@@ -528,9 +528,8 @@ def _evaluate(
         loader.close()
     seconds = time.perf_counter() - start
     peaks = gather_peak_rss(env)
+    # In a job, every rank's shards of the maps, summed (a collective on every rank).
     looked_up = id_map_counts(model.embeddings, ("lookups", "default_lookups", "rows_in_use"))
-    if env.distributed and looked_up:
-        looked_up = _summed_lookups(looked_up)
     if scored is None:
         return {}
     if len(scored.probs) == 0:
@@ -590,19 +589,3 @@ def _evaluate(
     write_atomic(run_dir / EVAL_FILE, json.dumps(metrics, indent=2) + "\n")
     plot_reliability(table, run_dir / RELIABILITY_FILE)
     return metrics
-
-
-def _summed_lookups(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """A job's dynamic-table lookups, every rank's summed (a collective): each rank looked
-    up its own batches in its copy of the maps, which hold the same rows on every rank."""
-    names = sorted(counts)
-    summed = torch.tensor(
-        [[counts[n]["lookups"], counts[n]["default_lookups"]] for n in names],
-        dtype=torch.int64,
-        device="cpu",
-    )
-    dist.all_reduce(summed)
-    return {
-        n: {**counts[n], "lookups": int(row[0]), "default_lookups": int(row[1])}
-        for n, row in zip(names, summed.tolist(), strict=True)
-    }

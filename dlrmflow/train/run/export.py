@@ -3,10 +3,11 @@
 For serving and for comparing runs: every embedding table whole (``embeddings.<table>``,
 ``[rows, dim]``) whatever the sharding and world size that trained it, and every dense
 parameter (``dense_arch.<name>``); a dynamic table's map of raw IDs to its rows too
-(``id_maps.<table>.<array>``, int64, ``DynamicIdMap.arrays``), without which its rows mean
-nothing. The optimizer state stays in the checkpoint. The
-file's metadata carries the configuration, the feature spec and the step, so the model
-can be rebuilt from the file alone.
+(``id_maps.<table>.<array>``, or ``id_maps.<table>.<shard>.<array>`` for a map of
+several shards; int64, ``ShardedIdMap.arrays``), without which its rows mean nothing.
+The optimizer state stays in the checkpoint. The file's metadata carries the
+configuration, the feature spec and the step, so the model can be rebuilt from the file
+alone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def export_model(checkpoint: str | Path, out: str | Path) -> dict[str, object]:
     bag = ckpt.model.embeddings
     tensors = {f"embeddings.{name}": bag.table(name).contiguous() for name in bag.names}
     # Dynamic tables: the map of raw IDs to those rows, without which they mean nothing
-    # (``DynamicIdMap.arrays``: int64, IDs as their bit patterns).
+    # (``ShardedIdMap.arrays``: int64, IDs as their bit patterns).
     for name, arrays in id_map_arrays(bag).items():
         for key, array in arrays.items():
             tensors[f"id_maps.{name}.{key}"] = torch.from_numpy(array.copy())

@@ -19,12 +19,19 @@ from dlrmflow.bench.spawn import run_spawned_job
 from dlrmflow.config import RunConfig
 from dlrmflow.features.batch import Batch
 from dlrmflow.features.spec import FeatureSpec, SparseFeature
+from dlrmflow.kernels.id_map_shards import ShardedIdMap
 from dlrmflow.kernels.optimizers import RowWiseAdagrad
 from dlrmflow.kernels.row_cache import SLOT_BOOKKEEPING_BYTES
 from dlrmflow.kernels.tbe import initial_rows
+from dlrmflow.schema import SchemaError, parse_schema
 from dlrmflow.sparse import KeyedJaggedTensor
 from dlrmflow.train.model.dlrm import DLRM
-from dlrmflow.train.model.dynamic_ids import DynamicIdEmbeddings, DynamicTable
+from dlrmflow.train.model.dynamic_ids import (
+    DynamicIdEmbeddings,
+    DynamicTable,
+    held_shards,
+    map_bytes,
+)
 from dlrmflow.train.model.embeddings import InMemoryEmbeddings
 from dlrmflow.train.model.parallelize import build_model, parallelize
 from dlrmflow.train.model.plan import SHARDING_TYPES, ShardingPlan
@@ -142,13 +149,15 @@ def test_the_maps_travel_in_the_checkpoint_and_a_resume_continues_exactly(tmp_pa
 
 
 # A job: the maps at 2 ranks, under every sharding of the dynamic table, against one process
-# on the same global batches (rank r holding rows r*BATCH:(r+1)*BATCH of each).
+# on the same global batches (rank r holding rows r*BATCH:(r+1)*BATCH of each). The map has
+# 3 shards: rank 0 holds two of them, rank 1 one, and IDs cross to their holders.
+JOB_MAP = {"admit_after": 2, "ttl": 3, "evict_every": 2, "map_shards": 3}
 JOB_SPEC = FeatureSpec(
     dense=("x",),
     sparse=(
-        SparseFeature("a", 40, DIM, table="t", ids="dynamic", admit_after=2, ttl=3, evict_every=2),
+        SparseFeature("a", 40, DIM, table="t", ids="dynamic", **JOB_MAP),
         SparseFeature("u", 23, DIM),
-        SparseFeature("b", 40, DIM, table="t", ids="dynamic", admit_after=2, ttl=3, evict_every=2),
+        SparseFeature("b", 40, DIM, table="t", ids="dynamic", **JOB_MAP),
     ),
 )
 JOB_CONFIG = RunConfig.model_validate(
@@ -242,10 +251,14 @@ def test_a_job_maps_every_ranks_ids_as_one_process_maps_the_global_batch(tmp_pat
         _dynamic_job, world, str(tmp_path), cases, threads=1, timeout=timedelta(seconds=120)
     )
     for sharding in ranks[0].result:
-        path, rank0_maps = ranks[0].result[sharding]
-        for key, array in want_maps.items():  # the maps are exactly one process's, on each rank
-            for r in ranks:
-                assert np.array_equal(r.result[sharding][1][key], array), (sharding, key)
+        path = ranks[0].result[sharding][0]
+        held = [r.result[sharding][1] for r in ranks]
+        assert held[0].keys() & held[1].keys() == set()  # each shard on one rank
+        assert {k.split(".")[0] for k in held[0]} == {"0", "2"}
+        together = {**held[0], **held[1]}
+        assert together.keys() == want_maps.keys()
+        for key, array in want_maps.items():  # the shards are exactly one process's
+            assert np.array_equal(together[key], array), (sharding, key)
         loaded = _one_process()
         state = model_state(loaded, torch.optim.Adagrad(loaded.dense_parameters(), lr=LR))
         dcp.load(state, checkpoint_id=path)
@@ -256,3 +269,23 @@ def test_a_job_maps_every_ranks_ids_as_one_process_maps_the_global_batch(tmp_pat
                 continue
             worst = float((got - expected).abs().max()) if expected.numel() else 0.0
             assert worst <= 2e-5, f"{sharding} {key}: differs by {worst:.2e}"
+
+
+def test_a_jobs_ranks_hold_the_shards_in_turn_and_count_only_theirs():
+    tables = [
+        DynamicTable("x", ("x",), 100, DIM, shards=3),
+        DynamicTable("y", ("y",), 50, DIM),
+        DynamicTable("z", ("z",), 50, DIM),
+    ]
+    assert held_shards(tables, 0, 2) == {"x": [0, 2], "y": [], "z": [0]}
+    assert held_shards(tables, 1, 2) == {"x": [1], "y": [0], "z": []}
+    assert held_shards(tables, 0, 1) == {"x": [0, 1, 2], "y": [0], "z": [0]}
+    # Memory: a rank of a job counts the shards it holds (the most any rank holds).
+    spec = FeatureSpec(dense=("x",), sparse=JOB_SPEC.sparse)
+    one, two = map_bytes(spec)["t"], map_bytes(spec, world=2)["t"]
+    assert one == ShardedIdMap.bytes_for(40, 3, admit_after=2)
+    assert two == ShardedIdMap.bytes_for(40, 3, admit_after=2, owned=[0, 2]) < one
+    with pytest.raises(SchemaError, match="item: map_shards is for ids: dynamic"):
+        parse_schema(
+            {"label": "y", "sparse": [{"column": "item", "ids": "vocab", "map_shards": 2}]}, "s"
+        )

@@ -105,12 +105,14 @@ def _final(run_dir: Path):
     return embeddings.bag.table("item_id"), embeddings.maps["item_id"].arrays(), embeddings
 
 
-def test_a_job_of_two_ranks_trains_resumes_and_evaluates_with_one_map(registered, tmp_path):
-    """At 2 ranks (2 steps an epoch of 200 rows each): the maps gather both ranks' IDs,
-    a run resumed mid-epoch ends bitwise where the uninterrupted one does (rows and map),
-    2 ranks evaluate with the lookups of 1, and the epoch-end checkpoint continues at 1
-    rank. (Every sharding, and the dynamic table on disk: the model's job test.)"""
-    job = ("--set", "distributed.nproc=2", "--set", "distributed.sharding=row_wise")
+def test_a_job_of_two_ranks_trains_resumes_and_evaluates_with_a_sharded_map(registered, tmp_path):
+    """At 2 ranks (2 steps an epoch of 200 rows each), the map in 3 shards (rank 0 holds
+    two, rank 1 one, and each ID goes to its shard's rank): a run resumed mid-epoch ends
+    bitwise where the uninterrupted one does (rows and map), 2 ranks evaluate with the
+    lookups of 1, and the epoch-end checkpoint continues at 1 rank, which holds every
+    shard. (Every sharding, and the dynamic table on disk: the model's job test.)"""
+    job = ("--set", "distributed.nproc=2", "--set", "distributed.sharding=row_wise",
+           "--set", "features.map_shards=3")  # fmt: skip
     whole, halves = tmp_path / "whole", tmp_path / "halves"
     result = train(whole, registered, 6, *job)
     assert result.exit_code == 0, result.output
@@ -120,6 +122,7 @@ def test_a_job_of_two_ranks_trains_resumes_and_evaluates_with_one_map(registered
     assert train(halves, registered, 6, *job).exit_code == 0
     rows, maps, embeddings = _final(whole)
     assert int(embeddings.step) == 6
+    assert {key.split(".")[0] for key in maps} == {"0", "1", "2"}
     other_rows, other_maps, _ = _final(halves)
     assert torch.equal(rows, other_rows)
     for key, array in maps.items():
@@ -134,7 +137,7 @@ def test_a_job_of_two_ranks_trains_resumes_and_evaluates_with_one_map(registered
     more = runner.invoke(
         app,
         ["train", "--run-dir", str(whole), "--data", str(registered), *OWN_TRAIN, *MODEL,
-         "--set", "train.epochs=4"],
+         "--set", "train.epochs=4", "--set", "features.map_shards=3"],
     )  # fmt: skip
     assert more.exit_code == 0, more.output
     assert int(_final(whole)[2].step) == 10  # 4 more steps of 200 rows at 1 rank
@@ -202,6 +205,15 @@ def test_exports_carry_the_map_and_the_program_maps_raw_ids_without_dlrmflow(reg
     tensors = load_file(str(out))
     for key, array in item_map.arrays().items():
         assert np.array_equal(tensors[f"id_maps.item_id.{key}"].numpy(), array), key
+
+
+def test_a_resume_with_other_map_shards_is_refused_naming_them(registered, tmp_path):
+    run_dir = tmp_path / "run"
+    assert train(run_dir, registered, 2).exit_code == 0
+    result = train(run_dir, registered, 4, "--set", "features.map_shards=2")
+    assert result.exit_code == 1
+    assert "feature item_id map_shards" in str(result.exception)
+    assert "-> 2" in str(result.exception)
 
 
 def test_dynamic_settings_on_another_mapping_are_refused():
