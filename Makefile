@@ -13,6 +13,11 @@ PYTEST_ARGS ?=
 # GPU build of FBGEMM and an old torchmetrics.
 TORCHREC_PKGS := torchrec==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
 	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.2.0
+# TorchX for `dlrmflow launch torchx` (its components) and their tests. Without its
+# dependencies: its metadata pins urllib3 below 1.27, which the S3 client's urllib3 2
+# excludes, and its local and Slurm schedulers never import urllib3; the rest of what it
+# needs is installed already.
+TORCHX_PKGS := torchx==0.7.0 tabulate==0.10.0
 # FBGEMM (model.kernels=fbgemm, and TorchRec's kernels): the release built for the torch
 # above. Its CUDA build where a GPU is present, else its CPU build.
 FBGEMM_VERSION ?= 1.8.0
@@ -31,6 +36,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	  $(PIP) install torch==$(TORCH_VERSION); fi
 	$(PIP) install -c constraints.txt -e '.[dev]'
 	$(PIP) install --no-deps $(TORCHREC_PKGS)
+	$(PIP) install --no-deps $(TORCHX_PKGS)
 	@# MovieLens-100k for `dlrmflow bench movielens`: package data of recbole's wheel, whose
 	@# licence forbids passing the data on (so it is never committed); its code is not used.
 	$(PIP) install --no-deps recbole==$(RECBOLE_VERSION)

@@ -1,12 +1,13 @@
 """The ``dlrmflow`` command: one sub-command per stage, plus the demo and benchmarks.
 
 Grouped by what a user does: ``data`` (generate, convert, schema, register, stats),
-``run`` (config, train, plan, evaluate, export, demo), ``score`` (a model's predictions as
-Parquet), ``line`` (line, backfill: a model line on the days its dataset gained),
-``deployments`` (serve, deploy), ``readers`` (readers serve) and ``bench`` (the one
-module that imports the benchmarks); ``options`` holds what they share. Commands only
-parse and print: the work is the library's. ``app`` below lists every command, in the
-order ``dlrmflow --help`` shows them, and ``main`` turns expected failures into one line.
+``run`` (config, train, plan, evaluate, export, demo), ``score`` (a model's predictions
+as Parquet), ``line`` (line, backfill: a model line on the days its dataset gained),
+``deployments`` (serve, deploy), ``readers`` (readers serve), ``launch`` (a job through
+a cluster's scheduler) and ``bench`` (the one module that imports the benchmarks);
+``options`` holds what they share. Commands only parse and print: the work is the
+library's. ``app`` below lists every command, in the order ``dlrmflow --help`` shows
+them, and ``main`` turns expected failures into one line.
 
 Every command that trains or reads data resolves the same ``RunConfig``: defaults, then
 ``--config FILE``, then ``--set section.key=value`` overrides, then the command's own flags.
@@ -20,7 +21,7 @@ import sys
 
 import typer
 
-from dlrmflow.cli import bench, data, deployments, line, readers, run, score
+from dlrmflow.cli import bench, data, deployments, launch, line, readers, run, score
 from dlrmflow.config import env_overrides
 from dlrmflow.runtime.glibc_malloc import tune_allocator
 
@@ -34,6 +35,7 @@ app = typer.Typer(
 )
 app.add_typer(bench.app, name="bench")
 app.add_typer(readers.readers_app, name="readers")
+app.add_typer(launch.launch_app, name="launch")
 for _name, _command in (
     ("config", run.config),
     ("generate", data.generate),
