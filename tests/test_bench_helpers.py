@@ -1,4 +1,9 @@
-"""What the benchmarks share: turn-taking rounds, the thread budget, spawned jobs."""
+"""What the benchmarks share: turn-taking rounds, the thread budget, spawned jobs; and what
+their tests share: a report section and the rows of its tables, a plot's checks."""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +57,31 @@ def test_spawned_job_returns_every_ranks_result_and_settings():
     expected = tune_allocator()  # what the parent gets; every rank applied the same
     for rank, r in enumerate(ranks):
         assert r.settings() == {"rank": rank, "torch_threads": 1, "malloc_mmap_threshold": expected}
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """The cells of every body row of the markdown tables in ``markdown``: a header row (one
+    that a ``|---|`` line follows) and that line are left out."""
+    lines = markdown.splitlines()
+    return [
+        line.removeprefix("| ").removesuffix(" |").split(" | ")
+        for line, following in zip(lines, [*lines[1:], ""], strict=True)
+        if line.startswith("| ") and not following.startswith("|---")
+    ]
+
+
+def report_section(render: Callable[[dict], str], record: dict) -> str:
+    """``render``'s section of ``record`` as report.md has it, checked to be the same when
+    rendered from the record as report.json holds it (as docs/benchmarks.md is)."""
+    section = render(record)
+    assert render(json.loads(json.dumps(record))) == section
+    return section
+
+
+def check_plot(path: Path) -> None:
+    """``path`` is a PNG that reads back as an image large enough to show its plot."""
+    import matplotlib.image  # here: the ranks this file spawns import it, and need no plots
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert height > 200 and width > 300, path

@@ -1,7 +1,9 @@
-"""The ingest benchmark at tiny size: equal threads and footers on both sides, never speed."""
+"""The ingest benchmark at tiny size: equal threads and footers on both sides, its report
+sections and a run apart in the documents, never speed."""
 
 import json
 import math
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,6 +17,7 @@ from dlrmflow.bench.ingest import (
     run_ingest_benchmark,
     written_bytes_per_row,
 )
+from dlrmflow.bench.report import ingest_section
 from dlrmflow.config import ConfigError, DataConfig, FeaturesConfig, ModelConfig
 from dlrmflow.features.ids import HashIds
 from dlrmflow.features.spec import FeatureSpec
@@ -25,11 +28,19 @@ from dlrmflow.ingest.splits import list_splits
 from dlrmflow.ingest.synthetic_logs import generate_logs_dataset
 from dlrmflow.runtime.glibc_malloc import applied_threshold
 from tests.conftest import run_cli
+from tests.test_bench_helpers import report_section, table_rows
+
+COMMITTED_REPORT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.json"
 
 
 @pytest.fixture(scope="module")
 def record():
     return run_ingest_benchmark(rows=12_000, workers=(1, 2), batch_size=1024, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def logs_record():
+    return run_ingest_benchmark(rows=8000, workers=(1,), batch_size=1024, repeats=1, shape="logs")
 
 
 def test_both_sides_run_as_many_threads(record):
@@ -110,8 +121,8 @@ def test_written_bytes_per_row_are_the_batches_sizes(tiny_dataset):
     assert written["reader_only"] >= 8 * n_sparse + n_dense
 
 
-def test_the_logs_shape_is_benchmarked_on_the_columns_its_schema_declares():
-    record = run_ingest_benchmark(rows=8000, workers=(1,), batch_size=1024, repeats=1, shape="logs")
+def test_the_logs_shape_is_benchmarked_on_the_columns_its_schema_declares(logs_record):
+    record = logs_record
     assert record["shape"] == "logs" and record["rows"] == 8000
     r = record["results"]["workers_1"]
     # Ours reads the string IDs and the list of recent items as dictionaries, and so does
@@ -128,6 +139,66 @@ def test_the_logs_shape_is_benchmarked_on_the_columns_its_schema_declares():
     plain = record["ratios"]["reader_transform_plain_strings_vs_pyarrow_decode_1w"]
     assert plain == r["reader_transform_plain_strings_rows_per_s"] / r["pyarrow_decode_rows_per_s"]
     assert math.isfinite(r["reader_transform_plain_strings_cpu_s_per_m_rows"])
+
+
+def test_the_report_sections_have_a_row_per_worker_count(record, logs_record):
+    section = report_section(ingest_section, record)
+    assert section.startswith("## Ingest\n") and "Run apart" not in section
+    assert [row[0] for row in table_rows(section)] == ["1", "2"]
+    assert "ours CPU s per M rows" in section and "Bytes written per row" in section
+    logs = report_section(ingest_section, logs_record)
+    assert logs.startswith("## Ingest, logs shape\n")
+    assert "pyarrow decode, dictionaries rows/s" in logs
+    assert [row[0] for row in table_rows(logs)] == ["1"]
+
+
+def _report_with(tmp_path: Path, key: str, own_run: dict) -> Path:
+    """A report.json whose ``key`` benchmark is ``own_run`` (the report's own run of it),
+    the other benchmarks the committed report's."""
+    report = {**json.loads(COMMITTED_REPORT.read_text()), key: own_run}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_an_ingest_run_apart_replaces_the_reports(record, tmp_path):
+    from dlrmflow.bench.docs import BASELINES, RESULTS_END, RESULTS_START, write_docs
+
+    report = _report_with(tmp_path, "ingest", record)
+    apart = json.loads(json.dumps(record))
+    apart["ratios"]["reader_transform_vs_pyarrow_decode_1w"] = 0.123456
+    (tmp_path / "ingest.json").write_text(json.dumps(apart))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{RESULTS_START}\n{RESULTS_END}\n")
+    write_docs(report, tmp_path / "docs", readme, ingest_run=tmp_path / "ingest.json")
+    markdown = (tmp_path / "docs" / "benchmarks.md").read_text()
+    ingest = markdown.split("## Ingest", 1)[1].split("\n## ", 1)[0]
+    assert "Run apart from the report (`dlrmflow bench ingest`)" in ingest
+    assert "0.123" in ingest and "Bytes written per row" in ingest
+    row = f"| Ingest | `reader_transform_vs_pyarrow_decode_1w` | {BASELINES['ingest']} | 0.12 |"
+    assert row in readme.read_text()
+
+
+def test_a_logs_shape_run_apart_replaces_the_reports(logs_record, tmp_path):
+    from dlrmflow.bench.docs import BASELINES, RESULTS_END, RESULTS_START, write_docs
+
+    report = _report_with(tmp_path, "ingest_logs", logs_record)
+    apart = json.loads(json.dumps(logs_record))
+    # The baseline reads strings as dictionaries as ours does: the README's headline is
+    # against it, not the plain-strings figure.
+    apart["ratios"]["reader_transform_vs_pyarrow_decode_1w"] = 0.654321
+    apart["ratios"]["reader_transform_plain_strings_vs_pyarrow_decode_1w"] = 0.987654
+    (tmp_path / "logs.json").write_text(json.dumps(apart))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{RESULTS_START}\n{RESULTS_END}\n")
+    write_docs(report, tmp_path / "docs", readme, ingest_logs_run=tmp_path / "logs.json")
+    markdown = (tmp_path / "docs" / "benchmarks.md").read_text()
+    logs = markdown.split("## Ingest, logs shape", 1)[1].split("\n## ", 1)[0]
+    assert "`dlrmflow bench ingest --shape logs`" in logs and "0.654" in logs
+    assert "pyarrow decode, dictionaries rows/s" in logs
+    fair = "| Ingest, logs shape | `reader_transform_vs_pyarrow_decode_1w` |"
+    assert f"{fair} {BASELINES['ingest_logs']} | 0.65 |" in readme.read_text()
+    assert "plain_strings" not in readme.read_text()
 
 
 def test_pyarrow_decode_with_dictionaries_reads_lists_of_strings_as_dictionaries(tmp_path):

@@ -15,7 +15,9 @@ import pytest
 
 import dlrmflow.flows.ingest as ingest_flow
 from dlrmflow.bench.ingest_days import BASELINE, QUICK, run_ingest_days_benchmark, write_raw_days
+from dlrmflow.bench.report import ingest_days_section
 from dlrmflow.config import RunConfig
+from tests.test_bench_helpers import report_section, table_rows
 
 
 class FakeIngest:
@@ -71,3 +73,11 @@ def test_the_record_names_its_baseline_and_every_ratio(fake_ingest):
             ratio = record["ratios"][f"{name}_vs_{BASELINE}"]
             assert ratio == pytest.approx(result["days_per_minute"] / base)
     assert (record["rows_per_day"], record["repeats"]) == (QUICK["rows_per_day"], 1)
+
+
+def test_the_report_section_has_a_row_per_runner(fake_ingest):
+    record = run_ingest_days_benchmark(quick=True)
+    section = report_section(ingest_days_section, record)
+    assert section.startswith("## Ingest days on Dask")
+    assert f"{record['days']} raw days of {record['rows_per_day']:,} rows" in section
+    assert [row[0] for row in table_rows(section)] == list(record["results"])

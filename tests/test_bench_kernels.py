@@ -1,4 +1,5 @@
-"""The kernel benchmark's record, at quick size: structure and sane values, never speed."""
+"""The kernel benchmark's record, at quick size: structure, sane values and its report
+section, never speed."""
 
 import json
 import math
@@ -16,11 +17,13 @@ from dlrmflow.bench.kernels import (
     table_sizes,
     zipf_ids,
 )
+from dlrmflow.bench.report import kernels_section
 from dlrmflow.cli import app
 from dlrmflow.features.spec import SparseFeature
 from dlrmflow.kernels.optimizers import SGD, RowWiseAdagrad
 from dlrmflow.kernels.tbe import TableBatchedEmbeddingBag
 from dlrmflow.runtime.glibc_malloc import applied_threshold
+from tests.test_bench_helpers import report_section, table_rows
 
 TBE_KEYS = {
     f"tbe_{opt}_step_{form}_d8"
@@ -78,7 +81,7 @@ def test_batches_cover_every_table_within_its_rows():
 
 
 def test_the_cli_writes_a_quick_record(tmp_path):
-    # One quick run serves both the command's output and the record's checks.
+    # One quick run serves the command's output, the record's checks and its section's.
     out = tmp_path / "bench" / "kernels.json"
     result = CliRunner().invoke(app, ["bench", "kernels", "--quick", "--json", str(out)])
     assert result.exit_code == 0, result.output
@@ -93,6 +96,11 @@ def test_the_cli_writes_a_quick_record(tmp_path):
     # Same IDs, so Adagrad touches the same rows plus 8 bytes of state per row.
     adagrad = results["tbe_rowwise_adagrad_step_onehot_d8"]
     assert adagrad["bytes_touched"] == onehot["bytes_touched"] + 8 * onehot["distinct_rows"]
+    # Its report section: a row per step, the naive line beside the headline baseline.
+    section = report_section(kernels_section, record)
+    assert section.startswith("## Kernels") and "Run apart" not in section
+    assert [row[0] for row in table_rows(section)] == list(results)
+    assert "Naive line: naive user" in section and "naive user / ours" in section
 
 
 @pytest.mark.parametrize("form", ["onehot", "multihot"])

@@ -1,16 +1,20 @@
-"""The readers benchmark at tiny size: its record and its artificial cost, never its speed."""
+"""The readers benchmark at tiny size: its record, its report section and its artificial
+cost, never its speed."""
 
 import math
 import time
 
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from dlrmflow.bench.readers import BASELINE, CostlyTransform, burn_cpu, run_readers_benchmark
+from dlrmflow.bench.report import readers_section
 from dlrmflow.features.transform import BatchTransform
 from dlrmflow.ingest.manifest import read_manifest
 from dlrmflow.train.run.data import batch_loader, fit_features
 from tests.conftest import tiny_run_config
+from tests.test_bench_helpers import report_section, table_rows
 
 CASES = {BASELINE, "local_2_readers", "remote_1_server", "remote_2_servers"}
 
@@ -58,10 +62,14 @@ def test_a_reader_spends_the_cost_on_every_row_it_reads(tiny_dataset, tmp_path):
     assert costly - plain >= 0.8 * rows * 50e-6
 
 
-def test_tiny_benchmark_record():
-    record = run_readers_benchmark(
+@pytest.fixture(scope="module")
+def record() -> dict:
+    return run_readers_benchmark(
         rows=3000, batch_size=256, us_per_row=2.0, step_ms=1.0, row_group_size=500, repeats=2
     )
+
+
+def test_tiny_benchmark_record(record):
     assert record["benchmark"] == "readers" and BASELINE in record["baseline"]
     assert record["repeats"] == 2
     results = record["results"]
@@ -78,3 +86,12 @@ def test_tiny_benchmark_record():
         assert math.isfinite(ratio) and ratio == results[case]["samples_per_s"] / base
     assert record["machine"]["cpu_count"] >= 1
     assert set(record["load_average_1m"]) == {"before", "after"}
+
+
+def test_the_report_section_has_a_row_per_case_against_the_baseline(record):
+    section = report_section(readers_section, record)
+    assert section.startswith("## Reader services")
+    rows = table_rows(section)
+    assert [row[0] for row in rows] == list(record["results"])
+    by_case = {row[0]: row for row in rows}
+    assert by_case[BASELINE][2] == "1"  # the baseline ÷ itself

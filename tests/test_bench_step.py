@@ -9,6 +9,7 @@ import pytest
 from dlrmflow.bench.docs import BENCHMARKS, results_table
 from dlrmflow.bench.report import step_section
 from dlrmflow.bench.step import run_step_benchmark
+from tests.test_bench_helpers import report_section
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_both_precisions_are_timed_against_their_own_ceiling(record: dict) -> No
 
 
 def test_the_docs_show_the_step_and_its_ratios(record: dict) -> None:
-    text = step_section({**record, "run_apart": True})
+    text = report_section(step_section, {**record, "run_apart": True})
     assert "## Training step" in text and "Run apart from the report" in text
     assert "| fp32 |" in text and "| bf16 |" in text
     assert "three parts' fraction" in text
