@@ -26,11 +26,17 @@ when the installed torch no longer has the pieces.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 
 from dlrmflow.runtime.missing import MissingPiece
+
+# torch marks ShardedTensor deprecated in favour of DTensor, which cannot say a plan's
+# uneven shards (above): the choice is deliberate, and the warning a resume printed on
+# every rank told the user nothing to do.
+warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
 
 CHECKED_AGAINST = "torch 2.13.0"
 PIECE = "torch.distributed._shard's ShardedTensor._init_from_local_shards_and_global_metadata"
