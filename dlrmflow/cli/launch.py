@@ -1,8 +1,14 @@
-"""``launch``: a job started by the cluster scheduler a team already runs (TorchX)."""
+"""``launch``: a job started by the cluster scheduler a team already runs (TorchX, Slurm)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from dlrmflow.atomic_writes import write_atomic
+from dlrmflow.cli.options import SetOpt, echo_json, resolve
 
 launch_app = typer.Typer(
     help="Start jobs through a cluster's scheduler: the hosts, node ranks and rendezvous "
@@ -24,3 +30,55 @@ def torchx() -> None:
     spec = importlib.util.find_spec("dlrmflow.train.launch.torchx_components")
     assert spec is not None and spec.origin is not None
     typer.echo(spec.origin)
+
+
+@launch_app.command("slurm")
+def slurm(
+    config: Annotated[
+        Path,
+        typer.Option("--config", "-c", help="The run configuration, on storage every node reads."),
+    ],
+    nodes: Annotated[int, typer.Option(help="Nodes (hosts) in the job.")] = 1,
+    nproc: Annotated[int, typer.Option(help="Ranks on each node.")] = 1,
+    script: Annotated[
+        Path | None,
+        typer.Option(help="Where to write the batch script (default: RUN_DIR/slurm/train.sbatch)."),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(help="Node 0's rendezvous port (default: one derived from the job id)."),
+    ] = None,
+    sbatch: Annotated[
+        list[str] | None,
+        typer.Option(help="A further #SBATCH option, e.g. --sbatch=--partition=gpu (repeatable)."),
+    ] = None,
+    submit: Annotated[bool, typer.Option(help="Submit it with sbatch too.")] = False,
+    set_: SetOpt = None,
+) -> None:
+    """Write (and with --submit, submit) a Slurm batch script that trains on --nodes nodes.
+
+    Each node runs `dlrmflow train` with --nproc ranks, its node rank and node 0's address
+    from Slurm; `scancel` stops it in one line, and submitting it again resumes the run.
+    Its output goes beside the script, SLURM_JOB_ID.out.
+    """
+    from dlrmflow.train.launch.slurm import SlurmJob, sbatch_script
+    from dlrmflow.train.launch.slurm import submit as submit_script
+
+    cfg = resolve(config, set_)  # refuses a bad file or override here, not on the cluster
+    path = script if script is not None else Path(cfg.run_dir) / "slurm" / "train.sbatch"
+    path = path.absolute()
+    job = SlurmJob(
+        config.absolute(),
+        nodes,
+        nproc,
+        path.parent / "%j.out",
+        overrides=tuple(set_ or ()),
+        port=port,
+        sbatch_options=tuple(sbatch or ()),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, sbatch_script(job))
+    result: dict[str, object] = {"script": str(path), "nodes": nodes, "nproc": nproc}
+    if submit:
+        result["job_id"] = submit_script(path)
+    echo_json(result)
