@@ -1,4 +1,5 @@
-"""``launch``: a job started by the cluster scheduler a team already runs (TorchX, Slurm)."""
+"""``launch``: a job started by the cluster scheduler a team already runs (TorchX, Slurm,
+Kubernetes)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,60 @@ def slurm(
     if submit:
         result["job_id"] = submit_script(path)
     echo_json(result)
+
+
+@launch_app.command("kubernetes")
+def kubernetes(
+    config: Annotated[
+        str,
+        typer.Option("--config", "-c", help="The run configuration's path inside every pod."),
+    ],
+    image: Annotated[str, typer.Option(help="The container image holding dlrmflow.")],
+    nodes: Annotated[int, typer.Option(help="Pods (hosts) in the job.")] = 1,
+    nproc: Annotated[int, typer.Option(help="Ranks in each pod.")] = 1,
+    name: Annotated[str, typer.Option(help="The TrainJob's name.")] = "dlrmflow-train",
+    runtime: Annotated[
+        str, typer.Option(help="The Kubeflow Trainer runtime that places the pods.")
+    ] = "torch-distributed",
+    volume: Annotated[
+        str | None,
+        typer.Option(help="CLAIM:/mount/path: a PersistentVolumeClaim mounted in every pod."),
+    ] = None,
+    resource: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=AMOUNT each pod requests, e.g. cpu=8, memory=32Gi (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write the manifest here (default: standard output).")
+    ] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Print (or write) a Kubeflow Trainer TrainJob manifest that trains on --nodes pods.
+
+    Each pod runs `dlrmflow train` with --nproc ranks, its node rank and node 0's address
+    from the runtime; apply it with `kubectl apply -f`. Not run on a cluster here: it is
+    checked against the TrainJob schema only.
+    """
+    import yaml
+
+    from dlrmflow.config import ConfigError
+    from dlrmflow.train.launch.kubernetes import TrainJob, train_job_manifest
+
+    amounts = []
+    for item in resource or ():
+        key, sep, amount = item.partition("=")
+        if not sep or not key or not amount:
+            raise ConfigError(f"--resource {item!r}: give NAME=AMOUNT, e.g. cpu=8")
+        amounts.append((key, amount))
+    try:
+        job = TrainJob(
+            name, config, nodes, nproc, image, runtime, tuple(set_ or ()), volume, tuple(amounts)
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    text = yaml.safe_dump(train_job_manifest(job), sort_keys=False)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        write_atomic(out, text)
+        echo_json({"manifest": str(out), "nodes": nodes, "nproc": nproc})
