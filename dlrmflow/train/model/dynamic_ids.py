@@ -13,7 +13,7 @@ features carry raw IDs (int64; strings hashed to int64 by the reader), maps them
 reads them, and hands the rows to the collection it wraps. Its maps are part of the
 checkpoint, beside the rows they index.
 
-In a job each rank holds some of the shards of each map (``held_shards``: the dynamic
+In a job each rank holds some of the shards of each map (``shard_holders``: the dynamic
 tables' shards, counted in table order, are dealt to the ranks in turn), and every raw
 ID is routed to the rank holding its shard: an all-to-all of the batch's raw IDs, each
 holder mapping what it received feature by feature and, within a feature, in rank order,
@@ -72,15 +72,23 @@ class DynamicTable:
         )
 
 
-def held_shards(tables: list[DynamicTable], rank: int, world: int) -> dict[str, list[int]]:
-    """The shards of each table's map that ``rank`` of ``world`` holds: every table's
-    shards, counted in table order, dealt to the ranks in turn (so that tables of one
-    shard each still spread over the ranks)."""
-    held, at = {}, 0
+def shard_holders(tables: list[DynamicTable], world: int) -> dict[str, np.ndarray]:
+    """The rank of ``world`` holding each shard of each table's map: every table's shards,
+    counted in table order, dealt to the ranks in turn (so that tables of one shard each
+    still spread over the ranks)."""
+    holders, at = {}, 0
     for t in tables:
-        held[t.name] = [s for s in range(t.shards) if (at + s) % world == rank]
+        holders[t.name] = (at + np.arange(t.shards, dtype=np.int64)) % world
         at += t.shards
-    return held
+    return holders
+
+
+def held_shards(tables: list[DynamicTable], rank: int, world: int) -> dict[str, list[int]]:
+    """The shards of each table's map that ``rank`` of ``world`` holds (``shard_holders``)."""
+    return {
+        name: np.flatnonzero(holders == rank).tolist()
+        for name, holders in shard_holders(tables, world).items()
+    }
 
 
 class DynamicIdEmbeddings(InFrontOf):
@@ -115,15 +123,7 @@ class DynamicIdEmbeddings(InFrontOf):
         self.rank = 0 if group is None else dist.get_rank(group)
         held = held_shards(tables, self.rank, self.world)
         self.maps = {t.name: t.new_map(held[t.name]) for t in tables}
-        # Which rank holds each shard of each table, by table.
-        self._holders = {
-            t.name: np.array(
-                [r for s in range(t.shards) for r in range(self.world)
-                 if s in held_shards(tables, r, self.world)[t.name]],
-                np.int64,
-            )
-            for t in tables
-        }  # fmt: skip
+        self._holders = shard_holders(tables, self.world)
         self.seed = seed
         self.begins_ahead = False  # a batch is mapped when it is current, never ahead
         # Training batches mapped so far: the maps' clock (``now``), saved with them.
