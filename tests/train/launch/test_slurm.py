@@ -98,12 +98,12 @@ def _job_processes(run_dir: Path) -> list[str]:
 @pytest.mark.serial
 @pytest.mark.skipif(slurm_unavailable() is not None, reason=str(slurm_unavailable()))
 def test_a_two_node_job_trains_stops_in_one_line_and_resumes_bitwise(tiny_dataset, tmp_path):
-    """Two emulated nodes of one rank each; 12 steps an epoch, a checkpoint every 30."""
+    """Two emulated nodes of one rank each; 12 steps an epoch, a checkpoint every 20."""
 
     def config(name: str) -> Path:
         # One thread a rank: the two "nodes" share this host's cores.
         run = tiny_run_config(
-            tiny_dataset, tmp_path / name, epochs=30, checkpoint_every=30, threads=1
+            tiny_dataset, tmp_path / name, epochs=20, checkpoint_every=20, threads=1
         )
         data = run.model_dump()
         data["distributed"]["sharding"] = "row_wise"  # one plan on one host or two
