@@ -68,6 +68,27 @@ def test_the_batch_script_starts_dlrmflow_train_on_each_node_with_its_place(tmp_
     assert ran.stdout.splitlines() == [common + "0|", common + "1|"]
 
 
+def test_submit_prints_the_job_id_and_a_refusal_is_sbatchs_words_in_one_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run")}))
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    path = f"{shims}{os.pathsep}{os.environ['PATH']}"
+    _stand_in(shims, "sbatch", 'echo "$@" > "$(dirname "$0")/args"; echo "4321;cluster"\n')
+    submitted = _launch("--config", str(config), "--submit", env={**os.environ, "PATH": path})
+    assert submitted["job_id"] == 4321
+    assert (shims / "args").read_text().split() == ["--parsable", submitted["script"]]
+    _stand_in(shims, "sbatch", 'echo "sbatch: error: invalid partition specified: gpu" >&2\n'
+              "exit 1\n")  # fmt: skip
+    refused = subprocess.run(
+        [BIN / "dlrmflow", "launch", "slurm", "--config", str(config), "--submit"],
+        capture_output=True, text=True, env={**os.environ, "PATH": path}, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+    assert "invalid partition specified: gpu" in refused.stderr
+    assert str(tmp_path / "run" / "slurm" / "train.sbatch") in refused.stderr
+
+
 def test_a_bad_configuration_is_refused_before_any_script_is_written(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "train": {"lr": -1}}))
