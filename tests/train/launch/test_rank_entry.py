@@ -1,10 +1,11 @@
 """The rank entry point under a launcher that is not dlrmflow's: ``torchrun -m
 dlrmflow.train --config FILE`` (what PyTorchJob and hand-made scripts run) trains as one
-rank each, bitwise as ``dlrmflow train --nproc 2``, rank 0 holding the run directory's
-lock, and a failing rank says why in one line naming itself."""
+rank each, bitwise as ``dlrmflow train --nproc 2``, and evaluates (``--evaluate``); rank 0
+holds the run directory's lock, and a failing rank says why in one line naming itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,12 +27,13 @@ def _config(tmp_path: Path, data: str, name: str) -> Path:
     return path
 
 
-def _torchrun(config: Path) -> subprocess.CompletedProcess:
+def _torchrun(config: Path | None, *args: str) -> subprocess.CompletedProcess:
     # Started as another launcher would: without word of the locks this process holds.
     env = {k: v for k, v in os.environ.items() if k != HELD_ENV}
+    given = ["--config", str(config)] if config is not None else []
     return subprocess.run(
         [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "dlrmflow.train", "--config", str(config)],
+         "-m", "dlrmflow.train", *given, *args],
         capture_output=True, text=True, timeout=300,
         env={**env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
     )  # fmt: skip
@@ -47,6 +49,11 @@ def test_torchrun_ranks_train_as_dlrmflows_own_job(tiny_dataset, tmp_path):
     )  # fmt: skip
     assert own.returncode == 0, own.stderr[-3000:]
     same_weights(tmp_path / "torchrun", tmp_path / "own")
+    # --evaluate: the ranks score the run's checkpoint on its test day.
+    scored = _torchrun(None, "--evaluate", str(tmp_path / "torchrun"))
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    metrics = json.loads((tmp_path / "torchrun" / "eval.json").read_text())
+    assert metrics["world_size"] == 2 and 0.5 < metrics["auc"] <= 1.0
 
 
 def test_a_failing_rank_under_torchrun_says_why_in_one_line(tmp_path):
