@@ -20,6 +20,7 @@ import yaml
 from dlrmflow.train.run.rundir import run_dir_lock
 from tests.conftest import same_weights, tiny_run_config
 from tests.slurm_cluster import slurm_cluster, slurm_unavailable
+from tests.train.launch.processes import described, job_processes
 
 BIN = Path(sys.executable).parent
 
@@ -101,21 +102,6 @@ def test_a_bad_configuration_is_refused_before_any_script_is_written(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def _job_processes(run_dir: Path) -> list[str]:
-    """Live processes whose command line names ``run_dir``'s configuration."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir) in line:
-            found.append(f"{entry.name}: {line}")
-    return found
-
-
 @pytest.mark.serial
 @pytest.mark.skipif(slurm_unavailable() is not None, reason=str(slurm_unavailable()))
 def test_a_two_node_job_trains_stops_in_one_line_and_resumes_bitwise(tiny_dataset, tmp_path):
@@ -156,9 +142,9 @@ def test_a_two_node_job_trains_stops_in_one_line_and_resumes_bitwise(tiny_datase
         stopped = [line for line in output.splitlines() if "stopped by SIGTERM" in line]
         assert len(stopped) == 2 and "Traceback" not in output, output[-3000:]
         deadline = time.monotonic() + 30
-        while _job_processes(run_dir) and time.monotonic() < deadline:
+        while job_processes(run_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _job_processes(run_dir) == []
+        assert described(job_processes(run_dir)) == []
         with run_dir_lock(str(run_dir), "test"):
             pass  # unlocked: the next job may start
         again = cluster.submit(script, env=env)

@@ -19,6 +19,7 @@ import pytest
 
 from dlrmflow.supervise import MARGIN_S, Watchdog
 from dlrmflow.train.run.rundir import LOCK_FILE
+from tests.train.launch.processes import cmdline, job_processes
 
 # It times waits and signals: run alone, after the rest of the suite (make test).
 pytestmark = pytest.mark.serial
@@ -52,27 +53,10 @@ def _start(data: str, run_dir: Path, nproc: int, *extra: str) -> subprocess.Pope
     )
 
 
-def _job_processes(run_dir: Path) -> list[int]:
-    """Every live process whose command line or environment names ``run_dir``."""
-    key = str(run_dir).encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if (entry / "stat").read_text().rpartition(")")[2].split()[0] in "ZX":
-                continue
-            if key in (entry / "cmdline").read_bytes() or key in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
-
 def _ranks(run_dir: Path) -> dict[int, int]:
     """RANK -> pid of the job's ranks."""
     ranks = {}
-    for pid in _job_processes(run_dir):
+    for pid in job_processes(run_dir):
         with contextlib.suppress(OSError):
             entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             env = dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
@@ -92,7 +76,7 @@ def _wait_for_training(cli: subprocess.Popen, run_dir: Path, nproc: int) -> None
 
 def _cleanup(cli: subprocess.Popen, run_dir: Path) -> None:
     """Kill whatever a failed test left."""
-    for pid in _job_processes(run_dir):
+    for pid in job_processes(run_dir):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     if cli.poll() is None:
@@ -114,12 +98,12 @@ def _lock_is_free(run_dir: Path) -> bool:
 def _stop(cli: subprocess.Popen, run_dir: Path, how: signal.Signals, what: str) -> None:
     """Send ``how`` to the command: within a bounded time, it exits with the shell's code
     for the signal and one line saying so, and no process of the job is left."""
-    job = _job_processes(run_dir)
+    job = job_processes(run_dir)
     sent = time.monotonic()
     cli.send_signal(how)
     _, err = cli.communicate(timeout=60)
     took = time.monotonic() - sent
-    left = [pid for pid in job if pid in _job_processes(run_dir)]
+    left = [pid for pid in job if pid in job_processes(run_dir)]
     assert cli.returncode == 128 + how, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1] == f"error: {what} stopped by {how.name}", err[-3000:]
@@ -165,7 +149,7 @@ def test_sigterm_stops_a_job_and_a_rerun_resumes_at_once(tiny_dataset: str, tmp_
     result = json.loads(out)
     assert result["steps"] == steps[-1] + 2
     assert result["trained_steps"] == steps[-1] + 2 - saved
-    assert not _job_processes(run_dir)
+    assert not job_processes(run_dir)
 
 
 def test_sigkill_to_the_command_leaves_no_rank_and_the_lock_held_until_none_is_left(
@@ -175,7 +159,7 @@ def test_sigkill_to_the_command_leaves_no_rank_and_the_lock_held_until_none_is_l
     cli = _start(tiny_dataset, run_dir, 2)
     try:
         _wait_for_training(cli, run_dir, 2)
-        job = _job_processes(run_dir)
+        job = job_processes(run_dir)
         assert len(job) == 4  # the command, the agent, two ranks
         cli.kill()
         cli.wait()
@@ -184,7 +168,7 @@ def test_sigkill_to_the_command_leaves_no_rank_and_the_lock_held_until_none_is_l
         while not _lock_is_free(run_dir):
             assert time.monotonic() - killed < 45, "the job's processes outlived the command"
             time.sleep(0.02)
-        left = _job_processes(run_dir)
+        left = job_processes(run_dir)
     finally:
         _cleanup(cli, run_dir)
     assert not left, f"the lock was released while {left} still ran"
@@ -195,10 +179,10 @@ def test_sigkill_to_the_agent_takes_the_ranks_down(tiny_dataset: str, tmp_path: 
     cli = _start(tiny_dataset, run_dir, 2)
     try:
         _wait_for_training(cli, run_dir, 2)
-        [agent] = [p for p in _job_processes(run_dir) if b"train.launch.agent" in _cmdline(p)]
+        [agent] = [p for p in job_processes(run_dir) if b"train.launch.agent" in cmdline(p)]
         os.kill(agent, signal.SIGKILL)
         _, err = cli.communicate(timeout=60)
-        left = _job_processes(run_dir)
+        left = job_processes(run_dir)
     finally:
         _cleanup(cli, run_dir)
     assert cli.returncode == 1, err[-3000:]
@@ -207,13 +191,6 @@ def test_sigkill_to_the_agent_takes_the_ranks_down(tiny_dataset: str, tmp_path: 
         "error: training with 2 ranks failed: the launcher agent was killed by SIGKILL"
     ), err[-3000:]
     assert not left
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_a_stopped_rank_is_named_within_the_timeout(tiny_dataset: str, tmp_path: Path) -> None:
@@ -231,7 +208,7 @@ def test_a_stopped_rank_is_named_within_the_timeout(tiny_dataset: str, tmp_path:
         # to end (SIGTERM, then SIGKILL), with room for a loaded machine.
         _, err = cli.communicate(timeout=timeout_s + MARGIN_S + 45)
         took = time.monotonic() - stopped
-        left = _job_processes(run_dir)
+        left = job_processes(run_dir)
     finally:
         _cleanup(cli, run_dir)
     assert cli.returncode == 1, err[-3000:]

@@ -20,6 +20,7 @@ import yaml
 from dlrmflow.train.launch.job import free_port
 from dlrmflow.train.run.rundir import run_dir_lock
 from tests.conftest import same_weights, tiny_run_config
+from tests.train.launch.processes import described, job_processes
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchx") is None,
@@ -51,21 +52,6 @@ def _config(tmp_path: Path, data: str, name: str, **train: object) -> Path:
 
 def _torchx(*args: str) -> list[str]:
     return [str(BIN / "torchx"), "run", "-s", "local_cwd", *args]
-
-
-def _jobs_processes(run_dir: Path) -> list[str]:
-    """Command lines of live processes of a job writing ``run_dir`` (its config names it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir.parent) in line and ("dlrmflow" in line or "torchx" in line):
-            found.append(f"{entry.name}: {line}")
-    return found
 
 
 def test_two_hosts_of_two_ranks_train_as_one_host_of_four_and_evaluate(tiny_dataset, tmp_path):
@@ -115,9 +101,9 @@ def test_a_stopped_torchx_run_leaves_no_process_and_no_lock(tiny_dataset, tmp_pa
     run.send_signal(signal.SIGTERM)
     run.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while _jobs_processes(tmp_path / "long") and time.monotonic() < deadline:
+    while job_processes(tmp_path / "long") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _jobs_processes(tmp_path / "long") == []
+    assert described(job_processes(tmp_path / "long")) == []
     with run_dir_lock(str(tmp_path / "long"), "test"):
         pass  # the run directory is free for the next run
 
