@@ -332,7 +332,7 @@ def test_a_rank_resolves_the_configuration_its_parent_did(tmp_path, monkeypatch)
     import dlrmflow.train.__main__ as rank
     from dlrmflow.train.launch.job import launch_command
 
-    assert "--resolved" in launch_command(path, 2, 1234)
+    assert "--resolved" in launch_command(path, 2, None)
 
     class Result:
         def to_dict(self) -> dict:

@@ -23,10 +23,10 @@ from dlrmflow.config import DistributedConfig
 from dlrmflow.score.keys import encode_schema
 from dlrmflow.score.model import ModelIdentity
 from dlrmflow.score.worker import PROGRESS_PREFIX
-from dlrmflow.train.launch.job import free_port, run_job
+from dlrmflow.train.launch.job import ONE_HOST, run_job
 
 
-def worker_command(nproc: int, port: int, args: list[str]) -> list[str]:
+def worker_command(nproc: int, args: list[str]) -> list[str]:
     """The job's command line: the launcher agent (torchrun) running ``nproc`` workers
     on this host alone (as ``launch_command`` does for ``python -m dlrmflow.train``)."""
     return [
@@ -34,9 +34,7 @@ def worker_command(nproc: int, port: int, args: list[str]) -> list[str]:
         "-m",
         "dlrmflow.train.launch.agent",
         f"--nproc_per_node={nproc}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
+        *ONE_HOST,
         "-m",
         "dlrmflow.score.worker",
         *args,
@@ -83,7 +81,7 @@ def launch_workers(
         elif on_line is not None:
             on_line(text)
 
-    command = worker_command(nproc, free_port(), args)
+    command = worker_command(nproc, args)
     what = f"scoring with {nproc} processes"
     result = run_job(command, None, what, line, timeout_s=DistributedConfig().timeout_s)
     assert result is not None  # one host: rank 0 ran here, and run_job checked its result

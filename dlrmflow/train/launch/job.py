@@ -66,25 +66,29 @@ class TrainingFailed(DlrmflowError, RuntimeError):
     """The distributed job failed; the message names the rank that failed first and how."""
 
 
+# torchrun's rendezvous of a job on this host alone: its agent binds port 0 itself, so no
+# port is chosen first and taken by another process before the agent binds it (which
+# failed a job in one line, EADDRINUSE, while other jobs started beside it).
+ONE_HOST = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+
+
 def free_port() -> int:
+    """A port nothing listens on now (not reserved: another process may take it first)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def launch_command(
-    config_path: Path | None, nproc: int, where: int | Hosts, *args: str
+    config_path: Path | None, nproc: int, where: Hosts | None, *args: str
 ) -> list[str]:
     """The torchrun command line of a job (what ``dlrmflow train --nproc`` runs, torchrun
-    run by ``dlrmflow.train.launch.agent``): on this host alone with ``where`` a free
-    local port, or this host's part of ``where``'s hosts. ``args`` go to
+    run by ``dlrmflow.train.launch.agent``): on this host alone (``where`` None), or this
+    host's part of ``where``'s hosts. ``args`` go to
     ``python -m dlrmflow.train`` after the config, which is a resolved one (environment
     variables already applied)."""
     config = ["--config", str(config_path), "--resolved"] if config_path is not None else []
-    if isinstance(where, Hosts):
-        join = where.torchrun_args()
-    else:
-        join = ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={where}"]
+    join = ONE_HOST if where is None else where.torchrun_args()
     return [
         sys.executable,
         "-m",
@@ -254,7 +258,7 @@ def launch_training(
         node0 = hosts is None or hosts.node_rank == 0
         config_path = (run_dir if node0 else Path(scratch)) / CONFIG_FILE
         config_path.write_text(json.dumps(config.model_dump(), indent=1))
-        command = launch_command(config_path, nproc, hosts or free_port())
+        command = launch_command(config_path, nproc, hosts)
         result = run_job(command, hosts, what, on_line, on_record, config.distributed.timeout_s)
     return None if result is None else TrainResult(**result)
 
@@ -313,7 +317,7 @@ def launch_evaluation(
     ):
         if value is not None:
             args += [flag, str(value)]
-    command = launch_command(None, nproc, joined or free_port(), *args)
+    command = launch_command(None, nproc, joined, *args)
     what = _job_name("evaluation", nproc, joined)
     timeout_s = (distributed or DistributedConfig()).timeout_s
     return run_job(command, joined, what, on_line, timeout_s=timeout_s)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from dlrmflow.train.launch.job import free_port
+from dlrmflow.train.launch.job import ONE_HOST
 from dlrmflow.train.run.rundir import HELD_ENV, run_dir_lock
 from tests.conftest import same_weights, tiny_run_config
 
@@ -32,8 +32,8 @@ def _torchrun(config: Path | None, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != HELD_ENV}
     given = ["--config", str(config)] if config is not None else []
     return subprocess.run(
-        [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "dlrmflow.train", *given, *args],
+        [BIN / "torchrun", "--nproc_per_node", "2", *ONE_HOST, "-m", "dlrmflow.train",
+         *given, *args],
         capture_output=True, text=True, timeout=300,
         env={**env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
     )  # fmt: skip

@@ -23,7 +23,7 @@ import dlrmflow.train.run.checkpoint as checkpoint_module
 from dlrmflow.config import RunConfig
 from dlrmflow.runtime.teardown import exit_without_teardown
 from dlrmflow.supervise import children_of
-from dlrmflow.train.launch.job import free_port, launch_command, launch_training
+from dlrmflow.train.launch.job import launch_command, launch_training
 from dlrmflow.train.run.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -68,7 +68,7 @@ def _start_job(cfg: RunConfig) -> subprocess.Popen:
     config_path.write_text(json.dumps(cfg.model_dump()))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        launch_command(config_path, 2, free_port()),
+        launch_command(config_path, 2, None),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
