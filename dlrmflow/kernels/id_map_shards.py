@@ -154,9 +154,12 @@ class ShardedIdMap:
             if part is None:
                 raise ValueError(f"IDs of shard {s} reached a map holding shards {self.owned}")
             where = order[lo:hi]
-            local = call(part, ids[where])
-            out[where] = np.where(local > 0, local + (self.offsets[s] - 1), 0)
+            out[where] = self._table_rows(s, call(part, ids[where]))
         return out
+
+    def _table_rows(self, shard: int, local: np.ndarray) -> np.ndarray:
+        """Shard ``shard``'s local rows as the table's: 0 stays the default row."""
+        return np.where(local > 0, local + (self.offsets[shard] - 1), 0)
 
     def map(self, ids: np.ndarray, now: int, *, admit: bool = True) -> np.ndarray:
         """``DynamicIdMap.map`` across the shards: each shard sees its IDs in order."""
@@ -168,11 +171,7 @@ class ShardedIdMap:
 
     def evict(self, now: int) -> np.ndarray:
         """Evict in every shard held; the table's rows freed, ascending."""
-        freed = [
-            np.where(rows > 0, rows + (self.offsets[s] - 1), 0)
-            for s, part in self.parts.items()
-            for rows in [part.evict(now)]
-        ]
+        freed = [self._table_rows(s, part.evict(now)) for s, part in self.parts.items()]
         return np.sort(np.concatenate(freed)) if freed else np.zeros(0, np.int64)
 
     @property
@@ -194,7 +193,7 @@ class ShardedIdMap:
         for s, part in self.parts.items():
             k, r = part.frozen()
             keys.append(k)
-            rows.append(r + (self.offsets[s] - 1))
+            rows.append(self._table_rows(s, r))
         keys_all, rows_all = np.concatenate(keys), np.concatenate(rows)
         order = np.argsort(keys_all, kind="stable")
         return keys_all[order], rows_all[order]
