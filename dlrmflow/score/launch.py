@@ -12,7 +12,6 @@ to fail, its own error), the others stopped.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,22 +22,7 @@ from dlrmflow.config import DistributedConfig
 from dlrmflow.score.keys import encode_schema
 from dlrmflow.score.model import ModelIdentity
 from dlrmflow.score.worker import PROGRESS_PREFIX
-from dlrmflow.train.launch.job import ONE_HOST, run_job
-
-
-def worker_command(nproc: int, args: list[str]) -> list[str]:
-    """The job's command line: the launcher agent (torchrun) running ``nproc`` workers
-    on this host alone (as ``launch_command`` does for ``python -m dlrmflow.train``)."""
-    return [
-        sys.executable,
-        "-m",
-        "dlrmflow.train.launch.agent",
-        f"--nproc_per_node={nproc}",
-        *ONE_HOST,
-        "-m",
-        "dlrmflow.score.worker",
-        *args,
-    ]
+from dlrmflow.train.launch.job import launch_command, run_job
 
 
 def launch_workers(
@@ -81,7 +65,8 @@ def launch_workers(
         elif on_line is not None:
             on_line(text)
 
-    command = worker_command(nproc, args)
+    # The launcher agent (torchrun) running the workers on this host alone.
+    command = launch_command(None, nproc, None, *args, module="dlrmflow.score.worker")
     what = f"scoring with {nproc} processes"
     result = run_job(command, None, what, line, timeout_s=DistributedConfig().timeout_s)
     assert result is not None  # one host: rank 0 ran here, and run_job checked its result

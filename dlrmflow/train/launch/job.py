@@ -80,12 +80,16 @@ def free_port() -> int:
 
 
 def launch_command(
-    config_path: Path | None, nproc: int, where: Hosts | None, *args: str
+    config_path: Path | None,
+    nproc: int,
+    where: Hosts | None,
+    *args: str,
+    module: str = "dlrmflow.train",
 ) -> list[str]:
     """The torchrun command line of a job (what ``dlrmflow train --nproc`` runs, torchrun
     run by ``dlrmflow.train.launch.agent``): on this host alone (``where`` None), or this
-    host's part of ``where``'s hosts. ``args`` go to
-    ``python -m dlrmflow.train`` after the config, which is a resolved one (environment
+    host's part of ``where``'s hosts. ``args`` go to ``python -m module`` (the rank entry
+    point, or score's workers) after the config, which is a resolved one (environment
     variables already applied)."""
     config = ["--config", str(config_path), "--resolved"] if config_path is not None else []
     join = ONE_HOST if where is None else where.torchrun_args()
@@ -96,7 +100,7 @@ def launch_command(
         f"--nproc_per_node={nproc}",
         *join,
         "-m",
-        "dlrmflow.train",
+        module,
         *config,
         *args,
     ]
