@@ -128,12 +128,10 @@ def kubernetes(
         if not sep or not key or not amount:
             raise ConfigError(f"--resource {item!r}: give NAME=AMOUNT, e.g. cpu=8")
         amounts.append((key, amount))
-    try:
-        job = TrainJob(
-            name, config, nodes, nproc, image, runtime, tuple(set_ or ()), volume, tuple(amounts)
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    # A setting TrainJob refuses is a ValueError: one line, exit 1, as every command's.
+    job = TrainJob(
+        name, config, nodes, nproc, image, runtime, tuple(set_ or ()), volume, tuple(amounts)
+    )
     text = yaml.safe_dump(train_job_manifest(job), sort_keys=False)
     if out is None:
         typer.echo(text, nl=False)
