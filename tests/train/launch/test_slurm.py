@@ -90,6 +90,25 @@ def test_submit_prints_the_job_id_and_a_refusal_is_sbatchs_words_in_one_line(tmp
     assert str(tmp_path / "run" / "slurm" / "train.sbatch") in refused.stderr
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (("--nodes", "0"), "nodes and nproc must be at least 1, got 0, 1"),
+        (("--sbatch=partition",), "sbatch option 'partition': give it as --name=value"),
+        (("--port", "70000"), "port must be in 1..65535, got 70000"),
+    ],
+)
+def test_a_bad_option_is_refused_in_one_line_and_nothing_written(tmp_path, option, message):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run")}))
+    done = subprocess.run(
+        [BIN / "dlrmflow", "launch", "slurm", "--config", str(config), *option],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stderr == f"error: {message}\n"
+    assert not (tmp_path / "run" / "slurm").exists()
+
+
 def test_a_bad_configuration_is_refused_before_any_script_is_written(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "train": {"lr": -1}}))
